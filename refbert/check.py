@@ -1,0 +1,126 @@
+"""`refbert check`: every op's backward against centred finite differences in float64, as a table.
+
+Each row is one differentiable input of one op: the shape it was checked at and the max relative error
+(refbert.gradcheck.rel_error) against the numerical gradient. Any error above gradcheck.TOLERANCE fails the run.
+The shapes are deliberately small and irregular (odd sizes, padding, a row with one real token, logits of 1e4).
+"""
+from dataclasses import dataclass, field
+import numpy as np
+
+from . import ops
+from .gradcheck import TOLERANCE, check_pair
+
+
+@dataclass
+class Case:
+    op: str                    # row label, e.g. "softmax (logits 1e4)"
+    forward: callable          # forward(**inputs) -> (out, cache)
+    backward: callable         # backward(dout, cache) -> grads in the order of `wrt`
+    inputs: dict
+    wrt: tuple
+    kwargs: dict = field(default_factory=dict)  # non-differentiable arguments bound into forward
+    only: tuple = None         # check just these inputs (default: all of wrt)
+
+
+def _mask(B, T, lengths, dtype, fill):
+    """Additive padding mask (B, 1, 1, T): 0 on the first lengths[b] positions, `fill` after (HF's layout)."""
+    m = np.zeros((B, 1, 1, T), dtype)
+    for b, n in enumerate(lengths):
+        m[b, ..., n:] = fill
+    return m
+
+
+def _padding_row_constant(pad):
+    """torch's padding_idx semantics as a function finite differences can see: row `pad` of w is a constant (its
+    value at the first call), so its true derivative is 0, which is what embedding_backward returns for it."""
+    frozen = {}
+
+    def forward(ids, w, padding_idx):
+        row = frozen.setdefault("row", w[pad].copy())
+        w = w.copy()
+        w[pad] = row
+        return ops.embedding_forward(ids, w, padding_idx)
+    return forward
+
+
+def op_cases(seed=0):
+    """The op table of `refbert check`, in float64."""
+    r = np.random.default_rng(seed)
+    f = r.standard_normal
+    fmin = np.finfo(np.float64).min
+    lab = np.array([[1, -100, 4, 0], [-100, 2, 3, -100]])
+    cases = [
+        Case("linear", ops.linear_forward, ops.linear_backward,
+             dict(x=f((2, 3, 5)), w=f((4, 5)), b=f(4)), ("x", "w", "b")),
+        Case("linear (no bias)", ops.linear_forward, ops.linear_backward, dict(x=f((7, 5)), w=f((3, 5))), ("x", "w")),
+        Case("embedding (repeated ids)", ops.embedding_forward, ops.embedding_backward,
+             dict(w=f((7, 4))), ("w",), dict(ids=np.array([[0, 3, 3, 6, 0], [1, 3, 2, 2, 5]]))),
+        Case("embedding (padding_idx=0)", _padding_row_constant(0), ops.embedding_backward,
+             dict(w=f((7, 4))), ("w",), dict(ids=np.array([[0, 3, 3, 6, 0], [1, 3, 2, 2, 5]]), padding_idx=0)),
+        Case("layernorm", ops.layernorm_forward, ops.layernorm_backward,
+             dict(x=f((2, 3, 6)) * 3 + 1, w=f(6), b=f(6)), ("x", "w", "b")),
+        Case("layernorm (constant row)", ops.layernorm_forward, ops.layernorm_backward,
+             dict(x=np.full((2, 5), 3.0), w=f(5), b=f(5)), ("x", "w", "b"),
+             only=("w", "b")),  # dx: rstd = 1/sqrt(eps) = 1e6 makes a step of h leave the linear regime
+        Case("softmax (scale, -inf mask, 1 real token)", ops.softmax_forward, ops.softmax_backward,
+             dict(x=f((2, 3, 5))), ("x",), dict(scale=0.7, mask=_mask(2, 5, [5, 1], np.float64, -np.inf)[:, 0])),
+        Case("softmax (logits 1e4)", ops.softmax_forward, ops.softmax_backward, dict(x=1e4 + f((3, 6))), ("x",)),
+        Case("gelu (exact erf)", ops.gelu_forward, ops.gelu_backward, dict(x=3 * f((3, 7))), ("x",)),
+        Case("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, dict(x=3 * f((3, 7))), ("x",), dict(approximate="tanh")),
+        Case("tanh", ops.tanh_forward, ops.tanh_backward, dict(x=2 * f((3, 7))), ("x",)),
+        Case("dropout (p=0.3)", ops.dropout_forward, ops.dropout_backward, dict(x=f((4, 6))), ("x",),
+             dict(p=0.3, rng=None)),  # a fresh Generator per call: see run()
+        Case("add (residual)", ops.add_forward, ops.add_backward, dict(a=f((2, 3, 4)), b=f((2, 3, 4))), ("a", "b")),
+        Case("attention (H=3, padding, dropout 0.2)", ops.attention_forward, ops.attention_backward,
+             dict(q=f((2, 5, 6)), k=f((2, 5, 6)), v=f((2, 5, 6))), ("q", "k", "v"),
+             dict(n_heads=3, mask=_mask(2, 5, [5, 2], np.float64, fmin), dropout_p=0.2, rng=None)),
+        Case("attention (H=1, -inf mask, 1 real token)", ops.attention_forward, ops.attention_backward,
+             dict(q=f((2, 4, 5)), k=f((2, 4, 5)), v=f((2, 4, 5))), ("q", "k", "v"),
+             dict(n_heads=1, mask=_mask(2, 4, [4, 1], np.float64, -np.inf))),
+        Case("cross_entropy (ignore_index)", ops.cross_entropy_forward, ops.cross_entropy_backward,
+             dict(logits=f((2, 4, 5))), ("logits",), dict(labels=lab)),
+        Case("cross_entropy (logits 1e4)", ops.cross_entropy_forward, ops.cross_entropy_backward,
+             dict(logits=1e4 + f((2, 4, 5))), ("logits",), dict(labels=lab)),
+        Case("cross_entropy (all ignored)", ops.cross_entropy_forward, ops.cross_entropy_backward,
+             dict(logits=f((3, 5))), ("logits",), dict(labels=np.full(3, -100))),
+        Case("mse", ops.mse_forward, ops.mse_backward, dict(pred=f((4, 3)), target=f((4, 3))), ("pred", "target")),
+    ]
+    return cases
+
+
+def bind(case, rng_seed=1):
+    """forward(**inputs) with the case's fixed arguments bound; a fresh Generator per call, so every finite-difference
+    evaluation draws the same dropout mask."""
+    def forward(**inputs):
+        kw = dict(case.kwargs)
+        if "rng" in kw:
+            kw["rng"] = np.random.default_rng(rng_seed)
+        return case.forward(**inputs, **kw)
+    return forward
+
+
+def run(cases):
+    """[(op, input, shape, error, ok)] for every differentiable input of every case."""
+    rows = []
+    for case in cases:
+        errors = check_pair(bind(case), case.backward, case.inputs, case.wrt, only=case.only)
+        for name in errors:
+            rows.append((case.op, name, case.inputs[name].shape, errors[name], errors[name] <= TOLERANCE))
+    return rows
+
+
+def format_table(rows):
+    head = ("op", "input", "shape", "max rel err", "")
+    body = [(op, name, str(shape), f"{err:.2e}", "pass" if ok else "FAIL") for op, name, shape, err, ok in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(5)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+
+
+def main(args=None):
+    rows = run(op_cases())
+    print(format_table(rows))
+    failed = sum(not r[4] for r in rows)
+    print(f"\n{len(rows) - failed} passed, {failed} failed (tolerance {TOLERANCE:g}, float64 centred differences)")
+    return 1 if failed else 0
+

@@ -1,0 +1,396 @@
+"""The oracle: every op of BERT as a pair of plain NumPy functions, forward above backward.
+
+    <op>_forward(...)       -> (out, cache)
+    <op>_backward(dout, cache) -> the gradients of the forward's differentiable inputs, in the forward's order
+                                  (one array when there is one such input, else a tuple)
+
+The cache is a flat tuple unpacked on the backward's first line. Backwards return fresh arrays and never write
+into their arguments. float32 and float64 both work and the output keeps the input's dtype.
+Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, V classes/vocabulary.
+Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
+derivations are collected in docs/backprop.md.
+
+References: Devlin et al. 2019, "BERT" (arXiv:1810.04805); Vaswani et al. 2017, "Attention is all you need";
+Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging Face transformers
+`models/bert/modeling_bert.py`, whose semantics (weight layout, eps, masks, ignore_index) these ops follow.
+"""
+import math
+
+import numpy as np
+from scipy.special import erfc, expit  # Cephes erfc (~1 ulp) and a stable sigmoid; see README "Dependencies"
+
+from . import validate as V
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear: out = x @ w.T + b   (HF / torch.nn.Linear layout: w is (C_out, C_in))
+
+def linear_forward(x, w, b=None):
+    """Affine map over the last axis, any leading dims.
+
+    x: (..., C_in)   w: (C_out, C_in)   b: (C_out,) or None   ->   out: (..., C_out)
+    Backward, with x2 = x flattened to (N, C_in) and dout2 to (N, C_out):
+        dx = dout @ w                 (each out[n, o] = sum_i x[n, i] w[o, i] + b[o])
+        dw = dout2.T @ x2             (sum over every leading position n)
+        db = dout2.sum(0)
+    """
+    V.floats("linear", x=x, w=w, b=b)
+    V.min_ndim("linear", "x", x, 1, "(..., C_in)")
+    V.shape("linear", "w", w, (None, x.shape[-1]), "(C_out, C_in)")
+    if b is not None:
+        V.shape("linear", "b", b, (w.shape[0],), "(C_out,)")
+    out = x.reshape(-1, x.shape[-1]) @ w.T            # (N, C_out): one GEMM over all leading positions
+    if b is not None:
+        out += b
+    out = out.reshape(*x.shape[:-1], w.shape[0])      # (..., C_out)
+    return out, (x, w, b is not None)
+
+
+def linear_backward(dout, cache):
+    x, w, has_b = cache
+    V.dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
+    dout2 = dout.reshape(-1, w.shape[0])              # (N, C_out)
+    dx = (dout2 @ w).reshape(x.shape)                 # (..., C_in)
+    dw = dout2.T @ x.reshape(-1, x.shape[-1])         # (C_out, C_in)
+    if not has_b:
+        return dx, dw
+    return dx, dw, dout2.sum(0)                       # db: (C_out,)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# embedding: out = w[ids]
+
+def embedding_forward(ids, w, padding_idx=None):
+    """Row lookup, as torch.nn.Embedding(V, C, padding_idx=...).
+
+    ids: (...) integers in [0, V)   w: (V, C)   ->   out: (..., C)
+    Backward (ids are not differentiable): out[n] = w[ids[n]], so row v of dw collects every dout[n] whose id is
+    v — a scatter-add, so a repeated id sums its gradients:
+        dw[v] = sum_{n : ids[n] = v} dout[n]
+        dw[padding_idx] = 0           (torch never updates the padding row; HF BERT uses pad_token_id here)
+    """
+    V.floats("embedding", w=w)
+    V.shape("embedding", "w", w, (None, None), "(V, C)")
+    V.ids("embedding", "ids", ids, w.shape[0])
+    if padding_idx is not None and not 0 <= padding_idx < w.shape[0]:
+        raise ValueError(f"embedding: argument 'padding_idx' expected a row in [0, {w.shape[0]}), got {padding_idx}")
+    return w[ids], (ids, w.shape, w.dtype, padding_idx)
+
+
+def embedding_backward(dout, cache):
+    ids, w_shape, dtype, padding_idx = cache
+    V.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
+    dw = np.zeros(w_shape, dtype)
+    np.add.at(dw, ids.reshape(-1), dout.reshape(-1, w_shape[1]))  # unbuffered: repeated ids accumulate
+    if padding_idx is not None:
+        dw[padding_idx] = 0
+    return dw
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layernorm over the last axis: out = (x - mean) * rstd * w + b
+
+def layernorm_forward(x, w, b, eps=1e-12):
+    """LayerNorm over the last axis (eps 1e-12 as HF BERT's layer_norm_eps).
+
+    x: (..., C)   w, b: (C,)   ->   out: (..., C)
+    Forward: mean = x.mean(-1), rstd = 1/sqrt(var + eps) (biased var), xhat = (x - mean) * rstd, out = xhat*w + b.
+    Backward, with wdy = dout * w (the gradient reaching xhat):
+        db = sum over leading dims of dout
+        dw = sum over leading dims of dout * xhat
+        dx = (wdy - (xhat * c1 + c2)) * rstd,  c1 = mean(wdy * xhat, -1),  c2 = mean(wdy, -1)
+    (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance.)
+    """
+    V.floats("layernorm", x=x, w=w, b=b)
+    V.min_ndim("layernorm", "x", x, 1, "(..., C)")
+    V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
+    V.shape("layernorm", "b", b, (x.shape[-1],), "(C,)")
+    mean = x.mean(-1, keepdims=True)                  # (..., 1)
+    xc = x - mean
+    var = (xc * xc).mean(-1, keepdims=True)           # (..., 1) biased, as torch
+    rstd = 1 / np.sqrt(var + eps)                     # (..., 1); a constant row gives xhat = 0, finite
+    out = xc * rstd * w + b
+    return out, (x, w, mean, rstd)
+
+
+def layernorm_backward(dout, cache):
+    x, w, mean, rstd = cache
+    V.dout("layernorm", dout, x.shape, x.dtype)
+    xhat = (x - mean) * rstd                          # recompute rather than cache: one (..., C) array less
+    lead = tuple(range(x.ndim - 1))
+    db = dout.sum(lead)
+    dw = (dout * xhat).sum(lead)
+    wdy = dout * w
+    c1 = (wdy * xhat).mean(-1, keepdims=True)
+    c2 = wdy.mean(-1, keepdims=True)
+    dx = (wdy - (xhat * c1 + c2)) * rstd
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# softmax over the last axis, with the score scale and the additive attention mask fused in
+
+def softmax_forward(x, scale=1.0, mask=None):
+    """p = softmax(x * scale + mask) over the last axis.
+
+    x: (..., T)   mask: additive, float, broadcastable to x (HF: 0 for real tokens, a large negative or -inf
+    for padding; e.g. (B, 1, 1, T) against scores (B, H, T, T))   ->   p: same shape as x
+    Backward (mask is a constant), with z = x * scale + mask:
+        dz = p * (dout - sum(dout * p, -1))       (Jacobian of softmax: diag(p) - p p^T)
+        dx = scale * dz
+    The max is subtracted before exp (softmax is shift-invariant), so logits of 1e4 do not overflow.
+    """
+    V.floats("softmax", x=x, mask=mask)
+    V.min_ndim("softmax", "x", x, 1, "(..., T)")
+    z = x * scale if scale != 1.0 else x
+    if mask is not None:
+        V.broadcasts_to("softmax", "mask", mask, x.shape)
+        z = z + mask
+    m = z.max(-1, keepdims=True)
+    if not np.isfinite(m).all():
+        raise ValueError("softmax: argument 'x' (with 'mask') expected every row to have a finite maximum, got a row "
+                         "that is entirely -inf, or a NaN/+inf score")
+    e = np.exp(z - m)
+    p = e / e.sum(-1, keepdims=True)
+    return p, (p, scale)
+
+
+def softmax_backward(dout, cache):
+    p, scale = cache
+    V.dout("softmax", dout, p.shape, p.dtype)
+    dz = p * (dout - (dout * p).sum(-1, keepdims=True))
+    return dz * scale if scale != 1.0 else dz
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GELU: exact (HF "gelu") and tanh approximation (HF "gelu_new")
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu_forward(x, approximate="none"):
+    """GELU(x) = x * Phi(x); approximate="none" is exact (HF "gelu"), "tanh" is HF "gelu_new" (torch's names).
+
+    x: (...)   ->   out: (...)
+    exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2   (erfc keeps the left tail accurate:
+            1 + erf cancels to 0 for x < -8, erfc does not),   phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+            dx = dout * (Phi(x) + x * phi(x))
+    tanh:   u = sqrt(2/pi) * (x + 0.044715 x^3),  t = tanh(u),  out = x * (1 + t) / 2
+            dx = dout * ((1 + t) / 2 + x/2 * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 x^2))
+            computed through s = (1 + t) / 2 = sigmoid(2u), so 1 - t^2 = 4 s (1 - s): the same numbers, without
+            1 + t cancelling to 0 in the left tail.
+    """
+    V.floats("gelu", x=x)
+    if approximate == "none":
+        out = 0.5 * x * erfc(x * (-1 / math.sqrt(2.0)))
+    elif approximate == "tanh":
+        out = x * expit(2 * _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # x * (1 + tanh(u)) / 2
+    else:
+        raise ValueError(f"gelu: argument 'approximate' expected 'none' or 'tanh', got {approximate!r}")
+    return out, (x, approximate)
+
+
+def gelu_backward(dout, cache):
+    x, approximate = cache
+    V.dout("gelu", dout, x.shape, x.dtype)
+    if approximate == "none":
+        cdf = 0.5 * erfc(x * (-1 / math.sqrt(2.0)))
+        pdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+        return dout * (cdf + x * pdf)
+    s = expit(2 * _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # (1 + t) / 2
+    du_dx = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+    return dout * (s + 2 * x * s * (1 - s) * du_dx)             # (1+t)/2 + x/2 * (1-t^2) * du/dx
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tanh (the pooler's activation)
+
+def tanh_forward(x):
+    """out = tanh(x).   x: (...)   Backward: d tanh/dx = 1 - tanh^2, so dx = dout * (1 - out^2)."""
+    V.floats("tanh", x=x)
+    out = np.tanh(x)
+    return out, (out,)
+
+
+def tanh_backward(dout, cache):
+    (out,) = cache
+    V.dout("tanh", dout, out.shape, out.dtype)
+    return dout * (1 - out * out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dropout, inverted: kept units are scaled by 1/(1-p) in training so that eval is the identity
+
+def dropout_forward(x, p, rng=None, train=True):
+    """Inverted dropout with its keep-mask drawn from an explicit np.random.Generator.
+
+    x: (...)   p: drop probability in [0, 1]   rng: np.random.Generator (needed when train and p > 0)
+    keep = rng.random(x.shape, float32) >= p   (drawn in float32 whatever x's dtype, so a float32 and a float64
+    run from the same seed drop the same units);   out = x * keep / (1 - p)   (p = 1: out = 0)
+    Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p). Eval or p = 0: out = x, dx = dout.
+    """
+    V.floats("dropout", x=x)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: argument 'p' expected a probability in [0, 1], got {p}")
+    if not train or p == 0.0:
+        return x, (None, 1.0, x.shape, x.dtype)
+    if not isinstance(rng, np.random.Generator):
+        raise ValueError(f"dropout: argument 'rng' expected a numpy.random.Generator in training, got {type(rng).__name__}")
+    keep = rng.random(x.shape, dtype=np.float32) >= p  # (...) bool: 1 byte per unit in the cache
+    scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
+    return _keep_scale(x, keep, scale), (keep, scale, x.shape, x.dtype)
+
+
+def dropout_backward(dout, cache):
+    keep, scale, shape, dtype = cache
+    V.dout("dropout", dout, shape, dtype)
+    return dout.copy() if keep is None else _keep_scale(dout, keep, scale)
+
+
+def _keep_scale(a, keep, scale):
+    out = a * keep                                    # float * bool keeps a's dtype
+    out *= a.dtype.type(scale)                        # a Python float would not upcast, a float64 scalar array would
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# residual add (written out where it helps the reading: gradient flows unchanged into both branches)
+
+def add_forward(a, b):
+    """out = a + b with equal shapes (no broadcasting).   Backward: da = dout, db = dout."""
+    V.floats("add", a=a, b=b)
+    V.shape("add", "b", b, a.shape, "(same as a)")
+    return a + b, (a.shape, a.dtype)
+
+
+def add_backward(dout, cache):
+    shape, dtype = cache
+    V.dout("add", dout, shape, dtype)
+    return dout.copy(), dout.copy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multi-head self-attention core: (q, k, v) already projected -> context, before the output projection
+
+def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    """softmax(q k^T / sqrt(hs) + mask), dropped out, times v, per head; heads split from and merged into C.
+
+    q, k, v: (B, T, C)   n_heads: H with C % H == 0, hs = C // H
+    mask: additive, broadcastable to (B, H, T, T) — HF BERT passes (B, 1, 1, T)   ->   out: (B, T, C)
+    Forward per head: att = qh @ kh^T (B,H,T,T); p = softmax(att / sqrt(hs) + mask); pd = dropout(p); y = pd @ vh.
+    Backward, reversing each matmul (y = pd @ vh gives dpd = dy @ vh^T and dvh = pd^T @ dy):
+        dpd = dy @ vh^T          dvh = pd^T @ dy
+        dp  = dropout_backward(dpd)
+        datt = softmax_backward(dp)             (includes the 1/sqrt(hs) scale)
+        dqh = datt @ kh          dkh = datt^T @ qh
+    then merge heads back: (B, H, T, hs) -> (B, T, C).  The cache keeps p (B,H,T,T) and the dropout keep-mask.
+    """
+    V.floats("attention", q=q, k=k, v=v, mask=mask)
+    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
+    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
+    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
+    B, T, C = q.shape
+    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
+        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
+    H, hs = int(n_heads), C // int(n_heads)
+    qh = q.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+    kh = k.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+    vh = v.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+    if mask is not None:
+        V.broadcasts_to("attention", "mask", mask, (B, H, T, T))
+    att = qh @ kh.transpose(0, 1, 3, 2)                  # (B, H, T, T)
+    p, sm_cache = softmax_forward(att, 1.0 / math.sqrt(hs), mask)
+    pd, do_cache = dropout_forward(p, dropout_p, rng, train)
+    y = pd @ vh                                         # (B, H, T, hs)
+    out = y.transpose(0, 2, 1, 3).reshape(B, T, C)     # (B, T, C)
+    return out, (qh, kh, vh, sm_cache, do_cache)
+
+
+def attention_backward(dout, cache):
+    qh, kh, vh, sm_cache, do_cache = cache
+    B, H, T, hs = qh.shape
+    V.dout("attention", dout, (B, T, H * hs), qh.dtype)
+    p = sm_cache[0]
+    pd = p if do_cache[0] is None else _keep_scale(p, do_cache[0], do_cache[1])  # recompute dropout(p)
+    dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+    dpd = dy @ vh.transpose(0, 1, 3, 2)                 # (B, H, T, T)
+    dvh = pd.transpose(0, 1, 3, 2) @ dy                 # (B, H, T, hs)
+    datt = softmax_backward(dropout_backward(dpd, do_cache), sm_cache)  # (B, H, T, T)
+    dqh = datt @ kh                                     # (B, H, T, hs)
+    dkh = datt.transpose(0, 1, 3, 2) @ qh               # (B, H, T, hs)
+    merge = lambda g: g.transpose(0, 2, 1, 3).reshape(B, T, H * hs)  # noqa: E731  (B, H, T, hs) -> (B, T, C)
+    return merge(dqh), merge(dkh), merge(dvh)
+
+
+def attention_probs(cache):
+    """The attention probabilities after dropout, (B, H, T, T), as HF returns under output_attentions."""
+    p, (keep, scale) = cache[3][0], cache[4][:2]
+    return p if keep is None else _keep_scale(p, keep, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# losses
+
+def cross_entropy_forward(logits, labels, ignore_index=-100):
+    """Mean softmax cross-entropy over the positions whose label is not ignore_index (torch's F.cross_entropy).
+
+    logits: (..., V)   labels: (...) integers in [0, V) or ignore_index   ->   loss: scalar of logits' dtype
+    With lse = log sum_j exp(z_j) per row and n = number of kept rows:
+        loss = (1/n) * sum_{kept rows} (lse - z[label])
+        dz = dloss / n * (softmax(z) - onehot(label)) on kept rows, 0 on ignored rows
+    Every label ignored: loss = 0 and dz = 0 (torch would return NaN here).
+    """
+    V.floats("cross_entropy", logits=logits)
+    V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
+    if not isinstance(labels, np.ndarray) or labels.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: argument 'labels' expected an integer array of shape {logits.shape[:-1]} "
+                         f"(logits.shape[:-1]), got {V._desc(labels)}")
+    Vn = logits.shape[-1]
+    V.ids("cross_entropy", "labels", labels, Vn, allow=ignore_index)
+    z = logits.reshape(-1, Vn)                          # (N, V)
+    y = labels.reshape(-1)                              # (N,)
+    kept = np.flatnonzero(y != ignore_index)            # (n,) rows that count
+    zk, yk = z[kept], y[kept]                           # (n, V), (n,): MLM keeps ~15% of rows, so gather first
+    m = zk.max(-1, keepdims=True) if kept.size else np.zeros((0, 1), z.dtype)
+    if not np.isfinite(m).all():
+        raise ValueError("cross_entropy: argument 'logits' expected finite rows, got a NaN, +inf or all -inf row")
+    zs = zk - m                                         # (n, V) shifted logits <= 0, exact for nearby values
+    s = np.log(np.exp(zs).sum(-1, keepdims=True))       # (n, 1): lse = m + s
+    loss = (s[:, 0] - zs[np.arange(kept.size), yk]).sum() / max(kept.size, 1)  # lse - z[label], no 1e4 cancellation
+    return np.asarray(loss, dtype=logits.dtype), (logits.shape, logits.dtype, zs, yk, kept, s)
+
+
+def cross_entropy_backward(dloss, cache):
+    shape, dtype, zs, yk, kept, s = cache
+    dloss = _scalar_dout("cross_entropy", dloss, dtype)
+    dz = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)  # (N, V); ignored rows stay 0
+    g = np.exp(zs - s)                                  # softmax of the kept rows, (n, V)
+    g[np.arange(kept.size), yk] -= 1
+    dz[kept] = g * (dloss / max(kept.size, 1))
+    return dz.reshape(shape)
+
+
+def mse_forward(pred, target):
+    """Mean squared error (torch's F.mse_loss; HF's regression loss when num_labels == 1).
+
+    pred, target: (...) same shape   ->   loss: scalar of pred's dtype
+        loss = mean((pred - target)^2)
+        dpred = dloss * 2 (pred - target) / N,   dtarget = -dpred
+    """
+    V.floats("mse", pred=pred, target=target)
+    V.shape("mse", "target", target, pred.shape, "(same as pred)")
+    diff = pred - target
+    return np.asarray((diff * diff).mean(), dtype=pred.dtype), (diff,)
+
+
+def mse_backward(dloss, cache):
+    (diff,) = cache
+    dloss = _scalar_dout("mse", dloss, diff.dtype)
+    dpred = diff * (2 * dloss / max(diff.size, 1))
+    return dpred, -dpred
+
+
+def _scalar_dout(op, d, dtype):
+    if np.ndim(d) != 0:
+        raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {np.shape(d)}")
+    return dtype.type(d)

@@ -1,0 +1,74 @@
+"""Input checks shared by every op and model: each failure is a ValueError that names the op, the argument,
+what was expected and what came, so bad input never reaches NumPy as a silent broadcast or a NaN."""
+import numpy as np
+
+FLOATS = (np.float32, np.float64)
+
+
+def _desc(x):
+    if isinstance(x, np.ndarray):
+        return f"array of shape {x.shape} and dtype {x.dtype}"
+    return f"{type(x).__name__}"
+
+
+def floats(op, **arrays):
+    """Each array must be a float32/float64 ndarray, and all must share one dtype. Returns that dtype."""
+    dtype = None
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if not isinstance(x, np.ndarray) or x.dtype.type not in FLOATS:
+            raise ValueError(f"{op}: argument '{name}' expected a float32 or float64 numpy array, got {_desc(x)}")
+        if dtype is None:
+            dtype, first = x.dtype, name
+        elif x.dtype != dtype:
+            raise ValueError(f"{op}: argument '{name}' expected dtype {dtype} (the dtype of '{first}'), got {x.dtype}")
+    return dtype
+
+
+def shape(op, name, x, expected, letters=None):
+    """x.shape must equal `expected` (None entries match anything). `letters` spells the expected shape
+    symbolically for the message, e.g. "(C_out, C_in)"."""
+    ok = x.ndim == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
+    if not ok:
+        parts = ["*" if e is None else str(e) for e in expected]
+        want = "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+        sym = f" {letters}" if letters else ""
+        raise ValueError(f"{op}: argument '{name}' expected shape{sym} = {want}, got {x.shape}")
+
+
+def min_ndim(op, name, x, n, letters):
+    if x.ndim < n:
+        raise ValueError(f"{op}: argument '{name}' expected at least {n} dimension(s) {letters}, got shape {x.shape}")
+
+
+def ids(op, name, x, upper, allow=None):
+    """Integer array with 0 <= x < upper (and, optionally, the extra value `allow`, e.g. ignore_index)."""
+    if not isinstance(x, np.ndarray) or not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"{op}: argument '{name}' expected an integer numpy array, got {_desc(x)}")
+    if x.size == 0:
+        return
+    bad = (x < 0) | (x >= upper)
+    if allow is not None:
+        bad &= x != allow
+    if bad.any():
+        i = tuple(int(j) for j in np.argwhere(bad)[0])
+        extra = f" or {allow}" if allow is not None else ""
+        raise ValueError(f"{op}: argument '{name}' expected values in [0, {upper}){extra}, got {int(x[i])} at index {i}")
+
+
+def broadcasts_to(op, name, x, target):
+    """x must broadcast to `target` without changing it (a mask may not enlarge the scores)."""
+    try:
+        ok = np.broadcast_shapes(x.shape, target) == tuple(target)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{op}: argument '{name}' expected a shape that broadcasts to {tuple(target)}, got {x.shape}")
+
+
+def dout(op, d, out_shape, dtype):
+    """The upstream gradient must match the forward output in shape and dtype."""
+    if not isinstance(d, np.ndarray) or d.shape != tuple(out_shape) or d.dtype != dtype:
+        raise ValueError(f"{op}: argument 'dout' expected an array of shape {tuple(out_shape)} and dtype {dtype} "
+                         f"(the forward output), got {_desc(d)}")

@@ -1,0 +1,28 @@
+from pathlib import Path
+
+from setuptools import setup
+
+setup(
+    name="refbert",
+    version="0.1.0",
+    description="BERT in NumPy with every backward written by hand and proven by finite differences, "
+                "and fused kernels checked against it",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # kernels/ is installed as `refbert_kernels`: a top-level `kernels` is an unrelated PyPI package that
+    # transformers imports, and must never be shadowed.
+    packages=["refbert", "refbert_kernels"],
+    package_dir={"refbert": "refbert", "refbert_kernels": "kernels"},
+    install_requires=[
+        "numpy>=1.24",
+        "scipy>=1.10",  # scipy.special.erf for exact GELU; see README "Dependencies"
+    ],
+    extras_require={
+        # the peers that parity tests compare against; torch pinned to the CPU build this project tests with
+        "dev": ["pytest>=7", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors", "tokenizers"],
+        "kernels": ["numba>=0.59"],
+        "cuda": ["numba-cuda", "cupy-cuda12x"],  # a prebuilt CuPy wheel, never the source package `cupy`
+    },
+    entry_points={"console_scripts": ["refbert=refbert.cli:main"]},
+)

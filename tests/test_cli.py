@@ -1,0 +1,49 @@
+"""`refbert check` as a user runs it, and the README/CI contract."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from refbert import check, ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_refbert_check_lists_every_op_and_exits_0():
+    res = subprocess.run([sys.executable, "-m", "refbert", "check"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for op in ("linear", "embedding", "layernorm", "softmax", "gelu (exact erf)", "gelu (tanh)", "tanh", "dropout",
+               "add", "attention", "cross_entropy", "mse"):
+        assert re.search(rf"^{re.escape(op)}", res.stdout, re.M), op
+    assert "FAIL" not in res.stdout and " 0 failed" in res.stdout
+
+
+def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):
+    good = check.op_cases
+
+    def broken():
+        cases = good()
+        for c in cases:
+            if c.op == "tanh":
+                c.backward = lambda d, cache: ops.tanh_backward(d, cache) * 1.01
+        return cases
+    monkeypatch.setattr(check, "op_cases", broken)
+    assert check.main() == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^tanh .*FAIL$", out, re.M) and "1 failed" in out
+
+
+def _bash_blocks():
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S)
+
+
+def test_readme_opens_with_the_two_setup_blocks():
+    blocks = _bash_blocks()
+    assert len(blocks) >= 2
+    assert "refbert check" in blocks[0] and "pip install" in blocks[0]
+    assert '".[dev]"' in blocks[1] and "pytest" in blocks[1]
+
+
+def test_ci_runs_the_readme_test_block():
+    printed = subprocess.run(["bash", str(ROOT / ".ci/run"), "--print"], capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == _bash_blocks()[1].strip()

@@ -1,0 +1,303 @@
+"""Every gradient of every op against centred finite differences in float64, on hypothesis-drawn shapes.
+
+Tolerance: refbert.gradcheck.TOLERANCE = 1e-7 relative — float64 centred differences with h = 1e-5 carry
+~1e-10 truncation and ~1e-11 rounding error, so a correct backward sits 3+ orders of magnitude below it.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from refbert import ops
+from refbert.check import _mask, bind, op_cases, run, Case
+from refbert.gradcheck import TOLERANCE, check_pair
+
+dims = st.integers(1, 6)
+seeds = st.integers(0, 2 ** 16)
+
+
+def assert_grads(forward, backward, inputs, wrt, **kw):
+    errs = check_pair(forward, backward, inputs, wrt, **kw)
+    assert max(errs.values()) <= TOLERANCE, errs
+
+
+def fresh_rng(forward, seed=7):
+    """Bind a fresh Generator per call, so each finite-difference evaluation draws the same dropout mask."""
+    return lambda **kw: forward(**kw, rng=np.random.default_rng(seed))
+
+
+# --- the table behind `refbert check` -------------------------------------------------------------------------
+
+def test_check_table_covers_every_op_and_passes():
+    rows = run(op_cases())
+    assert all(ok for *_, ok in rows), [r for r in rows if not r[-1]]
+    checked = {c.forward.__name__ for c in op_cases()} | {"embedding_forward"}  # padding case wraps the forward
+    defined = {n for n in dir(ops) if n.endswith("_forward")}
+    assert defined <= checked, defined - checked
+
+
+# --- per-op gradients on drawn shapes ------------------------------------------------------------------------
+
+@given(lead=st.lists(dims, min_size=0, max_size=2), cin=dims, cout=dims, bias=st.booleans(), seed=seeds)
+def test_linear(lead, cin, cout, bias, seed):
+    r = np.random.default_rng(seed)
+    inputs = dict(x=r.standard_normal((*lead, cin)), w=r.standard_normal((cout, cin)))
+    if bias:
+        inputs["b"] = r.standard_normal(cout)
+    assert_grads(ops.linear_forward, ops.linear_backward, inputs, ("x", "w", "b") if bias else ("x", "w"))
+
+
+@given(vocab=st.integers(1, 9), C=dims, B=dims, T=dims, pad=st.booleans(), seed=seeds)
+def test_embedding(vocab, C, B, T, pad, seed):
+    r = np.random.default_rng(seed)
+    ids = r.integers(0, vocab, (B, T))  # small vocab: repeats are the rule
+    w = r.standard_normal((vocab, C))
+    pad_idx = int(ids[0, 0]) if pad else None
+    dw = ops.embedding_backward(*(lambda o, c: (r.standard_normal(o.shape), c))(*ops.embedding_forward(ids, w, pad_idx)))
+    if pad:
+        assert not dw[pad_idx].any(), "the padding row gets no gradient"
+    fwd = lambda w: ops.embedding_forward(ids, w)  # noqa: E731  the plain lookup's true derivative
+    bwd = lambda d, c: ops.embedding_backward(d, c)  # noqa: E731
+    assert_grads(fwd, bwd, dict(w=w), ("w",))
+
+
+@given(lead=st.lists(dims, min_size=1, max_size=2), C=st.integers(1, 9), scale=st.sampled_from([1.0, 1e-3, 1e3]),
+       seed=seeds)
+def test_layernorm(lead, C, scale, seed):
+    r = np.random.default_rng(seed)
+    x = (r.standard_normal((*lead, C)) + r.standard_normal()) * scale  # an offset, but no 1e3-fold cancellation
+    # C <= 2: xhat is 0 (C = 1) or +-1 (C = 2) whatever x is, so dx is ~0 and only FD noise is left to compare
+    only = ("w", "b") if C <= 2 else None
+    # layernorm is scale-invariant in x, so the FD step scales with x's spread (h / scale = 1e-5 keeps the
+    # truncation error at ~1e-10 relative for every scale)
+    assert_grads(ops.layernorm_forward, ops.layernorm_backward,
+                 dict(x=x, w=r.standard_normal(C), b=r.standard_normal(C)), ("x", "w", "b"), only=only,
+                 h=1e-5 * scale)
+
+
+@given(B=dims, T=dims, scale=st.sampled_from([1.0, 0.125]), big=st.booleans(),
+       fill=st.sampled_from([-np.inf, np.finfo(np.float64).min, -1e4]), seed=seeds)
+def test_softmax_with_mask(B, T, scale, big, fill, seed):
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((B, 3, T)) + (1e4 if big else 0.0)
+    lengths = r.integers(1, T + 1, B)
+    lengths[0] = 1  # always a row with a single real token
+    mask = _mask(B, T, lengths, np.float64, fill)[:, 0]  # (B, 1, T)
+    assert_grads(lambda x: ops.softmax_forward(x, scale, mask), ops.softmax_backward, dict(x=x), ("x",))
+
+
+@given(shape=st.lists(dims, min_size=1, max_size=3), approximate=st.sampled_from(["none", "tanh"]), seed=seeds)
+def test_gelu(shape, approximate, seed):
+    x = 4 * np.random.default_rng(seed).standard_normal(shape)
+    assert_grads(lambda x: ops.gelu_forward(x, approximate), ops.gelu_backward, dict(x=x), ("x",))
+
+
+@given(shape=st.lists(dims, min_size=1, max_size=3), seed=seeds)
+def test_tanh(shape, seed):
+    x = 3 * np.random.default_rng(seed).standard_normal(shape)
+    assert_grads(ops.tanh_forward, ops.tanh_backward, dict(x=x), ("x",))
+
+
+@given(shape=st.lists(dims, min_size=1, max_size=3), p=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), seed=seeds)
+def test_dropout(shape, p, seed):
+    x = np.random.default_rng(seed).standard_normal(shape)
+    assert_grads(fresh_rng(lambda x, rng: ops.dropout_forward(x, p, rng)), ops.dropout_backward, dict(x=x), ("x",))
+
+
+@given(shape=st.lists(dims, min_size=1, max_size=3), seed=seeds)
+def test_add(shape, seed):
+    r = np.random.default_rng(seed)
+    assert_grads(ops.add_forward, ops.add_backward, dict(a=r.standard_normal(shape), b=r.standard_normal(shape)),
+                 ("a", "b"))
+
+
+@given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 8), hs=st.integers(1, 3),
+       p=st.sampled_from([0.0, 0.3]), fill=st.sampled_from([-np.inf, np.finfo(np.float64).min]), seed=seeds)
+def test_attention(B, T, H, hs, p, fill, seed):
+    r = np.random.default_rng(seed)
+    q, k, v = (r.standard_normal((B, T, H * hs)) for _ in range(3))
+    lengths = r.integers(1, T + 1, B)
+    lengths[-1] = 1  # a sequence with one real token
+    mask = _mask(B, T, lengths, np.float64, fill)
+    fwd = fresh_rng(lambda q, k, v, rng: ops.attention_forward(q, k, v, H, mask, p, rng))
+    assert_grads(fwd, ops.attention_backward, dict(q=q, k=k, v=v), ("q", "k", "v"))
+
+
+@given(N=dims, Vc=st.integers(1, 9), frac_ignored=st.sampled_from([0.0, 0.5, 1.0]), big=st.booleans(), seed=seeds)
+def test_cross_entropy(N, Vc, frac_ignored, big, seed):
+    r = np.random.default_rng(seed)
+    logits = r.standard_normal((2, N, Vc)) + (1e4 if big else 0.0)
+    labels = r.integers(0, Vc, (2, N))
+    labels[r.random((2, N)) < frac_ignored] = -100
+    assert_grads(lambda logits: ops.cross_entropy_forward(logits, labels), ops.cross_entropy_backward,
+                 dict(logits=logits), ("logits",))
+
+
+@given(shape=st.lists(dims, min_size=1, max_size=3), seed=seeds)
+def test_mse(shape, seed):
+    r = np.random.default_rng(seed)
+    assert_grads(ops.mse_forward, ops.mse_backward,
+                 dict(pred=r.standard_normal(shape), target=r.standard_normal(shape)), ("pred", "target"))
+
+
+# --- irregular sizes (tails, odd head sizes): directional derivatives, too many elements for one-at-a-time FD ----
+
+def test_irregular_shapes_T37_C52():
+    r = np.random.default_rng(3)
+    B, T, C, H = 2, 37, 52, 4  # hs = 13
+    x = r.standard_normal((B, T, C))
+    mask = _mask(B, T, [37, 1], np.float64, np.finfo(np.float64).min)
+    labels = r.integers(0, C, (B, T))
+    labels[:, ::3] = -100
+    cases = [
+        Case("linear", ops.linear_forward, ops.linear_backward,
+             dict(x=x, w=r.standard_normal((31, C)), b=r.standard_normal(31)), ("x", "w", "b")),
+        Case("layernorm", ops.layernorm_forward, ops.layernorm_backward,
+             dict(x=x, w=r.standard_normal(C), b=r.standard_normal(C)), ("x", "w", "b")),
+        Case("softmax", ops.softmax_forward, ops.softmax_backward, dict(x=x), ("x",),
+             dict(scale=0.3, mask=_mask(B, C, [C, 1], np.float64, -np.inf)[:, 0])),  # (B, 1, C)
+        Case("gelu", ops.gelu_forward, ops.gelu_backward, dict(x=x), ("x",)),
+        Case("attention", ops.attention_forward, ops.attention_backward,
+             dict(q=x, k=r.standard_normal(x.shape), v=r.standard_normal(x.shape)), ("q", "k", "v"),
+             dict(n_heads=H, mask=mask, dropout_p=0.1, rng=None)),
+        Case("cross_entropy", ops.cross_entropy_forward, ops.cross_entropy_backward, dict(logits=x), ("logits",),
+             dict(labels=labels)),
+    ]
+    for case in cases:
+        errs = check_pair(bind(case), case.backward, case.inputs, case.wrt, mode="directional", n_dirs=3)
+        assert max(errs.values()) <= TOLERANCE, (case.op, errs)
+
+
+# --- float32: same math, own dtype -------------------------------------------------------------------------------
+
+def _forward_outputs(dtype):
+    """Every op's forward on the `refbert check` inputs cast to dtype (the mask and integer arguments as well)."""
+    outs = []
+    for case in op_cases():
+        with np.errstate(over="ignore"):  # float64's finfo.min in a mask becomes -inf: still a mask
+            cast = lambda a: a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a  # noqa: E731
+            case.inputs = {k: cast(a) for k, a in case.inputs.items()}
+            case.kwargs = {k: cast(a) for k, a in case.kwargs.items()}
+        out, cache = bind(case)(**case.inputs)
+        d = np.random.default_rng(0).standard_normal(np.shape(out)).astype(dtype)  # same upstream gradient in both
+        grads = case.backward(d if np.ndim(out) else float(d), cache)
+        outs.append((case.op, out, grads if isinstance(grads, tuple) else (grads,)))
+    return outs
+
+
+def test_float32_keeps_dtype_and_matches_float64():
+    from refbert.gradcheck import rel_error
+    for (op, o32, g32), (_, o64, g64) in zip(_forward_outputs(np.float32), _forward_outputs(np.float64)):
+        assert np.asarray(o32).dtype == np.float32, op
+        assert all(g.dtype == np.float32 for g in g32), op
+        if "1e4" in op:
+            continue  # float32 holds 1e4 + x to ~1e-3 absolute; the inputs themselves differ from float64's
+        # float32 keeps ~7 digits; after a few reductions (sums over C, exp) agreement to ~1e-5 relative
+        assert rel_error(o32, o64) <= 1e-5, (op, rel_error(o32, o64))
+        for a, b in zip(g32, g64):
+            assert rel_error(a, b) <= 1e-5, (op, rel_error(a, b))
+
+
+# --- numerical stability ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_logits_and_single_real_token_stay_finite(dtype):
+    r = np.random.default_rng(0)
+    x = (1e4 * r.standard_normal((2, 4, 6))).astype(dtype)
+    mask = _mask(2, 6, [6, 1], dtype, -np.inf)[:, 0]
+    p, c = ops.softmax_forward(x, 1.0, mask)
+    dx = ops.softmax_backward(np.ones_like(p), c)
+    assert np.isfinite(p).all() and np.isfinite(dx).all()
+    np.testing.assert_allclose(p.sum(-1), 1, rtol=1e-6)  # probabilities: every row sums to 1 (float32 rounding)
+    assert (p[1, :, 1:] == 0).all() and (p[1, :, 0] == 1).all()  # the single real token takes all the mass
+    labels = np.array([[0, 5, -100, 3], [1, -100, -100, 2]])
+    loss, c = ops.cross_entropy_forward(x, labels)
+    assert np.isfinite(loss) and np.isfinite(ops.cross_entropy_backward(1.0, c)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layernorm_constant_row_is_finite(dtype):
+    x = np.full((3, 8), 7.25, dtype)
+    out, c = ops.layernorm_forward(x, np.ones(8, dtype), np.zeros(8, dtype))
+    dx, dw, db = ops.layernorm_backward(np.ones_like(out), c)
+    assert all(np.isfinite(a).all() for a in (out, dx, dw, db))
+    np.testing.assert_allclose(out, 0, atol=1e-6)  # (x - mean) = 0 up to rounding of the mean times rstd = 1e6
+
+
+def test_cross_entropy_all_ignored_is_zero_not_nan():
+    loss, c = ops.cross_entropy_forward(np.ones((4, 3)), np.full(4, -100))
+    assert loss == 0.0 and not ops.cross_entropy_backward(1.0, c).any()
+
+
+def test_cross_entropy_matches_definition():
+    # -log softmax(z)[y] averaged over the kept rows, from the formula
+    z = np.array([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [9.0, 0.0, 0.0]])
+    y = np.array([2, -100, 0])
+    expect = np.mean([-math.log(math.exp(3) / (math.exp(1) + math.exp(2) + math.exp(3))),
+                      -math.log(math.exp(9) / (math.exp(9) + 2))])
+    assert ops.cross_entropy_forward(z, y)[0] == pytest.approx(expect, rel=1e-14)
+
+
+def test_erfc_accuracy_documented():
+    # scipy's erfc against the C library's (math.erfc) on a dense grid: the exact GELU relies on <= 1e-15
+    # absolute (and ~1e-15 relative in the tail, where Phi is tiny)
+    from scipy.special import erfc
+    xs = np.linspace(-7, 7, 20001)
+    ref = np.array([math.erfc(v) for v in xs])
+    assert np.max(np.abs(erfc(xs) - ref)) <= 1e-15
+    assert np.max(np.abs(erfc(xs) - ref) / ref) <= 1e-14
+
+
+# --- dropout semantics -------------------------------------------------------------------------------------------
+
+def test_dropout_rate_and_reproducibility():
+    x = np.ones((200, 500))
+    out, _ = ops.dropout_forward(x, 0.1, np.random.default_rng(5))
+    n, dropped = x.size, int((out == 0).sum())
+    # binomial(n=1e5, p=0.1): sd = sqrt(n p (1-p)) ~ 95; 5 sd is a bound a correct sampler passes ~always
+    assert abs(dropped - 0.1 * n) <= 5 * math.sqrt(n * 0.1 * 0.9)
+    np.testing.assert_array_equal(out[out != 0], 1 / 0.9)  # inverted: kept units are scaled by 1/(1-p)
+    again, _ = ops.dropout_forward(x.astype(np.float32), 0.1, np.random.default_rng(5))
+    np.testing.assert_array_equal(again == 0, out == 0)  # same seed, same units, whatever the dtype
+    same, _ = ops.dropout_forward(x, 0.1, np.random.default_rng(5), train=False)
+    assert same is x  # eval is the identity
+
+
+# --- bad input: a ValueError naming the argument, what was expected and what came --------------------------------
+
+F = np.zeros
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.linear_forward(F((2, 3)), F((4, 5)), F(4)), r"'w' expected shape \(C_out, C_in\) = \(\*, 3\), got \(4, 5\)"),
+    (lambda: ops.linear_forward(F((2, 3)), F((4, 3)), F(5)), r"'b' expected shape \(C_out,\) = \(4,\), got \(5,\)"),
+    (lambda: ops.linear_forward(F((2, 3), np.float32), F((4, 3)), F(4)), r"'w' expected dtype float32 .* got float64"),
+    (lambda: ops.linear_forward([[1.0]], F((1, 1))), r"'x' expected a float32 or float64 numpy array, got list"),
+    (lambda: ops.linear_forward(F((2, 3), np.int64), F((4, 3))), r"'x' expected a float32 or float64.*int64"),
+    (lambda: ops.embedding_forward(np.array([0, 7]), F((7, 2))), r"'ids' expected values in \[0, 7\), got 7 at index \(1,\)"),
+    (lambda: ops.embedding_forward(np.array([-1]), F((7, 2))), r"'ids' expected values in \[0, 7\), got -1"),
+    (lambda: ops.embedding_forward(np.array([0.0]), F((7, 2))), r"'ids' expected an integer numpy array"),
+    (lambda: ops.embedding_forward(np.array([0]), F((7, 2)), padding_idx=9), r"'padding_idx' expected a row in \[0, 7\)"),
+    (lambda: ops.layernorm_forward(F((2, 3)), F(4), F(3)), r"'w' expected shape \(C,\) = \(3,\), got \(4,\)"),
+    (lambda: ops.softmax_forward(F((2, 3, 4)), 1.0, F((2, 3))), r"'mask' expected a shape that broadcasts to \(2, 3, 4\), got \(2, 3\)"),
+    (lambda: ops.softmax_forward(F((2, 4)), 1.0, F((3, 1, 4))), r"'mask' expected a shape that broadcasts to \(2, 4\), got \(3, 1, 4\)"),
+    (lambda: ops.softmax_forward(F((1, 2)), 1.0, np.full((1, 2), -np.inf)), r"'x' \(with 'mask'\) expected every row to have a finite maximum"),
+    (lambda: ops.gelu_forward(F(3), "erf"), r"'approximate' expected 'none' or 'tanh', got 'erf'"),
+    (lambda: ops.dropout_forward(F(3), 1.5, np.random.default_rng()), r"'p' expected a probability in \[0, 1\], got 1.5"),
+    (lambda: ops.dropout_forward(F(3), 0.5, 42), r"'rng' expected a numpy.random.Generator in training, got int"),
+    (lambda: ops.add_forward(F((2, 3)), F((1, 3))), r"'b' expected shape \(same as a\) = \(2, 3\), got \(1, 3\)"),
+    (lambda: ops.attention_forward(F((1, 2, 6)), F((1, 2, 6)), F((1, 2, 6)), 4), r"'n_heads' expected a positive divisor of C = 6, got 4"),
+    (lambda: ops.attention_forward(F((1, 2, 6)), F((1, 3, 6)), F((1, 2, 6)), 2), r"'k' expected shape \(B, T, C\) as q = \(1, 2, 6\), got \(1, 3, 6\)"),
+    (lambda: ops.attention_forward(F((2, 3, 4)), F((2, 3, 4)), F((2, 3, 4)), 2, F((2, 1, 1, 5))), r"'mask' expected a shape that broadcasts to \(2, 2, 3, 3\), got \(2, 1, 1, 5\)"),
+    (lambda: ops.cross_entropy_forward(F((4, 3)), np.array([0, 1, 2])), r"'labels' expected an integer array of shape \(4,\)"),
+    (lambda: ops.cross_entropy_forward(F((2, 3)), np.array([0, 3])), r"'labels' expected values in \[0, 3\) or -100, got 3"),
+    (lambda: ops.cross_entropy_forward(np.array([[np.nan, 0.0]]), np.array([0])), r"'logits' expected finite rows"),
+    (lambda: ops.mse_forward(F(3), F(4)), r"'target' expected shape \(same as pred\) = \(3,\), got \(4,\)"),
+    (lambda: ops.tanh_backward(F(2), ops.tanh_forward(F(3))[1]), r"tanh: argument 'dout' expected an array of shape \(3,\)"),
+    (lambda: ops.cross_entropy_backward(F(2), ops.cross_entropy_forward(F((1, 2)), np.array([0]))[1]), r"'dloss' expected a scalar"),
+])
+def test_bad_input_names_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
