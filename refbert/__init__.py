@@ -6,3 +6,7 @@ over every op.
 from . import gradcheck, ops  # noqa: F401
 
 __version__ = "0.1.0"
+from .config import BertConfig  # noqa: E402,F401
+from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction,  # noqa: E402,F401
+                    BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+                    BertForTokenClassification, BertModel, decode_qa_span)

@@ -103,3 +103,49 @@ def check_pair(forward, backward, inputs, wrt, seed=0, h=STEP, mode="auto", max_
             err = max(err, rel_error(analytic, numeric, floor))
         errors[name] = err
     return errors
+
+
+def check_model(model, inputs, seed=0, n_dirs=2, h=STEP, dropout_seed=1234):
+    """Whole-model check: for each parameter tensor, directional derivatives of the loss along n_dirs random
+    directions against model.backward(). Returns {parameter name: rel_error}.
+
+    The model should be float64. Heads are differentiated through their loss (inputs must carry labels); a
+    BertModel through L = sum(last_hidden_state * D1) + sum(pooler_output * D2) with random D1, D2. The dropout
+    generator is re-seeded before every forward, so training-mode runs see the same masks at every step. The
+    padding row of the word embeddings is held fixed, as torch's padding_idx treats it.
+    """
+    rng = np.random.default_rng(seed)
+    is_encoder = not hasattr(model, "_finish")
+    upstream = {}
+
+    def loss():
+        model.dropout_rng = np.random.default_rng(dropout_seed)
+        out = model.forward(**inputs)
+        if not is_encoder:
+            return float(out.loss)
+        if not upstream:
+            upstream["dlast_hidden_state"] = rng.standard_normal(out.last_hidden_state.shape)
+            if out.pooler_output is not None:
+                upstream["dpooler_output"] = rng.standard_normal(out.pooler_output.shape)
+        return float(sum(np.sum(out[k[1:]] * d) for k, d in upstream.items()))
+
+    L0 = loss()
+    grads = model.backward(**upstream) if is_encoder else model.backward()
+    floor = max(1e-8, 4 * np.finfo(np.float64).eps * max(abs(L0), 1.0) / h / TOLERANCE)
+    errors = {}
+    for name, p in model.parameters().items():
+        err, old = 0.0, p.copy()
+        for _ in range(n_dirs):
+            d = rng.standard_normal(p.shape)
+            if name.endswith("word_embeddings.weight") and model.config.pad_token_id is not None:
+                d[model.config.pad_token_id] = 0  # torch's padding_idx: that row is a constant, its gradient 0
+            p[...] = old + h * d
+            step, lp = p.copy(), loss()
+            p[...] = old - h * d
+            step -= p
+            lm = loss()
+            p[...] = old
+            numeric, analytic = (lp - lm) / (2 * h), float(np.sum(grads[name] * step)) / (2 * h)
+            err = max(err, rel_error(analytic, numeric, floor))
+        errors[name] = err
+    return errors

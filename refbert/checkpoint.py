@@ -1,0 +1,118 @@
+"""Hugging Face checkpoint folders in and out: config.json + model.safetensors (or a sharded index).
+
+Loading is all-or-nothing: every file is read and every key and shape checked before a model is returned, so a
+corrupt file, a shape mismatch or a missing encoder weight raises a ValueError naming the file and the key, and never
+yields a half-loaded model. As in HF, head weights the file does not have (a classifier on a pretrained encoder) are
+freshly initialised and listed, and keys the class does not use are listed; both land in `model.loading_info`.
+"""
+import copy
+import json
+import os
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+
+from . import safetensors_io
+from .config import BertConfig
+from .model import parameter_shapes
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+ENCODER = ("embeddings.", "encoder.")      # must be in the file; anything else may be (re)initialised
+
+
+def _read_tensors(path, dtype):
+    """{key: array} from model.safetensors or the shards named by model.safetensors.index.json."""
+    single, index = os.path.join(path, WEIGHTS), os.path.join(path, INDEX)
+    if os.path.isfile(single):
+        return safetensors_io.load_file(single, dtype=dtype), single
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: expected a JSON object with a 'weight_map', got an unreadable file ({e})") from None
+        tensors = {}
+        for shard in shards:
+            tensors.update(safetensors_io.load_file(os.path.join(path, shard), dtype=dtype))
+        return tensors, index
+    found = sorted(os.listdir(path))
+    hint = " (PyTorch pickles are not read: re-save with safe_serialization=True)" \
+        if "pytorch_model.bin" in found else ""
+    raise ValueError(f"{path}: expected {WEIGHTS} or {INDEX}, found {found}{hint}")
+
+
+def _normalise(tensors, prefix):
+    """Map a file's keys to refbert's: old TF-era LayerNorm names, the 'bert.' prefix either way, buffers dropped."""
+    out = {}
+    for key, t in tensors.items():
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if key.endswith("position_ids") or key.endswith("token_type_ids"):
+            continue                                    # buffers some checkpoints carry, not parameters
+        if prefix and key.startswith(("embeddings.", "encoder.", "pooler.")):
+            key = prefix + key                          # a bare BertModel file into a head class
+        elif not prefix and key.startswith("bert."):
+            key = key[len("bert."):]                    # a head's file into BertModel
+        out[key] = t
+    # the MLM decoder is tied: its weight is the word embedding, its bias is cls.predictions.bias
+    out.pop("cls.predictions.decoder.weight", None)
+    bias = out.pop("cls.predictions.decoder.bias", None)
+    if bias is not None:
+        out.setdefault("cls.predictions.bias", bias)
+    return out
+
+
+def load_pretrained(cls, path, dtype=np.float32, backend="numpy"):
+    """cls.from_pretrained(path): a model in eval mode, as HF's from_pretrained returns."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{cls.__name__}.from_pretrained: argument 'path' expected a checkpoint folder, got {path!r}")
+    config = BertConfig.from_pretrained(path)
+    if not config.extra.get("tie_word_embeddings", True):
+        raise ValueError(f"{os.path.join(path, 'config.json')}: tie_word_embeddings=false is not supported "
+                         f"(BERT ties the MLM decoder to the word embeddings)")
+    tensors, source = _read_tensors(path, np.dtype(dtype))
+    model = cls(config, dtype=dtype, backend=backend)
+    want = model.params
+    tensors = _normalise(tensors, model.prefix)
+    for key, t in tensors.items():
+        if key in want and t.shape != want[key].shape:
+            raise ValueError(f"{source}: key '{key}' expected shape {want[key].shape} (from config.json), got {t.shape}")
+    missing = [k for k in want if k not in tensors]
+    encoder_missing = [k for k in missing if k[len(model.prefix):].startswith(ENCODER)]
+    if encoder_missing:
+        raise ValueError(f"{source}: expected every encoder weight, missing {len(encoder_missing)} "
+                         f"(first: '{encoder_missing[0]}')")
+    unexpected = sorted(k for k in tensors if k not in want)
+    for key in want:
+        if key in tensors:
+            want[key] = np.ascontiguousarray(tensors[key], dtype=model.dtype)
+    if missing:
+        warnings.warn(f"{cls.__name__}.from_pretrained({path!r}): newly initialised (not in the checkpoint): {missing}")
+    if unexpected:
+        warnings.warn(f"{cls.__name__}.from_pretrained({path!r}): unused keys in the checkpoint: {unexpected}")
+    model.loading_info = {"missing_keys": missing, "unexpected_keys": unexpected}
+    return model.eval()
+
+
+def save_pretrained(model, path):
+    """Write config.json and model.safetensors so that transformers' from_pretrained loads an equal model.
+    A new folder appears whole (written beside it, then renamed); in an existing folder each file is replaced
+    atomically, so a crash never leaves a truncated file."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    fresh = not os.path.exists(path)
+    target = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path))) if fresh else path
+    try:
+        safetensors_io.save_file(dict(model.params), os.path.join(target, WEIGHTS), metadata={"format": "pt"})
+        config.to_json_file(os.path.join(target, "config.json"))
+        if fresh:
+            os.rename(target, path)
+    except BaseException:
+        if fresh:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
+__all__ = ["load_pretrained", "save_pretrained", "parameter_shapes"]

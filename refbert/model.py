@@ -1,0 +1,726 @@
+"""The whole BERT in NumPy: embeddings, post-LN encoder, pooler and every head, with a hand-written backward.
+
+Everything is built from the op pairs of refbert.ops (or a backend with the same names): each block below is a
+`<block>_forward(P, name, ...) -> (out, cache)` / `<block>_backward(dout, cache, grads) -> dinput` pair that reads
+its parameters from the dict P and adds its parameter gradients to `grads` under the same names. The classes at
+the bottom wire blocks together with Hugging Face's class names, argument names, output fields and semantics.
+
+Parameters (HF names and layouts; heads prefix the encoder with "bert."; V vocab, P max positions, S segment
+types, C hidden, I intermediate, L layers, K labels):
+
+    embeddings.word_embeddings.weight                    (V, C)   lookup; row pad_token_id gets no gradient
+    embeddings.position_embeddings.weight                (P, C)   learned absolute positions
+    embeddings.token_type_embeddings.weight              (S, C)   segment A / B
+    embeddings.LayerNorm.{weight,bias}                   (C,)
+    encoder.layer.{l}.attention.self.{query,key,value}.weight (C, C), .bias (C,)
+    encoder.layer.{l}.attention.output.dense.weight      (C, C), .bias (C,)
+    encoder.layer.{l}.attention.output.LayerNorm.{weight,bias} (C,)
+    encoder.layer.{l}.intermediate.dense.weight          (I, C), .bias (I,)
+    encoder.layer.{l}.output.dense.weight                (C, I), .bias (C,)
+    encoder.layer.{l}.output.LayerNorm.{weight,bias}     (C,)
+    pooler.dense.weight                                  (C, C), .bias (C,)   tanh(dense(h[:, 0]))
+    cls.predictions.transform.dense.weight               (C, C), .bias (C,)   MLM: dense -> act -> LayerNorm
+    cls.predictions.transform.LayerNorm.{weight,bias}    (C,)
+    cls.predictions.bias                                 (V,)     decoder weight = word_embeddings.weight (tied)
+    cls.seq_relationship.weight                          (2, C), .bias (2,)   NSP: 0 = "B follows A", 1 = random
+    classifier.weight                                    (K, C), .bias (K,)   sequence/token classification
+    qa_outputs.weight                                    (2, C), .bias (2,)   QA start/end logits
+
+References: Devlin et al. 2019 (arXiv:1810.04805); HF transformers models/bert/modeling_bert.py.
+"""
+import numpy as np
+
+from . import ops as numpy_ops
+from . import validate as V
+from .config import BertConfig
+
+
+def get_backend(name):
+    """The module whose <op>_forward/<op>_backward the model calls. "numpy" is the oracle, refbert.ops."""
+    if name == "numpy":
+        return numpy_ops
+    raise ValueError(f"backend: expected 'numpy' (fused kernels arrive with refbert_kernels), got {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parameters: names, shapes, initialisation
+
+def parameter_shapes(config, head="BertModel"):
+    """{name: shape} in the order of torch's named_parameters() for the HF class `head` (tied decoder counted once)."""
+    c = config
+    C, I = c.hidden_size, c.intermediate_size
+    pre = "" if head == "BertModel" else "bert."
+    pooler = head in ("BertModel", "BertForPreTraining", "BertForNextSentencePrediction",
+                      "BertForSequenceClassification", "BertForMultipleChoice")
+    lin = lambda n, o, i: {f"{n}.weight": (o, i), f"{n}.bias": (o,)}  # noqa: E731
+    ln = lambda n: {f"{n}.weight": (C,), f"{n}.bias": (C,)}  # noqa: E731
+    s = {f"{pre}embeddings.word_embeddings.weight": (c.vocab_size, C),
+         f"{pre}embeddings.position_embeddings.weight": (c.max_position_embeddings, C),
+         f"{pre}embeddings.token_type_embeddings.weight": (c.type_vocab_size, C),
+         **ln(f"{pre}embeddings.LayerNorm")}
+    for l in range(c.num_hidden_layers):
+        p = f"{pre}encoder.layer.{l}."
+        s.update({**lin(p + "attention.self.query", C, C), **lin(p + "attention.self.key", C, C),
+                  **lin(p + "attention.self.value", C, C), **lin(p + "attention.output.dense", C, C),
+                  **ln(p + "attention.output.LayerNorm"), **lin(p + "intermediate.dense", I, C),
+                  **lin(p + "output.dense", C, I), **ln(p + "output.LayerNorm")})
+    if pooler:
+        s.update(lin(f"{pre}pooler.dense", C, C))
+    if head in ("BertForPreTraining", "BertForMaskedLM"):
+        s.update({"cls.predictions.bias": (c.vocab_size,), **lin("cls.predictions.transform.dense", C, C),
+                  **ln("cls.predictions.transform.LayerNorm")})
+    if head in ("BertForPreTraining", "BertForNextSentencePrediction"):
+        s.update(lin("cls.seq_relationship", 2, C))
+    if head in ("BertForSequenceClassification", "BertForTokenClassification"):
+        s.update(lin("classifier", c.num_labels, C))
+    if head == "BertForMultipleChoice":
+        s.update(lin("classifier", 1, C))
+    if head == "BertForQuestionAnswering":
+        s.update(lin("qa_outputs", c.num_labels, C))  # HF sizes it by num_labels, which must be 2 (start, end)
+    return s
+
+
+def init_parameters(config, shapes, rng, dtype):
+    """HF's init: weights ~ normal(0, initializer_range), biases 0, LayerNorm 1 / 0, the padding row 0.
+    Drawn in float64 and cast, so a float32 and a float64 model from one seed hold the same numbers."""
+    params = {}
+    for name, shape in shapes.items():
+        if "LayerNorm" in name:
+            params[name] = (np.ones if name.endswith("weight") else np.zeros)(shape, dtype)
+        elif name.endswith("bias"):
+            params[name] = np.zeros(shape, dtype)
+        else:
+            params[name] = (rng.standard_normal(shape) * config.initializer_range).astype(dtype)
+            if name.endswith("word_embeddings.weight") and config.pad_token_id is not None:
+                params[name][config.pad_token_id] = 0
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# blocks: forward/backward pairs over the parameter dict. `ctx` carries ops, dropout rng and train flag.
+
+class _Ctx:
+    def __init__(self, ops, rng, train):
+        self.ops, self.rng, self.train = ops, rng, train
+
+    def dropout(self, x, p):
+        return self.ops.dropout_forward(x, p, self.rng, self.train)
+
+
+def _add_grads(grads, name, dw, db=None):
+    """Parameter gradients: set on first sight; the tied word embedding is the one place a sum happens."""
+    for key, g in ((f"{name}.weight", dw), (f"{name}.bias", db)):
+        if g is not None:
+            grads[key] = grads[key] + g if key in grads else g
+
+
+def linear_forward(ctx, P, name, x):
+    out, cache = ctx.ops.linear_forward(x, P[name + ".weight"], P[name + ".bias"])
+    return out, (name, cache)
+
+
+def linear_backward(ctx, dout, cache, grads):
+    name, c = cache
+    dx, dw, db = ctx.ops.linear_backward(dout, c)
+    _add_grads(grads, name, dw, db)
+    return dx
+
+
+def layernorm_forward(ctx, P, name, x, eps):
+    out, cache = ctx.ops.layernorm_forward(x, P[name + ".weight"], P[name + ".bias"], eps)
+    return out, (name, cache)
+
+
+def layernorm_backward(ctx, dout, cache, grads):
+    name, c = cache
+    dx, dw, db = ctx.ops.layernorm_backward(dout, c)
+    _add_grads(grads, name, dw, db)
+    return dx
+
+
+def embeddings_forward(ctx, P, pre, cfg, input_ids, token_type_ids, position_ids):
+    """h = dropout(LayerNorm(word[input_ids] + token_type[token_type_ids] + position[position_ids])).  (B, T, C)"""
+    o = ctx.ops
+    we, c_w = o.embedding_forward(input_ids, P[pre + "word_embeddings.weight"], cfg.pad_token_id)
+    te, c_t = o.embedding_forward(token_type_ids, P[pre + "token_type_embeddings.weight"])
+    pe, c_p = o.embedding_forward(position_ids, P[pre + "position_embeddings.weight"])
+    x = we + te + pe                                    # (B, T, C): three lookups, summed
+    h, c_ln = layernorm_forward(ctx, P, pre + "LayerNorm", x, cfg.layer_norm_eps)
+    h, c_do = ctx.dropout(h, cfg.hidden_dropout_prob)
+    return h, (pre, c_w, c_t, c_p, c_ln, c_do)
+
+
+def embeddings_backward(ctx, dh, cache, grads):
+    pre, c_w, c_t, c_p, c_ln, c_do = cache
+    o = ctx.ops
+    dx = layernorm_backward(ctx, o.dropout_backward(dh, c_do), c_ln, grads)
+    # the sum sends dx unchanged to all three tables; each lookup scatters it back into its rows
+    _add_grads(grads, pre + "word_embeddings", o.embedding_backward(dx, c_w))
+    _add_grads(grads, pre + "token_type_embeddings", o.embedding_backward(dx, c_t))
+    _add_grads(grads, pre + "position_embeddings", o.embedding_backward(dx, c_p))
+
+
+def layer_forward(ctx, P, pre, cfg, x, mask):
+    """One post-LN encoder layer (B, T, C) -> (B, T, C):
+        a  = attention(x W_q^T, x W_k^T, x W_v^T)            multi-head self-attention core
+        h1 = LayerNorm(x + dropout(a W_o^T))                  residual, then LayerNorm (post-LN, as BERT)
+        h2 = LayerNorm(h1 + dropout(gelu(h1 W_i^T) W_out^T))  feed-forward C -> I -> C
+    """
+    o, eps = ctx.ops, cfg.layer_norm_eps
+    q, c_q = linear_forward(ctx, P, pre + "attention.self.query", x)
+    k, c_k = linear_forward(ctx, P, pre + "attention.self.key", x)
+    v, c_v = linear_forward(ctx, P, pre + "attention.self.value", x)
+    a, c_att = o.attention_forward(q, k, v, cfg.num_attention_heads, mask, cfg.attention_probs_dropout_prob,
+                                   ctx.rng, ctx.train)
+    a, c_ao = linear_forward(ctx, P, pre + "attention.output.dense", a)
+    a, c_ad = ctx.dropout(a, cfg.hidden_dropout_prob)
+    h1, c_ln1 = layernorm_forward(ctx, P, pre + "attention.output.LayerNorm", x + a, eps)  # residual
+    f, c_fi = linear_forward(ctx, P, pre + "intermediate.dense", h1)   # (B, T, I)
+    f, c_act = o.gelu_forward(f, cfg.gelu_approximate)
+    f, c_fo = linear_forward(ctx, P, pre + "output.dense", f)          # (B, T, C)
+    f, c_fd = ctx.dropout(f, cfg.hidden_dropout_prob)
+    h2, c_ln2 = layernorm_forward(ctx, P, pre + "output.LayerNorm", h1 + f, eps)  # residual
+    return h2, (c_q, c_k, c_v, c_att, c_ao, c_ad, c_ln1, c_fi, c_act, c_fo, c_fd, c_ln2)
+
+
+def layer_backward(ctx, dh2, cache, grads):
+    c_q, c_k, c_v, c_att, c_ao, c_ad, c_ln1, c_fi, c_act, c_fo, c_fd, c_ln2 = cache
+    o = ctx.ops
+    ds2 = layernorm_backward(ctx, dh2, c_ln2, grads)   # gradient of h1 + f
+    df = o.dropout_backward(ds2, c_fd)
+    df = linear_backward(ctx, df, c_fo, grads)
+    df = o.gelu_backward(df, c_act)
+    dh1 = ds2 + linear_backward(ctx, df, c_fi, grads)   # h1 fed both the skip and the feed-forward: sum
+    ds1 = layernorm_backward(ctx, dh1, c_ln1, grads)   # gradient of x + a
+    da = linear_backward(ctx, o.dropout_backward(ds1, c_ad), c_ao, grads)
+    dq, dk, dv = o.attention_backward(da, c_att)
+    # x fed the skip and all three projections: four paths, summed
+    return ds1 + linear_backward(ctx, dq, c_q, grads) + linear_backward(ctx, dk, c_k, grads) \
+        + linear_backward(ctx, dv, c_v, grads)
+
+
+def pooler_forward(ctx, P, pre, h):
+    """pooled = tanh(h[:, 0] W^T + b): the [CLS] position.  (B, T, C) -> (B, C)"""
+    z, c_d = linear_forward(ctx, P, pre + "pooler.dense", h[:, 0])
+    out, c_t = ctx.ops.tanh_forward(z)
+    return out, (h.shape, c_d, c_t)
+
+
+def pooler_backward(ctx, dout, cache, grads):
+    shape, c_d, c_t = cache
+    dh = np.zeros(shape, dout.dtype)                    # only position 0 was read
+    dh[:, 0] = linear_backward(ctx, ctx.ops.tanh_backward(dout, c_t), c_d, grads)
+    return dh
+
+
+def mlm_head_forward(ctx, P, cfg, h, word_emb_name):
+    """logits = LayerNorm(act(h W_t^T + b_t)) E^T + bias, with E the word embeddings (tied).  (B, T, C) -> (B, T, V)"""
+    t, c_d = linear_forward(ctx, P, "cls.predictions.transform.dense", h)
+    t, c_a = ctx.ops.gelu_forward(t, cfg.gelu_approximate)
+    t, c_ln = layernorm_forward(ctx, P, "cls.predictions.transform.LayerNorm", t, cfg.layer_norm_eps)
+    logits, c_dec = ctx.ops.linear_forward(t, P[word_emb_name], P["cls.predictions.bias"])
+    return logits, (c_d, c_a, c_ln, c_dec, word_emb_name)
+
+
+def mlm_head_backward(ctx, dlogits, cache, grads):
+    c_d, c_a, c_ln, c_dec, word_emb_name = cache
+    dt, dE, dbias = ctx.ops.linear_backward(dlogits, c_dec)
+    grads["cls.predictions.bias"] = dbias
+    _add_grads(grads, word_emb_name[:-len(".weight")], dE)  # tied: the decoder's share of the embedding gradient
+    dt = layernorm_backward(ctx, dt, c_ln, grads)
+    return linear_backward(ctx, ctx.ops.gelu_backward(dt, c_a), c_d, grads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# outputs: HF's field names; attribute and key access
+
+class ModelOutput(dict):
+    """A dict with attribute access, like transformers.utils.ModelOutput (fields that are None are kept)."""
+    __getattr__ = dict.__getitem__
+
+    def __repr__(self):
+        show = {k: (v.shape if hasattr(v, "shape") else v) for k, v in self.items()}
+        return f"{type(self).__name__}({show})"
+
+
+class BaseModelOutputWithPooling(ModelOutput): pass          # noqa: E701
+class BertForPreTrainingOutput(ModelOutput): pass            # noqa: E701
+class MaskedLMOutput(ModelOutput): pass                      # noqa: E701
+class NextSentencePredictorOutput(ModelOutput): pass         # noqa: E701
+class SequenceClassifierOutput(ModelOutput): pass            # noqa: E701
+class TokenClassifierOutput(ModelOutput): pass               # noqa: E701
+class QuestionAnsweringModelOutput(ModelOutput): pass        # noqa: E701
+class MultipleChoiceModelOutput(ModelOutput): pass           # noqa: E701
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the models
+
+class BertPreTrainedModel:
+    """Shared machinery: parameters, train/eval, the encoder pass, backward bookkeeping, checkpoints."""
+    prefix = "bert."
+
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy"):
+        if not isinstance(config, BertConfig):
+            raise ValueError(f"{type(self).__name__}: argument 'config' expected a refbert.BertConfig, "
+                             f"got {type(config).__name__}")
+        dtype = np.dtype(dtype)
+        if dtype.type not in V.FLOATS:
+            raise ValueError(f"{type(self).__name__}: argument 'dtype' expected float32 or float64, got {dtype}")
+        self.config, self.dtype, self.backend = config, dtype, backend
+        self.ops = get_backend(backend)
+        init_ss, dropout_ss = np.random.SeedSequence(seed).spawn(2)
+        self.params = init_parameters(config, parameter_shapes(config, type(self).__name__),
+                                      np.random.default_rng(init_ss), dtype)
+        self.dropout_rng = np.random.default_rng(dropout_ss)  # dropout masks: reproducible from the seed
+        self.training = True                                  # as a freshly built torch module
+        self._cache = None
+
+    # -- the API that carries the backward --
+    def parameters(self):
+        """{name: array}: the live arrays (edit them in place to change the model), keyed as torch's named_parameters()."""
+        return self.params
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def num_parameters(self):
+        return sum(p.size for p in self.params.values())
+
+    def backward(self, dloss=1.0):
+        """Gradients of the loss of the last forward (which must have had labels): {name: array}, same keys as
+        parameters(). Releases the forward's caches."""
+        name = type(self).__name__
+        if self._cache is None:
+            raise ValueError(f"{name}.backward: expected a forward() first (each forward allows one backward), got none")
+        if self._cache[0] is None:
+            raise ValueError(f"{name}.backward: expected a forward with labels (the loss to differentiate), "
+                             f"got a forward without them")
+        loss_backward, cache = self._cache
+        self._cache = None
+        grads = {}
+        loss_backward(dloss, cache, grads)
+        return _ordered(grads, self.params)
+
+    # -- the encoder, shared by every class --
+    def _ctx(self):
+        return _Ctx(self.ops, self.dropout_rng, self.training)
+
+    def _encode(self, ctx, input_ids, attention_mask, token_type_ids, position_ids, pooler, want_hidden, want_att):
+        cfg, P, pre = self.config, self.params, self.prefix
+        ids, tt, pos, mask = _check_inputs(type(self).__name__, cfg, self.dtype, input_ids, attention_mask,
+                                           token_type_ids, position_ids)
+        h, c_emb = embeddings_forward(ctx, P, pre + "embeddings.", cfg, ids, tt, pos)
+        hidden, atts, c_layers = [h], [], []
+        for l in range(cfg.num_hidden_layers):
+            h, c = layer_forward(ctx, P, f"{pre}encoder.layer.{l}.", cfg, h, mask)
+            c_layers.append(c)
+            hidden.append(h)
+            if want_att:
+                atts.append(ctx.ops.attention_probs(c[3]))
+        pooled, c_pool = pooler_forward(ctx, P, pre, h) if pooler else (None, None)
+        out = dict(last_hidden_state=h, pooler_output=pooled,
+                   hidden_states=tuple(hidden) if want_hidden else None, attentions=tuple(atts) if want_att else None)
+        return out, (c_emb, c_layers, c_pool)
+
+    def _encode_backward(self, ctx, dseq, dpooled, cache, grads):
+        c_emb, c_layers, c_pool = cache
+        if dpooled is not None:
+            dp = pooler_backward(ctx, dpooled, c_pool, grads)
+            dseq = dp if dseq is None else dseq + dp
+        for c in reversed(c_layers):
+            dseq = layer_backward(ctx, dseq, c, grads)
+        embeddings_backward(ctx, dseq, c_emb, grads)
+
+    # -- checkpoints (refbert.checkpoint) --
+    @classmethod
+    def from_pretrained(cls, path, dtype=np.float32, backend="numpy"):
+        from .checkpoint import load_pretrained
+        return load_pretrained(cls, path, dtype=dtype, backend=backend)
+
+    def save_pretrained(self, path):
+        from .checkpoint import save_pretrained
+        save_pretrained(self, path)
+
+
+def _ordered(grads, params):
+    """Gradients in parameters() order; a parameter the loss never reached (the pooler, when only
+    last_hidden_state has a gradient) gets zeros."""
+    return {k: grads[k] if k in grads else np.zeros_like(p) for k, p in params.items()}
+
+
+def _check_inputs(who, cfg, dtype, input_ids, attention_mask, token_type_ids, position_ids):
+    """Validate the encoder inputs and fill HF's defaults. Returns ids, token types, positions (B, T) and the
+    additive mask (B, 1, 1, T) or None."""
+    if not isinstance(input_ids, np.ndarray) or input_ids.ndim != 2 or not np.issubdtype(input_ids.dtype, np.integer):
+        raise ValueError(f"{who}: argument 'input_ids' expected an integer array of shape (B, T), got {V._desc(input_ids)}")
+    B, T = input_ids.shape
+    if T == 0 or T > cfg.max_position_embeddings:
+        raise ValueError(f"{who}: argument 'input_ids' expected a sequence length T in [1, {cfg.max_position_embeddings}]"
+                         f" (max_position_embeddings), got T = {T}")
+    V.ids(who, "input_ids", input_ids, cfg.vocab_size)
+    if token_type_ids is None:
+        token_type_ids = np.zeros((B, T), np.int64)
+    V.shape(who, "token_type_ids", np.asarray(token_type_ids), (B, T), "(B, T) as input_ids")
+    V.ids(who, "token_type_ids", token_type_ids, cfg.type_vocab_size)
+    if position_ids is None:
+        position_ids = np.arange(T)
+    position_ids = np.asarray(position_ids)
+    try:
+        position_ids = np.broadcast_to(position_ids, (B, T))
+    except ValueError:
+        raise ValueError(f"{who}: argument 'position_ids' expected a shape that broadcasts to {(B, T)}, "
+                         f"got {position_ids.shape}") from None
+    V.ids(who, "position_ids", position_ids, cfg.max_position_embeddings)
+    if attention_mask is None:
+        return input_ids, token_type_ids, position_ids, None
+    am = attention_mask
+    if not isinstance(am, np.ndarray) or am.shape != (B, T):
+        raise ValueError(f"{who}: argument 'attention_mask' expected an array of shape {(B, T)} (as input_ids), "
+                         f"got {V._desc(am)}")
+    if not np.isin(am, (0, 1)).all():
+        raise ValueError(f"{who}: argument 'attention_mask' expected only 0 (padding) and 1 (real token), "
+                         f"got values {np.unique(am)[:5]}")
+    empty = np.flatnonzero(am.sum(1) == 0)
+    if empty.size:
+        raise ValueError(f"{who}: argument 'attention_mask' expected at least one real token per row, "
+                         f"got row {int(empty[0])} with none")
+    # HF's extended mask: 0 where attended, the dtype's most negative number where padded
+    mask = ((1 - am.astype(dtype)) * np.finfo(dtype).min)[:, None, None, :]  # (B, 1, 1, T)
+    return input_ids, token_type_ids, position_ids, mask
+
+
+class BertModel(BertPreTrainedModel):
+    """The encoder: last_hidden_state (B, T, C) and pooler_output (B, C)."""
+    prefix = ""
+
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", add_pooling_layer=True):
+        self.add_pooling_layer = add_pooling_layer
+        super().__init__(config, seed, dtype, backend)
+        if not add_pooling_layer:
+            for k in ("pooler.dense.weight", "pooler.dense.bias"):
+                del self.params[k]
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                output_hidden_states=False, output_attentions=False):
+        ctx = self._ctx()
+        out, cache = self._encode(ctx, input_ids, attention_mask, token_type_ids, position_ids,
+                                  self.add_pooling_layer, output_hidden_states, output_attentions)
+        self._cache = (None, (ctx, cache, out["last_hidden_state"].shape))
+        return BaseModelOutputWithPooling(out)
+
+    def backward(self, dlast_hidden_state=None, dpooler_output=None):
+        """Gradients of sum(dlast_hidden_state * last_hidden_state) + sum(dpooler_output * pooler_output):
+        {name: array} with the keys of parameters(). At least one of the two must be given."""
+        if self._cache is None:
+            raise ValueError("BertModel.backward: expected a forward() first (each forward allows one backward), got none")
+        if dlast_hidden_state is None and dpooler_output is None:
+            raise ValueError("BertModel.backward: expected dlast_hidden_state and/or dpooler_output, got neither")
+        _, (ctx, cache, shape) = self._cache
+        if dpooler_output is not None and not self.add_pooling_layer:
+            raise ValueError("BertModel.backward: argument 'dpooler_output' given, but the model has no pooler")
+        if dlast_hidden_state is not None:
+            V.dout("BertModel.backward", dlast_hidden_state, shape, self.dtype)
+        if dpooler_output is not None:
+            V.dout("BertModel.backward", dpooler_output, (shape[0], shape[2]), self.dtype)
+        self._cache = None
+        grads = {}
+        self._encode_backward(ctx, dlast_hidden_state, dpooler_output, cache, grads)
+        return _ordered(grads, self.params)
+
+
+class _Head(BertPreTrainedModel):
+    """A task head on the encoder. Subclasses define forward(); a loss, when labels are given, stores its backward."""
+    pooler = True
+
+    def _run(self, kw):
+        ctx = self._ctx()
+        enc, cache = self._encode(ctx, kw["input_ids"], kw.get("attention_mask"), kw.get("token_type_ids"),
+                                  kw.get("position_ids"), self.pooler, kw.get("output_hidden_states", False),
+                                  kw.get("output_attentions", False))
+        return ctx, enc, cache
+
+    def _finish(self, out_cls, ctx, enc, enc_cache, loss, head_backward, **fields):
+        """Store what backward needs and build the output. head_backward(dloss, grads) -> (dseq, dpooled)."""
+        def loss_backward(dloss, _cache, grads):
+            dseq, dpooled = head_backward(dloss, grads)
+            self._encode_backward(ctx, dseq, dpooled, enc_cache, grads)
+        self._cache = (loss_backward if loss is not None else None, None)
+        return out_cls(loss=loss, **fields, hidden_states=enc["hidden_states"], attentions=enc["attentions"])
+
+    def _labels(self, name, labels, shape, upper, allow=-100):
+        if not isinstance(labels, np.ndarray) or labels.shape != shape:
+            raise ValueError(f"{type(self).__name__}: argument '{name}' expected an integer array of shape {shape}, "
+                             f"got {V._desc(labels)}")
+        V.ids(type(self).__name__, name, labels, upper, allow=allow)
+
+
+class BertForPreTraining(_Head):
+    """MLM + NSP, as BERT was pretrained: loss = CE(prediction_logits, labels) + CE(seq_relationship_logits,
+    next_sentence_label) (both labels are needed for a loss, as in HF)."""
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None, output_hidden_states=False, output_attentions=False):
+        kw = locals()
+        ctx, enc, cache = self._run(kw)
+        P, cfg, o = self.params, self.config, self.ops
+        logits, c_mlm = mlm_head_forward(ctx, P, cfg, enc["last_hidden_state"], "bert.embeddings.word_embeddings.weight")
+        nsp, c_nsp = linear_forward(ctx, P, "cls.seq_relationship", enc["pooler_output"])
+        loss = head_backward = None
+        if labels is not None and next_sentence_label is not None:
+            self._labels("labels", labels, input_ids.shape, cfg.vocab_size)
+            self._labels("next_sentence_label", next_sentence_label, (input_ids.shape[0],), 2)
+            l_mlm, c_l1 = o.cross_entropy_forward(logits, labels)
+            l_nsp, c_l2 = o.cross_entropy_forward(nsp, next_sentence_label)
+            loss = l_mlm + l_nsp                         # summed, as in the paper and HF
+
+            def head_backward(dloss, grads):
+                dseq = mlm_head_backward(ctx, o.cross_entropy_backward(dloss, c_l1), c_mlm, grads)
+                dpooled = linear_backward(ctx, o.cross_entropy_backward(dloss, c_l2), c_nsp, grads)
+                return dseq, dpooled
+        return self._finish(BertForPreTrainingOutput, ctx, enc, cache, loss, head_backward,
+                            prediction_logits=logits, seq_relationship_logits=nsp)
+
+
+class BertForMaskedLM(_Head):
+    """MLM only (no pooler): logits (B, T, V); loss = CE over positions whose label is not -100."""
+    pooler = False
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False, output_attentions=False):
+        ctx, enc, cache = self._run(locals())
+        o = self.ops
+        logits, c_mlm = mlm_head_forward(ctx, self.params, self.config, enc["last_hidden_state"],
+                                         "bert.embeddings.word_embeddings.weight")
+        loss = head_backward = None
+        if labels is not None:
+            self._labels("labels", labels, input_ids.shape, self.config.vocab_size)
+            loss, c_l = o.cross_entropy_forward(logits, labels)
+
+            def head_backward(dloss, grads):
+                return mlm_head_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_mlm, grads), None
+        return self._finish(MaskedLMOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+class BertForNextSentencePrediction(_Head):
+    """NSP: logits (B, 2) from the pooled [CLS]; label 0 = "B follows A", 1 = "B is random"."""
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False, output_attentions=False):
+        ctx, enc, cache = self._run(locals())
+        o = self.ops
+        logits, c_nsp = linear_forward(ctx, self.params, "cls.seq_relationship", enc["pooler_output"])
+        loss = head_backward = None
+        if labels is not None:
+            self._labels("labels", labels, (input_ids.shape[0],), 2, allow=None)
+            loss, c_l = o.cross_entropy_forward(logits, labels)
+
+            def head_backward(dloss, grads):
+                return None, linear_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_nsp, grads)
+        return self._finish(NextSentencePredictorOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+class BertForSequenceClassification(_Head):
+    """Single sentences and sentence pairs (NLI): logits = classifier(dropout(pooled)), (B, num_labels).
+    Loss as HF's problem_type: num_labels == 1 -> regression (MSE); integer labels -> cross-entropy."""
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False, output_attentions=False):
+        ctx, enc, cache = self._run(locals())
+        cfg, o = self.config, self.ops
+        pooled, c_do = ctx.dropout(enc["pooler_output"], _classifier_dropout(cfg))
+        logits, c_cls = linear_forward(ctx, self.params, "classifier", pooled)
+        loss = head_backward = None
+        if labels is not None:
+            B = input_ids.shape[0]
+            if cfg.num_labels == 1 or cfg.problem_type == "regression":
+                if not isinstance(labels, np.ndarray) or labels.size != logits.size:
+                    raise ValueError(f"BertForSequenceClassification: argument 'labels' expected {logits.size} "
+                                     f"regression targets, got {V._desc(labels)}")
+                loss, c_l = o.mse_forward(logits, labels.reshape(logits.shape).astype(self.dtype))
+                dlogits_of = lambda d: o.mse_backward(d, c_l)[0]  # noqa: E731
+            else:
+                self._labels("labels", labels, (B,), cfg.num_labels)
+                loss, c_l = o.cross_entropy_forward(logits, labels)
+                dlogits_of = lambda d: o.cross_entropy_backward(d, c_l)  # noqa: E731
+
+            def head_backward(dloss, grads):
+                dp = linear_backward(ctx, dlogits_of(dloss), c_cls, grads)
+                return None, o.dropout_backward(dp, c_do)
+        return self._finish(SequenceClassifierOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+class BertForTokenClassification(_Head):
+    """Token tagging (NER, slot filling): logits (B, T, num_labels); loss = CE over labels that are not -100."""
+    pooler = False
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False, output_attentions=False):
+        ctx, enc, cache = self._run(locals())
+        o = self.ops
+        h, c_do = ctx.dropout(enc["last_hidden_state"], _classifier_dropout(self.config))
+        logits, c_cls = linear_forward(ctx, self.params, "classifier", h)
+        loss = head_backward = None
+        if labels is not None:
+            self._labels("labels", labels, input_ids.shape, self.config.num_labels)
+            loss, c_l = o.cross_entropy_forward(logits, labels)
+
+            def head_backward(dloss, grads):
+                dh = linear_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_cls, grads)
+                return o.dropout_backward(dh, c_do), None
+        return self._finish(TokenClassifierOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+class BertForQuestionAnswering(_Head):
+    """Extractive QA: start_logits, end_logits (B, T). loss = (CE(start) + CE(end)) / 2; as HF, positions are
+    clamped to [0, T] and T (outside the input) is ignored."""
+    pooler = False
+
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy"):
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering: config.num_labels expected 2 (start and end logits), "
+                             f"got {config.num_labels}")
+        super().__init__(config, seed, dtype, backend)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
+                end_positions=None, output_hidden_states=False, output_attentions=False):
+        ctx, enc, cache = self._run(locals())
+        o = self.ops
+        logits, c_qa = linear_forward(ctx, self.params, "qa_outputs", enc["last_hidden_state"])  # (B, T, 2)
+        start, end = logits[..., 0].copy(), logits[..., 1].copy()
+        loss = head_backward = None
+        if start_positions is not None and end_positions is not None:
+            B, T = input_ids.shape
+            for name, pos in (("start_positions", start_positions), ("end_positions", end_positions)):
+                if not isinstance(pos, np.ndarray) or pos.reshape(-1).shape != (B,) \
+                        or not np.issubdtype(pos.dtype, np.integer):
+                    raise ValueError(f"BertForQuestionAnswering: argument '{name}' expected {B} integer positions, "
+                                     f"got {V._desc(pos)}")
+            sp = np.clip(start_positions.reshape(B), 0, T)
+            ep = np.clip(end_positions.reshape(B), 0, T)
+            l_s, c_s = o.cross_entropy_forward(start, sp, ignore_index=T)
+            l_e, c_e = o.cross_entropy_forward(end, ep, ignore_index=T)
+            loss = (l_s + l_e) / 2
+
+            def head_backward(dloss, grads):
+                half = dloss / 2
+                dlogits = np.stack([o.cross_entropy_backward(half, c_s), o.cross_entropy_backward(half, c_e)], -1)
+                return linear_backward(ctx, dlogits, c_qa, grads), None
+        return self._finish(QuestionAnsweringModelOutput, ctx, enc, cache, loss, head_backward,
+                            start_logits=start, end_logits=end)
+
+
+class BertForMultipleChoice(_Head):
+    """Multiple choice: inputs (B, N, T) flattened to (B*N, T); one score per choice from the pooled [CLS];
+    logits (B, N); loss = CE over the choices."""
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False, output_attentions=False):
+        if not isinstance(input_ids, np.ndarray) or input_ids.ndim != 3:
+            raise ValueError(f"BertForMultipleChoice: argument 'input_ids' expected an integer array of shape "
+                             f"(B, num_choices, T), got {V._desc(input_ids)}")
+        B, N, T = input_ids.shape
+        flat = lambda a: None if a is None else np.asarray(a).reshape(-1, np.shape(a)[-1])  # noqa: E731
+        ctx, enc, cache = self._run(dict(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
+                                         token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
+                                         output_hidden_states=output_hidden_states,
+                                         output_attentions=output_attentions))
+        o = self.ops
+        pooled, c_do = ctx.dropout(enc["pooler_output"], _classifier_dropout(self.config))
+        scores, c_cls = linear_forward(ctx, self.params, "classifier", pooled)  # (B*N, 1)
+        logits = scores.reshape(B, N)
+        loss = head_backward = None
+        if labels is not None:
+            self._labels("labels", labels, (B,), N)
+            loss, c_l = o.cross_entropy_forward(logits, labels)
+
+            def head_backward(dloss, grads):
+                ds = o.cross_entropy_backward(dloss, c_l).reshape(B * N, 1)
+                return None, o.dropout_backward(linear_backward(ctx, ds, c_cls, grads), c_do)
+        return self._finish(MultipleChoiceModelOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+def _classifier_dropout(cfg):
+    return cfg.hidden_dropout_prob if cfg.classifier_dropout is None else cfg.classifier_dropout
+
+
+def decode_qa_span(start_logits, end_logits, max_answer_length=30, context_mask=None, null_score_diff_threshold=0.0):
+    """Best answer span per example from QA logits, as the BERT paper's SQuAD recipe.
+
+    start_logits, end_logits: (B, T). context_mask: (B, T) bool, True where an answer may lie (e.g. the passage
+    tokens; default: everywhere but position 0). A span (s, e) scores start[s] + end[e] with s <= e and
+    e - s + 1 <= max_answer_length; the null answer is (0, 0) at [CLS] with score start[0] + end[0] (SQuAD 2.0).
+    Returns a list of (start, end, score): the null answer when its score beats the best span's by more than
+    null_score_diff_threshold.
+    """
+    start_logits, end_logits = np.asarray(start_logits), np.asarray(end_logits)
+    if start_logits.ndim != 2 or end_logits.shape != start_logits.shape:
+        raise ValueError(f"decode_qa_span: arguments 'start_logits' and 'end_logits' expected equal shapes (B, T), "
+                         f"got {start_logits.shape} and {end_logits.shape}")
+    B, T = start_logits.shape
+    if context_mask is None:
+        context_mask = np.ones((B, T), bool)
+        context_mask[:, 0] = False
+    span = start_logits[:, :, None] + end_logits[:, None, :]          # (B, T_start, T_end)
+    s_idx, e_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+    ok = (s_idx <= e_idx) & (e_idx - s_idx < max_answer_length)        # (T, T)
+    ok = ok[None] & context_mask[:, :, None] & context_mask[:, None, :]
+    span = np.where(ok, span, -np.inf)
+    results = []
+    for b in range(B):
+        flat = int(np.argmax(span[b]))
+        s, e = divmod(flat, T)
+        best = float(span[b, s, e])
+        null = float(start_logits[b, 0] + end_logits[b, 0])
+        results.append((0, 0, null) if not np.isfinite(best) or null - best > null_score_diff_threshold
+                       else (s, e, best))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# activation memory
+
+def activation_floats(config, T):
+    """What one encoder layer keeps for its backward, per token, in training: (floats, bytes of dropout masks).
+
+        input x (shared by the q/k/v projections)   C
+        q, k, v (split into heads as views)         3C
+        attention probabilities p                   H*T      (B, H, T, T) / (B*T)
+        attention context (input of output.dense)   C
+        x + a, and LayerNorm mean, rstd             C + 2
+        h1 (input of intermediate.dense)            C
+        pre-GELU f, and GELU(f)                     2I
+        h1 + f, and LayerNorm mean, rstd            C + 2
+        total                                       8C + 2I + H*T + 4 floats
+        dropout keep-masks (bool)                   H*T + 2C bytes (none in eval)
+    BERT-base at T = 128 in float32: (8*768 + 2*3072 + 12*128 + 4) * 4 = 55.3 kB per token per layer.
+    """
+    C, I, H = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    return 8 * C + 2 * I + H * T + 4, H * T + 2 * C
+
+
+def cache_nbytes(cache, exclude_ids=()):
+    """(bytes of float arrays, bytes of bool arrays) held by a nested cache, each buffer counted once (views share
+    their base) and arrays whose id is in exclude_ids (the parameters) left out."""
+    seen, sizes = set(), {"f": 0, "b": 0}
+
+    def walk(c):
+        if isinstance(c, (tuple, list)):
+            for item in c:
+                walk(item)
+        elif isinstance(c, np.ndarray) and id(c) not in exclude_ids:
+            base = c
+            while base.base is not None and isinstance(base.base, np.ndarray):
+                base = base.base
+            if id(base) not in seen and id(base) not in exclude_ids:
+                seen.add(id(base))
+                sizes[base.dtype.kind] = sizes.get(base.dtype.kind, 0) + base.nbytes
+    walk(cache)
+    return sizes["f"], sizes["b"]

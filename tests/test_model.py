@@ -1,0 +1,209 @@
+"""The whole model: finite differences for every parameter of every head, semantics, memory, bad input."""
+import numpy as np
+import pytest
+
+import refbert
+from refbert import model as M
+from refbert.config import BertConfig
+from refbert.gradcheck import TOLERANCE, check_model
+
+HEADS = ["BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
+         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
+         "BertForMultipleChoice"]
+
+
+def tiny(head=None, **kw):
+    base = dict(vocab_size=23, hidden_size=12, num_hidden_layers=2, num_attention_heads=3, intermediate_size=20,
+                max_position_embeddings=16, type_vocab_size=2, num_labels=2 if head == "BertForQuestionAnswering" else 3)
+    return BertConfig(**{**base, **kw})
+
+
+def batch(cfg, head, B=2, T=6, seed=0):
+    """Padding (row 1 has 4 real tokens), two segments, -100 labels: what every proof runs on."""
+    r = np.random.default_rng(seed)
+    ids = r.integers(1, cfg.vocab_size, (B, T))
+    am = np.ones((B, T), np.int64)
+    am[1, 4:] = 0
+    ids[1, 4:] = cfg.pad_token_id
+    tt = np.zeros((B, T), np.int64)
+    tt[:, T // 2:] = 1
+    x = dict(input_ids=ids, attention_mask=am, token_type_ids=tt)
+    mlm = r.integers(0, cfg.vocab_size, (B, T))
+    mlm[r.random((B, T)) < 0.5] = -100
+    mlm[0, 1] = 5
+    if head == "BertForPreTraining":
+        x.update(labels=mlm, next_sentence_label=np.array([0, 1])[:B])
+    elif head == "BertForMaskedLM":
+        x.update(labels=mlm)
+    elif head == "BertForNextSentencePrediction":
+        x.update(labels=np.array([1, 0])[:B])
+    elif head == "BertForSequenceClassification":
+        x.update(labels=r.integers(0, cfg.num_labels, B))
+    elif head == "BertForTokenClassification":
+        lab = r.integers(0, cfg.num_labels, (B, T))
+        lab[1, 4:] = -100
+        x.update(labels=lab)
+    elif head == "BertForQuestionAnswering":
+        x.update(start_positions=np.array([1, 2])[:B], end_positions=np.array([3, T + 5])[:B])  # T+5: clamped, ignored
+    elif head == "BertForMultipleChoice":
+        x = {k: np.stack([v, v[::-1]], 1) for k, v in x.items()}  # (B, 2 choices, T)
+        x.update(labels=np.array([1, 0])[:B])
+    return x
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("train", [False, True])
+def test_every_parameter_against_finite_differences(head, train):
+    cfg = tiny(head, hidden_act="gelu" if train else "gelu_new")
+    model = getattr(refbert, head)(cfg, seed=1, dtype=np.float64).train(train)
+    for p in model.parameters().values():  # move off HF's init (LayerNorm 1/0, zero biases) so no term hides
+        p += np.random.default_rng(2).standard_normal(p.shape) * 0.05
+    errs = check_model(model, batch(cfg, head), n_dirs=1)
+    assert set(errs) == set(model.parameters())
+    bad = {k: v for k, v in errs.items() if v > TOLERANCE}
+    assert not bad, bad
+
+
+def test_regression_head_is_mse_and_checks():
+    cfg = tiny(num_labels=1)
+    model = refbert.BertForSequenceClassification(cfg, dtype=np.float64)
+    x = batch(cfg, "BertModel")
+    x["labels"] = np.array([0.5, -1.0])
+    out = model.forward(**x)
+    assert out.loss == pytest.approx(np.mean((out.logits[:, 0] - x["labels"]) ** 2), rel=1e-14)  # MSE by definition
+    errs = check_model(model, x, n_dirs=1)
+    assert max(errs.values()) <= TOLERANCE
+
+
+def test_parameter_names_and_shapes_match_torch():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    for head in HEADS:
+        cfg = tiny(head)
+        hf_cfg = transformers.BertConfig(**{k: getattr(cfg, k) for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings", "type_vocab_size")}, num_labels=cfg.num_labels)
+        with torch.device("meta"):
+            hf = getattr(transformers, head)(hf_cfg)
+        ours = getattr(refbert, head)(cfg).parameters()
+        assert [(k, tuple(v.shape)) for k, v in hf.named_parameters()] == [(k, v.shape) for k, v in ours.items()], head
+
+
+def test_init_follows_hf():
+    cfg = tiny(initializer_range=0.5)
+    P = refbert.BertForPreTraining(cfg, seed=3).parameters()
+    assert not P["bert.embeddings.word_embeddings.weight"][cfg.pad_token_id].any()  # padding row zero
+    assert (P["bert.embeddings.LayerNorm.weight"] == 1).all() and not P["bert.embeddings.LayerNorm.bias"].any()
+    assert not P["cls.predictions.bias"].any() and not P["bert.pooler.dense.bias"].any()
+    w = P["bert.encoder.layer.0.intermediate.dense.weight"]
+    # 240 draws of normal(0, 0.5): the sample std is within 15% of 0.5 with overwhelming probability
+    assert abs(w.std() / 0.5 - 1) < 0.15 and w.dtype == np.float32
+
+
+def test_train_eval_dropout_reproducible():
+    cfg = tiny(hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.3)
+    x = batch(cfg, "BertModel")
+    a, b = refbert.BertModel(cfg, seed=4), refbert.BertModel(cfg, seed=4)
+    ha, hb = a(**x).last_hidden_state, b(**x).last_hidden_state
+    np.testing.assert_array_equal(ha, hb)  # same seed, same dropout masks
+    assert not np.array_equal(ha, a(**x).last_hidden_state)  # a new forward draws new masks
+    a.eval()
+    np.testing.assert_array_equal(a(**x).last_hidden_state, a(**x).last_hidden_state)  # eval: no dropout
+
+
+def test_float32_matches_float64():
+    cfg = tiny()
+    x = batch(cfg, "BertForPreTraining")
+    m32 = refbert.BertForPreTraining(cfg, seed=5, dtype=np.float32)
+    m64 = refbert.BertForPreTraining(cfg, seed=5, dtype=np.float64)
+    o32, o64 = m32(**x), m64(**x)
+    assert o32.prediction_logits.dtype == np.float32 and o32.loss.dtype == np.float32
+    # same init numbers (drawn in float64, cast), same dropout masks; float32 carries ~1e-7 relative per op
+    np.testing.assert_allclose(o32.prediction_logits, o64.prediction_logits, rtol=1e-4, atol=1e-5)
+    g32, g64 = m32.backward(), m64.backward()
+    for k in g32:
+        assert g32[k].dtype == np.float32
+        scale = np.abs(g64[k]).max() + 1e-6
+        assert np.abs(g32[k] - g64[k]).max() <= 1e-4 * scale, k
+
+
+def test_outputs_hidden_states_and_attentions():
+    cfg = tiny()
+    x = batch(cfg, "BertModel")
+    out = refbert.BertModel(cfg).eval()(**x, output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == cfg.num_hidden_layers + 1
+    np.testing.assert_array_equal(out.hidden_states[-1], out.last_hidden_state)
+    att = out.attentions[0]
+    assert att.shape == (2, 3, 6, 6)
+    np.testing.assert_allclose(att.sum(-1), 1, rtol=1e-6)  # rows are distributions (float32)
+    assert (att[1, :, :, 4:] == 0).all()  # padded keys get no attention
+
+
+def test_qa_span_decoder():
+    s = np.array([[5.0, 0.0, 3.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0, 9.0]])
+    e = np.array([[5.0, 0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 8.0, -5.0]])
+    # row 0: best span (2, 3) scores 3 + 2 = 5 but null (0, 0) scores 10 -> null.
+    # row 1: (4, 3) would score 17 but start > end is not a span; (1, 3) scores 1 + 8 = 9, beating (4, 4) = 4,
+    # (3, 3) = 8 and null 0
+    assert M.decode_qa_span(s, e) == [(0, 0, 10.0), (1, 3, 9.0)]
+    assert M.decode_qa_span(s, e, null_score_diff_threshold=6.0)[0] == (2, 3, 5.0)
+    # at most 2 tokens: (2, 3) = 0 + 8 and (3, 3) = 8 tie; the first in reading order wins
+    assert M.decode_qa_span(s, e, max_answer_length=2)[1] == (2, 3, 8.0)
+
+
+def test_memory_per_token_per_layer():
+    """The cache a layer keeps, measured, against the documented count (refbert.model.activation_floats)."""
+    cfg = tiny(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    B, T = 2, 6
+    model = refbert.BertModel(cfg, dtype=np.float64)
+    model.forward(**batch(cfg, "BertModel", B, T))
+    layer_cache = model._cache[1][1][1][0]
+    params = {id(p) for p in model.parameters().values()}
+    floats, mask_bytes = M.cache_nbytes(layer_cache, params)
+    want_floats, want_bytes = M.activation_floats(cfg, T)
+    assert floats == want_floats * B * T * 8 and mask_bytes == want_bytes * B * T
+    model.backward(np.ones((B, T, cfg.hidden_size)))
+    assert model._cache is None  # backward released the caches
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, match", [
+    (dict(input_ids=np.array([[1, 23]])), r"'input_ids' expected values in \[0, 23\), got 23"),
+    (dict(input_ids=np.array([[-1, 2]])), r"'input_ids' expected values in \[0, 23\), got -1"),
+    (dict(input_ids=np.ones((1, 17), np.int64)), r"'input_ids' expected a sequence length T in \[1, 16\].*got T = 17"),
+    (dict(input_ids=np.ones(4, np.int64)), r"'input_ids' expected an integer array of shape \(B, T\)"),
+    (dict(token_type_ids=np.array([[0, 2]])), r"'token_type_ids' expected values in \[0, 2\), got 2"),
+    (dict(attention_mask=np.ones((1, 3))), r"'attention_mask' expected an array of shape \(1, 2\)"),
+    (dict(attention_mask=np.array([[0, 0]])), r"'attention_mask' expected at least one real token per row, got row 0"),
+    (dict(attention_mask=np.array([[1, 2]])), r"'attention_mask' expected only 0 \(padding\) and 1"),
+    (dict(position_ids=np.array([[0, 16]])), r"'position_ids' expected values in \[0, 16\), got 16"),
+])
+def test_bad_inputs_name_the_argument(change, match):
+    x = {**dict(input_ids=np.array([[1, 2]])), **change}
+    with pytest.raises(ValueError, match=match):
+        refbert.BertModel(tiny())(**x)
+
+
+def test_backward_misuse_and_bad_labels():
+    cfg = tiny()
+    m = refbert.BertForTokenClassification(cfg)
+    with pytest.raises(ValueError, match="expected a forward"):
+        m.backward()
+    m(input_ids=np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="expected a forward with labels"):
+        m.backward()
+    with pytest.raises(ValueError, match=r"'labels' expected an integer array of shape \(1, 2\)"):
+        m(input_ids=np.array([[1, 2]]), labels=np.array([1]))
+    with pytest.raises(ValueError, match=r"'labels' expected values in \[0, 3\) or -100, got 3"):
+        m(input_ids=np.array([[1, 2]]), labels=np.array([[1, 3]]))
+    m(input_ids=np.array([[1, 2]]), labels=np.array([[1, 2]]))
+    m.backward()
+    with pytest.raises(ValueError, match="expected a forward"):
+        m.backward()  # the caches were released
+    e = refbert.BertModel(cfg)
+    e(input_ids=np.array([[1, 2]]))
+    with pytest.raises(ValueError, match=r"'dout' expected an array of shape \(1, 2, 12\)"):
+        e.backward(np.ones((1, 2, 11), np.float32))
+    with pytest.raises(ValueError, match="'backend' .*got 'cuda'|backend: expected 'numpy'"):
+        refbert.BertModel(cfg, backend="cuda")
