@@ -1,4 +1,5 @@
-"""`refbert check`: every op's backward against centred finite differences in float64, as a table.
+"""`refbert check`: every op's backward, and every head's whole-model backward, against centred finite
+differences in float64, as a table.
 
 Each row is one differentiable input of one op: the shape it was checked at and the max relative error
 (refbert.gradcheck.rel_error) against the numerical gradient. Any error above gradcheck.TOLERANCE fails the run.
@@ -7,8 +8,10 @@ The shapes are deliberately small and irregular (odd sizes, padding, a row with 
 from dataclasses import dataclass, field
 import numpy as np
 
+from . import model as M
 from . import ops
-from .gradcheck import TOLERANCE, check_pair
+from .config import HEADS, BertConfig
+from .gradcheck import TOLERANCE, check_model, check_pair
 
 
 @dataclass
@@ -109,6 +112,62 @@ def run(cases):
     return rows
 
 
+def tiny_config(head=None, **kw):
+    """A float64-checkable BERT: 2 layers, 3 heads of size 4, vocabulary 23."""
+    base = dict(vocab_size=23, hidden_size=12, num_hidden_layers=2, num_attention_heads=3, intermediate_size=20,
+                max_position_embeddings=16, type_vocab_size=2, num_labels=2 if head == "BertForQuestionAnswering" else 3)
+    return BertConfig(**{**base, **kw})
+
+
+def model_batch(cfg, head, B=2, T=6, seed=0):
+    """Padding (row 1 has 4 real tokens), two segments, -100 labels: what every proof runs on."""
+    r = np.random.default_rng(seed)
+    ids = r.integers(1, cfg.vocab_size, (B, T))
+    am = np.ones((B, T), np.int64)
+    am[1, 4:] = 0
+    ids[1, 4:] = cfg.pad_token_id
+    tt = np.zeros((B, T), np.int64)
+    tt[:, T // 2:] = 1
+    x = dict(input_ids=ids, attention_mask=am, token_type_ids=tt)
+    mlm = r.integers(0, cfg.vocab_size, (B, T))
+    mlm[r.random((B, T)) < 0.5] = -100
+    mlm[0, 1] = 5
+    if head == "BertForPreTraining":
+        x.update(labels=mlm, next_sentence_label=np.array([0, 1])[:B])
+    elif head == "BertForMaskedLM":
+        x.update(labels=mlm)
+    elif head == "BertForNextSentencePrediction":
+        x.update(labels=np.array([1, 0])[:B])
+    elif head == "BertForSequenceClassification":
+        x.update(labels=r.integers(0, cfg.num_labels, B))
+    elif head == "BertForTokenClassification":
+        lab = r.integers(0, cfg.num_labels, (B, T))
+        lab[1, 4:] = -100
+        x.update(labels=lab)
+    elif head == "BertForQuestionAnswering":
+        x.update(start_positions=np.array([1, 2])[:B], end_positions=np.array([3, T + 5])[:B])  # T+5: clamped, ignored
+    elif head == "BertForMultipleChoice":
+        x = {k: np.stack([v, v[::-1]], 1) for k, v in x.items()}  # (B, 2 choices, T)
+        x.update(labels=np.array([1, 0])[:B])
+    return x
+
+
+def model_rows(seed=1):
+    """Whole-model rows: every head class, tiny, float64, training mode (dropout on), HF's gelu; each parameter
+    tensor checked along one random direction. One row per class: the worst parameter."""
+    rows = []
+    for head in HEADS:
+        cfg = tiny_config(head)
+        model = getattr(M, head)(cfg, seed=seed, dtype=np.float64)
+        for p in model.parameters().values():  # off HF's init (LayerNorm 1/0, zero biases), so no term hides
+            p += np.random.default_rng(seed + 1).standard_normal(p.shape) * 0.05
+        errs = check_model(model, model_batch(cfg, head), n_dirs=1)
+        worst = max(errs, key=errs.get)
+        rows.append((f"{head} (whole model)", f"{len(errs)} params", f"worst: {worst}", errs[worst],
+                     errs[worst] <= TOLERANCE))
+    return rows
+
+
 def format_table(rows):
     head = ("op", "input", "shape", "max rel err", "")
     body = [(op, name, str(shape), f"{err:.2e}", "pass" if ok else "FAIL") for op, name, shape, err, ok in rows]
@@ -118,7 +177,7 @@ def format_table(rows):
 
 
 def main(args=None):
-    rows = run(op_cases())
+    rows = run(op_cases()) + model_rows()
     print(format_table(rows))
     failed = sum(not r[4] for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed (tolerance {TOLERANCE:g}, float64 centred differences)")

@@ -7,7 +7,8 @@ exactly what backward(dout) must return. Centred differences measure it in float
     dL/dx_i ~ (L(x + h e_i) - L(x - h e_i)) / ((x_i + h) - (x_i - h))     (error O(h^2) + O(eps |L| / h))
 
 either one element at a time ("full") or, for big inputs, along a few random directions d ("directional",
-comparing L(x + h d) - L(x - h d) with <grad, (x + h d) - (x - h d)>). The denominators are the steps that were
+comparing L(x + h d) - L(x - h d) with <grad, (x + h d) - (x - h d)>, relative to |<grad, d>| + |numeric| or
+|grad|, whichever is larger — the typical size of a directional derivative along a standard normal d). The denominators are the steps that were
 actually taken, so inputs of magnitude 1e4 lose nothing to rounding of x + h.
 
     from refbert.gradcheck import check_pair
@@ -100,7 +101,9 @@ def check_pair(forward, backward, inputs, wrt, seed=0, h=STEP, mode="auto", max_
             xp, xm = x + h * d, x - h * d
             numeric = (loss(xp) - loss(xm)) / (2 * h)
             analytic = float(np.sum(g * (xp - xm))) / (2 * h)
-            err = max(err, rel_error(analytic, numeric, floor))
+            # <g, d> ~ normal(0, |g|^2): scale by |g| too, so a direction nearly orthogonal to g by chance does
+            # not turn rounding noise into a large relative error
+            err = max(err, rel_error(analytic, numeric, max(floor, float(np.linalg.norm(g)))))
         errors[name] = err
     return errors
 
@@ -146,6 +149,6 @@ def check_model(model, inputs, seed=0, n_dirs=2, h=STEP, dropout_seed=1234):
             lm = loss()
             p[...] = old
             numeric, analytic = (lp - lm) / (2 * h), float(np.sum(grads[name] * step)) / (2 * h)
-            err = max(err, rel_error(analytic, numeric, floor))
+            err = max(err, rel_error(analytic, numeric, max(floor, float(np.linalg.norm(grads[name])))))  # see check_pair
         errors[name] = err
     return errors

@@ -110,8 +110,12 @@ class _Ctx:
 def _add_grads(grads, name, dw, db=None):
     """Parameter gradients: set on first sight; the tied word embedding is the one place a sum happens."""
     for key, g in ((f"{name}.weight", dw), (f"{name}.bias", db)):
-        if g is not None:
-            grads[key] = grads[key] + g if key in grads else g
+        if g is None:
+            continue
+        if key in grads:
+            np.add(grads[key], g, out=grads[key])       # in place: backwards return fresh arrays we own
+        else:
+            grads[key] = g
 
 
 def linear_forward(ctx, P, name, x):
@@ -540,6 +544,10 @@ class BertForSequenceClassification(_Head):
         loss = head_backward = None
         if labels is not None:
             B = input_ids.shape[0]
+            if cfg.problem_type == "multi_label_classification":
+                raise ValueError("BertForSequenceClassification: config.problem_type expected 'regression' or "
+                                 "'single_label_classification' (multi-label BCE is not implemented), "
+                                 "got 'multi_label_classification'")
             if cfg.num_labels == 1 or cfg.problem_type == "regression":
                 if not isinstance(labels, np.ndarray) or labels.size != logits.size:
                     raise ValueError(f"BertForSequenceClassification: argument 'labels' expected {logits.size} "

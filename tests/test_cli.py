@@ -47,3 +47,21 @@ def test_readme_opens_with_the_two_setup_blocks():
 def test_ci_runs_the_readme_test_block():
     printed = subprocess.run(["bash", str(ROOT / ".ci/run"), "--print"], capture_output=True, text=True, check=True)
     assert printed.stdout.strip() == _bash_blocks()[1].strip()
+
+
+def test_refbert_trace_prints_every_layer_and_passes():
+    res = subprocess.run([sys.executable, "-m", "refbert", "trace"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for part in ("-- embeddings", "-- encoder layer 0", "-- encoder layer 1", "-- pooler", "-- heads",
+                 "bert.encoder.layer.1.attention.self.query", "cls.predictions.decoder (tied to word_embeddings)",
+                 " 0 spot check(s) above"):
+        assert part in res.stdout, part
+
+
+def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
+    from refbert import trace
+    right = ops.gelu_backward
+    monkeypatch.setattr(ops, "gelu_backward", lambda d, c: right(d, c) * 1.001)
+    assert trace.main() == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^gelu .* [0-9.]+e-0[1-4]$", out, re.M)  # the gelu rows' spot checks fail

@@ -19,7 +19,7 @@ from refbert.gradcheck import rel_error
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_model import HEADS, batch, tiny  # noqa: E402
+from refbert.check import HEADS, model_batch as batch, tiny_config as tiny  # noqa: E402
 
 OUTPUTS = {"BertModel": ["last_hidden_state", "pooler_output"],
            "BertForPreTraining": ["prediction_logits", "seq_relationship_logits", "loss"],

@@ -5,51 +5,8 @@ import pytest
 import refbert
 from refbert import model as M
 from refbert.config import BertConfig
+from refbert.check import HEADS, model_batch as batch, tiny_config as tiny
 from refbert.gradcheck import TOLERANCE, check_model
-
-HEADS = ["BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForNextSentencePrediction",
-         "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",
-         "BertForMultipleChoice"]
-
-
-def tiny(head=None, **kw):
-    base = dict(vocab_size=23, hidden_size=12, num_hidden_layers=2, num_attention_heads=3, intermediate_size=20,
-                max_position_embeddings=16, type_vocab_size=2, num_labels=2 if head == "BertForQuestionAnswering" else 3)
-    return BertConfig(**{**base, **kw})
-
-
-def batch(cfg, head, B=2, T=6, seed=0):
-    """Padding (row 1 has 4 real tokens), two segments, -100 labels: what every proof runs on."""
-    r = np.random.default_rng(seed)
-    ids = r.integers(1, cfg.vocab_size, (B, T))
-    am = np.ones((B, T), np.int64)
-    am[1, 4:] = 0
-    ids[1, 4:] = cfg.pad_token_id
-    tt = np.zeros((B, T), np.int64)
-    tt[:, T // 2:] = 1
-    x = dict(input_ids=ids, attention_mask=am, token_type_ids=tt)
-    mlm = r.integers(0, cfg.vocab_size, (B, T))
-    mlm[r.random((B, T)) < 0.5] = -100
-    mlm[0, 1] = 5
-    if head == "BertForPreTraining":
-        x.update(labels=mlm, next_sentence_label=np.array([0, 1])[:B])
-    elif head == "BertForMaskedLM":
-        x.update(labels=mlm)
-    elif head == "BertForNextSentencePrediction":
-        x.update(labels=np.array([1, 0])[:B])
-    elif head == "BertForSequenceClassification":
-        x.update(labels=r.integers(0, cfg.num_labels, B))
-    elif head == "BertForTokenClassification":
-        lab = r.integers(0, cfg.num_labels, (B, T))
-        lab[1, 4:] = -100
-        x.update(labels=lab)
-    elif head == "BertForQuestionAnswering":
-        x.update(start_positions=np.array([1, 2])[:B], end_positions=np.array([3, T + 5])[:B])  # T+5: clamped, ignored
-    elif head == "BertForMultipleChoice":
-        x = {k: np.stack([v, v[::-1]], 1) for k, v in x.items()}  # (B, 2 choices, T)
-        x.update(labels=np.array([1, 0])[:B])
-    return x
-
 
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("train", [False, True])

@@ -112,3 +112,23 @@ def test_dropout_is_inverted_like_torch():
     for out in (ours, theirs):
         kept = out != 0
         np.testing.assert_allclose(out[kept], x[kept] / 0.75, rtol=1e-15)
+
+
+def test_linear_backward_with_mostly_zero_rows():
+    # an MLM loss leaves ~85% of rows of dout exactly 0; linear_backward skips them: same gradients as torch's
+    x, w, b = r.standard_normal((4, 10, 12)), r.standard_normal((7, 12)), r.standard_normal(7)
+    d = r.standard_normal((4, 10, 7))
+    d[r.random((4, 10)) < 0.85] = 0
+    compare(*ops.linear_forward(x, w, b), ops.linear_backward, *peer(F.linear, x, w, b), d)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gelu_gradient_near_zero_and_in_the_tails(dtype):
+    # the backward reads Phi(x) as out / x, with a series for |x| < 1e-6: check the switch and the tails
+    x = np.array([0.0, 1e-7, -1e-7, 9e-7, 1.1e-6, -1e-5, 1e-3, -8.0, -30.0, -40.0, 40.0], dtype)
+    t = torch.tensor(x, requires_grad=True)
+    F.gelu(t).backward(torch.ones_like(t))
+    ours = ops.gelu_backward(np.ones_like(x), ops.gelu_forward(x)[1])
+    # float64: a few ulps; float32: out / x carries two roundings of ~6e-8 each
+    tol = 1e-15 if dtype == np.float64 else 3e-7
+    np.testing.assert_allclose(ours, t.grad.numpy(), rtol=tol, atol=tol)
