@@ -19,8 +19,12 @@ setup(
         "scipy>=1.10",  # scipy.special.erf for exact GELU; see README "Dependencies"
     ],
     extras_require={
-        # the peers that parity tests compare against; torch pinned to the CPU build this project tests with
-        "dev": ["pytest>=7", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors", "tokenizers"],
+        # the training commands (refbert vocab/pretrain/finetune): WordPiece trainer, progress bars, loss plots
+        "train": ["tokenizers>=0.15", "tqdm", "matplotlib"],
+        # tests, the training commands, and the peers that parity tests compare against; torch pinned to the CPU
+        # build this project tests with
+        "dev": ["pytest>=7", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors",
+                "tokenizers>=0.15", "tqdm", "matplotlib"],
         "kernels": ["numba>=0.59"],
         "cuda": ["numba-cuda", "cupy-cuda12x"],  # a prebuilt CuPy wheel, never the source package `cupy`
     },

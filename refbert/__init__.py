@@ -10,3 +10,4 @@ from .config import BertConfig  # noqa: E402,F401
 from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction,  # noqa: E402,F401
                     BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
                     BertForTokenClassification, BertModel, decode_qa_span)
+from .tokenization import BertTokenizer  # noqa: E402,F401

@@ -64,11 +64,16 @@ def _normalise(tensors, prefix):
     return out
 
 
-def load_pretrained(cls, path, dtype=np.float32, backend="numpy"):
-    """cls.from_pretrained(path): a model in eval mode, as HF's from_pretrained returns."""
+def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None):
+    """cls.from_pretrained(path): a model in eval mode, as HF's from_pretrained returns. id2label ({id: name})
+    replaces the checkpoint's labels, as for a classifier head about to be fine-tuned (HF's num_labels= / id2label=)."""
     if not os.path.isdir(path):
         raise ValueError(f"{cls.__name__}.from_pretrained: argument 'path' expected a checkpoint folder, got {path!r}")
     config = BertConfig.from_pretrained(path)
+    if id2label is not None:
+        config.id2label = {int(i): str(n) for i, n in id2label.items()}
+        config.label2id = {n: i for i, n in config.id2label.items()}
+        config.validate()
     if not config.extra.get("tie_word_embeddings", True):
         raise ValueError(f"{os.path.join(path, 'config.json')}: tie_word_embeddings=false is not supported "
                          f"(BERT ties the MLM decoder to the word embeddings)")

@@ -1,21 +1,141 @@
-"""The `refbert` command line (also `python -m refbert ...`): check, trace."""
+"""The `refbert` command line (also `python -m refbert ...`).
+
+    refbert check | trace                         proofs: every backward against finite differences
+    refbert demo-data DIR                         an offline corpus and fine-tuning sets from the stdlib's docstrings
+    refbert vocab CORPUS... --out DIR             train a WordPiece vocab.txt
+    refbert pretrain --corpus F --out DIR         MLM + NSP pretraining (or --init an HF BERT to continue pretraining)
+    refbert finetune --task T --init DIR ...      classification, pair, ner, qa
+    refbert predict | fill-mask | embed MODEL     use a model
+A mistake in what was asked (a missing file, a folder that exists, a malformed row) prints one line and exits 2
+(REFBERT_DEBUG=1 shows the traceback instead).
+"""
 import argparse
+import os
 import sys
+import warnings
+
+
+def _pretrain_args(p):
+    p.add_argument("--corpus", help="text file: one sentence per line, a blank line between documents")
+    p.add_argument("--out", required=True, help="run folder (must be new, unless --resume)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="allow a non-empty --out (its files may be replaced)")
+    p.add_argument("--preset", default="tiny", help="tiny, mini, small, medium, base, large (default tiny)")
+    p.add_argument("--config", help="a config.json instead of a preset")
+    p.add_argument("--init", help="an HF BERT folder to continue pretraining from (its vocab and weights)")
+    p.add_argument("--vocab", help="a vocab.txt (default: train one on the corpus)")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--cased", action="store_true", help="keep case (default: lower-case, as bert-base-uncased)")
+    p.add_argument("--objective", choices=["nsp", "sop"], default="nsp",
+                   help="the sentence task beside MLM: next-sentence (BERT) or sentence-order (ALBERT)")
+    p.add_argument("--max-seq-length", type=int, default=128)
+    p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--mlm-prob", type=float, default=0.15)
+    p.add_argument("--max-predictions", type=int, default=20)
+    p.add_argument("--whole-word", action="store_true", help="mask whole words")
+    p.add_argument("--ngram", type=int, default=1, help="n-gram (span) masking up to n (ALBERT uses 3)")
+    p.add_argument("--static-masking", action="store_true", help="google's dupe_factor copies instead of dynamic")
+    p.add_argument("--dupe-factor", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=float, default=0.1, help="warm-up steps, or a fraction of all steps if < 1")
+    p.add_argument("--no-bias-correction", action="store_true", help="the original BERT's uncorrected Adam")
+    p.add_argument("--steps", type=int, default=0, help="total optimizer steps (default: --epochs over the data)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--stop-after", type=int, default=0, help="stop after this step as if interrupted (resume later)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="refbert", description="BERT in NumPy with hand-written, proven backward passes.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="every op's and every head's backward against finite differences (float64)")
+    sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with finite-difference checks")
+    p = sub.add_parser("demo-data", help="write an offline corpus and fine-tuning sets from the stdlib's docstrings")
+    p.add_argument("out")
+    p = sub.add_parser("vocab", help="train a WordPiece vocab.txt on text files")
+    p.add_argument("corpus", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--cased", action="store_true")
+    _pretrain_args(sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining"))
+    p = sub.add_parser("finetune", help="fine-tune a pretrained model on a task")
+    p.add_argument("--task", required=True, help="classification, pair, ner or qa")
+    p.add_argument("--train", required=True, help=".jsonl (or .csv for classification/pair); schema in the README")
+    p.add_argument("--dev", required=True)
+    p.add_argument("--init", required=True, help="a pretrained model folder (refbert's or any HF BERT)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-seq-length", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("predict", help="classify, tag or answer with a fine-tuned model")
+    p.add_argument("model")
+    p.add_argument("--text", action="append")
+    p.add_argument("--text-pair", action="append")
+    p.add_argument("--question")
+    p.add_argument("--context")
+    p.add_argument("--null-threshold", type=float, default=0.0)
+    p.add_argument("--max-seq-length", type=int, default=512)
+    p = sub.add_parser("fill-mask", help="the likeliest tokens for each [MASK]")
+    p.add_argument("model")
+    p.add_argument("text", nargs="+")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--max-seq-length", type=int, default=512)
+    p = sub.add_parser("embed", help="sentence embeddings")
+    p.add_argument("model")
+    p.add_argument("--text", action="append")
+    p.add_argument("--file")
+    p.add_argument("--pooling", choices=["mean", "cls"], default="mean")
+    p.add_argument("--out", help=".npy file (default: print JSON)")
+    p.add_argument("--max-seq-length", type=int, default=512)
+    return ap
+
+
+def run(args):
+    c = args.command
+    if c == "check":
+        from . import check
+        return check.main(args)
+    if c == "trace":
+        from . import trace
+        return trace.main(args)
+    if c == "demo-data":
+        from .demo import write_demo_data
+        for name, n in write_demo_data(args.out).items():
+            print(f"{args.out}/{name}: {n} {'documents' if name == 'corpus.txt' else 'rows'}")
+        return 0
+    if c == "vocab":
+        from .tokenization import train_vocab
+        print(train_vocab(args.corpus, args.out, vocab_size=args.vocab_size, lowercase=not args.cased))
+        return 0
+    from . import inference, train
+    if c == "pretrain":
+        if not args.resume and not args.corpus and not args.init:
+            raise train.UserError("pretrain: expected --corpus (or --resume)")
+        return train.pretrain(args)
+    return {"finetune": train.finetune, "predict": inference.predict, "fill-mask": inference.fill_mask,
+            "embed": inference.embed}[c](args)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="refbert", description="BERT in NumPy with hand-written, proven backward passes.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="check every op's backward against finite differences (float64) and print a table")
-    sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with finite-difference spot checks")
-    args = parser.parse_args(argv)
-    if args.command == "check":
-        from . import check
-        return check.main(args)
-    if args.command == "trace":
-        from . import trace
-        return trace.main(args)
-    return 2
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return run(args)
+    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:  # user errors: no traceback
+        if os.environ.get("REFBERT_DEBUG"):
+            raise
+        print(f"refbert {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"refbert {args.command}: error: {e.name or e} is missing: pip install 'refbert[train]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -345,9 +345,9 @@ class BertPreTrainedModel:
 
     # -- checkpoints (refbert.checkpoint) --
     @classmethod
-    def from_pretrained(cls, path, dtype=np.float32, backend="numpy"):
+    def from_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None):
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, path, dtype=dtype, backend=backend)
+        return load_pretrained(cls, path, dtype=dtype, backend=backend, id2label=id2label)
 
     def save_pretrained(self, path):
         from .checkpoint import save_pretrained

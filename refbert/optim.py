@@ -1,0 +1,351 @@
+"""Training: AdamW with decoupled weight decay, BERT's learning-rate schedule, and global gradient-norm clipping.
+
+Everything works on the plain dicts the models hand out: `model.parameters()` (name -> the live array) and
+`model.backward()` (name -> gradient, the same keys). A training step is
+
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    sched = LinearWarmupDecay(1e-4, warmup_steps=10_000, total_steps=1_000_000)
+    for step in range(total_steps):
+        model(**batch)
+        grads = model.backward()
+        clip_grad_norm(grads, 1.0)
+        opt.step(grads, lr=sched.lr(step))      # updates model.parameters() in place
+
+which is the recipe of the original BERT (google-research/bert, optimization.py: create_optimizer) with torch's
+AdamW in place of its AdamWeightDecayOptimizer; `AdamW(..., correct_bias=False)` is that optimizer exactly.
+
+References: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (arXiv:1711.05101); Kingma & Ba, "Adam"
+(arXiv:1412.6980); torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ (PyTorch 2.13);
+google-research/bert optimization.py.
+"""
+import math
+import numbers
+
+import numpy as np
+
+from .validate import FLOATS, _desc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# argument checks
+
+def _number(who, name, x, low, high=None, low_open=False, high_open=True):
+    """A real, finite number in the interval low..high (open or closed at each end). Returns it as a Python float,
+    so that NumPy keeps a float32 array float32 when it meets it."""
+    lb, rb = ("(" if low_open else "["), (")" if high_open or high is None else "]")
+    want = f"a finite number in {lb}{low}, {'inf' if high is None else high}{rb}"
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        raise ValueError(f"{who}: argument '{name}' expected {want}, got {type(x).__name__} {x!r}")
+    v = float(x)
+    ok = math.isfinite(v) and (v > low if low_open else v >= low)
+    if high is not None:
+        ok = ok and (v < high if high_open else v <= high)
+    if not ok:
+        raise ValueError(f"{who}: argument '{name}' expected {want}, got {x!r}")
+    return v
+
+
+def _integer(who, name, x, low):
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < low:
+        raise ValueError(f"{who}: argument '{name}' expected an integer >= {low}, got {type(x).__name__} {x!r}")
+    return int(x)
+
+
+def _names(keys, limit=5):
+    keys = sorted(keys)
+    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
+    return repr(keys[:limit]) + more
+
+
+def _finite(who, arg, key, g):
+    """Every value of g is finite, and so is its square (the second moment must not overflow to inf)."""
+    bad = ~np.isfinite(g)
+    if bad.any():
+        i = tuple(int(j) for j in np.argwhere(bad)[0])
+        raise ValueError(f"{who}: argument '{arg}' key {key!r} expected finite values, got {g[i]} at index {i}")
+    if g.size and float(np.max(np.abs(g))) > math.sqrt(float(np.finfo(g.dtype).max)):
+        raise ValueError(f"{who}: argument '{arg}' key {key!r} expected values whose square is finite in "
+                         f"{g.dtype}, got a largest magnitude of {float(np.max(np.abs(g)))}")
+
+
+def _float_array(who, arg, key, x):
+    if not isinstance(x, np.ndarray) or x.dtype.type not in FLOATS:
+        raise ValueError(f"{who}: argument '{arg}' key {key!r} expected a float32 or float64 numpy array, "
+                         f"got {_desc(x)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# AdamW
+
+class AdamW:
+    """Adam with decoupled weight decay, updating a dict of live NumPy arrays in place.
+
+    `params` is `model.parameters()`: name -> the model's own float32/float64 array. `step(grads)` takes a dict
+    with exactly the same keys, shapes and dtypes (`model.backward()`) and overwrites the arrays, so the model sees
+    the new values. The moments m, v are kept per name in the parameter's dtype, zero at the start.
+
+    One step, with t the step count after this step (1, 2, ...), λ = weight_decay for a decayed name and 0 for an
+    exempt one, and lr the learning rate of this step:
+
+        m <- β1·m + (1 - β1)·g
+        v <- β2·v + (1 - β2)·g²
+
+    correct_bias=True (the default) is torch.optim.AdamW (PyTorch 2.13, its single-tensor CPU path), operation
+    for operation:
+
+        p <- p·(1 - lr·λ)                                              decay first, on the old p
+        p <- p - (lr / (1 - β1^t)) · m / (√v / √(1 - β2^t) + ε)         ε added to the bias-corrected √v̂
+
+    correct_bias=False is the original BERT optimizer, google-research/bert optimization.py
+    AdamWeightDecayOptimizer, exactly:
+
+        u = m / (√v + ε) + λ·p                                         the old p, before this step
+        p <- p - lr·u
+
+    How the two differ:
+      * bias correction: google has none. Its Adam term is m/(√v + ε); torch's is m̂/(√v̂ + ε) with
+        m̂ = m/(1 - β1^t), v̂ = v/(1 - β2^t). Ignoring ε, google's step is (1 - β1^t)/√(1 - β2^t) times torch's:
+        for β = (0.9, 0.999) that is 3.16 at t = 1, a peak of 6.57 at t = 12, 3.24 at t = 100, 1.26 at t = 1000,
+        tending to 1 (BERT's warmup, lr = 0 at step 0 then rising linearly, is what tames these early steps).
+      * ε placement: both add ε to a square root, but torch adds it to √v̂ = √v/√(1 - β2^t), google to the raw √v.
+        Written on the raw √v, torch's step is (√(1 - β2^t)/(1 - β1^t))·m/(√v + ε·√(1 - β2^t)): its ε acts
+        smaller early in training (by √(1 - β2^t): 0.032 at t = 1).
+      * weight decay: google adds λ·p_old to the Adam direction and multiplies the sum by lr; torch first
+        multiplies p by (1 - lr·λ) and then takes the Adam step. Both are p_old - lr·λ·p_old - lr·(Adam term), the
+        same number in exact arithmetic: they differ only in rounding order. In both, the decay is neither
+        bias-corrected nor divided by √v (that is what "decoupled" means). (HF's old transformers.AdamW, whose
+        argument `correct_bias` this class borrows, differed again: ε on the raw √v even with correction, and the
+        decay applied after the Adam step, to the updated p.)
+
+    Which names are decayed: a name is exempt from weight decay iff one of the strings in `no_decay` occurs in it
+    as a substring (`any(s in name for s in no_decay)`, the rule of HF's examples). With the default
+    ("bias", "LayerNorm.weight") that exempts every bias (every name containing "bias": the ".bias" of each
+    linear and LayerNorm, and "cls.predictions.bias") and every LayerNorm weight: the same tensors as google's
+    exclude_from_weight_decay=["LayerNorm", "layer_norm", "bias"]. `self.decay[name]` says which it is.
+
+    Arguments: lr >= 0; betas (β1, β2) each in [0, 1); eps > 0 (torch also accepts 0, but then a gradient that
+    has been exactly 0 so far gives 0/0); weight_decay >= 0; all finite. Bad gradients (missing or extra keys,
+    another shape or dtype, a NaN or inf, a value whose square overflows the dtype) raise a ValueError naming the
+    key before anything is written: the model and the optimizer state are then untouched.
+    """
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, correct_bias=True,
+                 no_decay=("bias", "LayerNorm.weight")):
+        who = "AdamW"
+        if not isinstance(params, dict) or not params:
+            raise ValueError(f"{who}: argument 'params' expected a non-empty dict name -> numpy array "
+                             f"(model.parameters()), got {type(params).__name__} of length "
+                             f"{len(params) if hasattr(params, '__len__') else '?'}")
+        seen = {}
+        for name, p in params.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{who}: argument 'params' expected str keys, got {type(name).__name__} {name!r}")
+            _float_array(who, "params", name, p)
+            if not p.flags.writeable:
+                raise ValueError(f"{who}: argument 'params' key {name!r} expected a writeable array "
+                                 f"(it is updated in place), got a read-only one")
+            if id(p) in seen:
+                raise ValueError(f"{who}: argument 'params' key {name!r} expected its own array, got the array "
+                                 f"of key {seen[id(p)]!r} again (it would be updated twice)")
+            seen[id(p)] = name
+        self.params = dict(params)      # our own dict of the model's arrays: the arrays themselves are shared
+        self._set_hyper(who, lr, betas, eps, weight_decay, correct_bias, no_decay)
+        self.step_count = 0
+        self.m = {k: np.zeros_like(p) for k, p in self.params.items()}
+        self.v = {k: np.zeros_like(p) for k, p in self.params.items()}
+
+    def _set_hyper(self, who, lr, betas, eps, weight_decay, correct_bias, no_decay):
+        lr = _number(who, "lr", lr, 0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{who}: argument 'betas' expected a pair (beta1, beta2), got {betas!r}")
+        b1 = _number(who, "betas[0]", betas[0], 0.0, 1.0)
+        b2 = _number(who, "betas[1]", betas[1], 0.0, 1.0)
+        eps = _number(who, "eps", eps, 0.0, low_open=True)
+        weight_decay = _number(who, "weight_decay", weight_decay, 0.0)
+        if not isinstance(correct_bias, (bool, np.bool_)):
+            raise ValueError(f"{who}: argument 'correct_bias' expected True or False, got {correct_bias!r}")
+        if (isinstance(no_decay, str) or not isinstance(no_decay, (tuple, list))
+                or not all(isinstance(s, str) and s for s in no_decay)):
+            raise ValueError(f"{who}: argument 'no_decay' expected a tuple of non-empty name substrings, "
+                             f"e.g. ('bias', 'LayerNorm.weight'), got {no_decay!r}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, (b1, b2), eps, weight_decay
+        self.correct_bias, self.no_decay = bool(correct_bias), tuple(no_decay)
+        self.decay = {k: not any(s in k for s in self.no_decay) for k in self.params}
+
+    def _check_grads(self, who, grads):
+        if not isinstance(grads, dict):
+            raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient (model.backward()), "
+                             f"got {type(grads).__name__}")
+        missing, extra = set(self.params) - set(grads), set(grads) - set(self.params)
+        if missing or extra:
+            raise ValueError(f"{who}: argument 'grads' expected exactly the parameters' keys, got "
+                             f"{len(missing)} missing {_names(missing)} and {len(extra)} unexpected {_names(extra)}")
+        for name, p in self.params.items():
+            g = grads[name]
+            if not isinstance(g, np.ndarray) or g.shape != p.shape or g.dtype != p.dtype:
+                raise ValueError(f"{who}: argument 'grads' key {name!r} expected an array of shape {p.shape} and "
+                                 f"dtype {p.dtype} (the parameter's), got {_desc(g)}")
+            _finite(who, "grads", name, g)
+
+    def step(self, grads, lr=None):
+        """One update of every parameter in place (the formulas in the class docstring). `lr` overrides the
+        learning rate for this step only (pass the schedule's value); None uses self.lr."""
+        who = "AdamW.step"
+        lr = self.lr if lr is None else _number(who, "lr", lr, 0.0)
+        self._check_grads(who, grads)
+        self.step_count += 1
+        t = self.step_count
+        b1, b2 = self.betas
+        eps, wd = self.eps, self.weight_decay
+        if self.correct_bias:
+            step_size = lr / (1.0 - b1 ** t)
+            bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        for name, p in self.params.items():
+            g, m, v = grads[name], self.m[name], self.v[name]
+            lam = wd if self.decay[name] else 0.0
+            m *= b1
+            m += (1.0 - b1) * g
+            v *= b2
+            v += (1.0 - b2) * np.square(g)
+            if self.correct_bias:                           # torch.optim.AdamW
+                if lam:
+                    p *= 1.0 - lr * lam
+                denom = np.sqrt(v) / bc2_sqrt + eps
+                p -= step_size * (m / denom)
+            else:                                           # google-research/bert AdamWeightDecayOptimizer
+                update = m / (np.sqrt(v) + eps)
+                if lam:
+                    update += lam * p
+                p -= lr * update
+
+    def state_dict(self):
+        """Everything needed to continue bit-exactly, as a plain dict of copies: the step count, m and v per name,
+        and the hyperparameters. The parameters themselves are the model's: save them beside this."""
+        return {"step_count": self.step_count,
+                "m": {k: a.copy() for k, a in self.m.items()},
+                "v": {k: a.copy() for k, a in self.v.items()},
+                "lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                "correct_bias": self.correct_bias, "no_decay": self.no_decay}
+
+    def load_state_dict(self, state):
+        """Restore a state_dict() (copies its arrays in). m and v must have exactly the parameters' keys, shapes
+        and dtypes, be finite, and v >= 0; the hyperparameters are checked as in the constructor. Nothing is
+        changed unless all of it is valid."""
+        who = "AdamW.load_state_dict"
+        keys = {"step_count", "m", "v", "lr", "betas", "eps", "weight_decay", "correct_bias", "no_decay"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{who}: argument 'state' expected a dict with keys {sorted(keys)}, got {got}")
+        step_count = _integer(who, "state['step_count']", state["step_count"], 0)
+        for which in ("m", "v"):
+            d = state[which]
+            arg = f"state['{which}']"
+            if not isinstance(d, dict) or set(d) != set(self.params):
+                got = (f"{len(set(self.params) - set(d))} missing {_names(set(self.params) - set(d))} and "
+                       f"{len(set(d) - set(self.params))} unexpected {_names(set(d) - set(self.params))}"
+                       if isinstance(d, dict) else type(d).__name__)
+                raise ValueError(f"{who}: argument '{arg}' expected exactly the parameters' keys, got {got}")
+            for name, p in self.params.items():
+                a = d[name]
+                if not isinstance(a, np.ndarray) or a.shape != p.shape or a.dtype != p.dtype:
+                    raise ValueError(f"{who}: argument '{arg}' key {name!r} expected an array of shape {p.shape} "
+                                     f"and dtype {p.dtype} (the parameter's), got {_desc(a)}")
+                if not np.isfinite(a).all() or (which == "v" and (a < 0).any()):
+                    raise ValueError(f"{who}: argument '{arg}' key {name!r} expected finite values"
+                                     f"{', all >= 0' if which == 'v' else ''}, got others")
+        self._set_hyper(who, state["lr"], state["betas"], state["eps"], state["weight_decay"],   # all-or-nothing
+                        state["correct_bias"], state["no_decay"])
+        self.step_count = step_count
+        self.m = {k: np.array(a, copy=True) for k, a in state["m"].items()}
+        self.v = {k: np.array(a, copy=True) for k, a in state["v"].items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# learning-rate schedule
+
+def linear_warmup_decay(step, warmup_steps, total_steps):
+    """The original BERT's learning-rate multiplier (google-research/bert optimization.py create_optimizer):
+
+        step / warmup_steps                       if step < warmup_steps     (linear warmup from 0)
+        max(0, 1 - step / total_steps)            otherwise                  (linear decay to 0 at total_steps)
+
+    Steps count from 0, and the update made at step s uses the multiplier of s, so the very first update has
+    lr = 0 whenever warmup_steps > 0 (google increments global_step after the update; torch's LambdaLR with
+    scheduler.step() after optimizer.step() does the same). warmup_steps = 0 means no warmup.
+
+    The decay is google's, not HF's get_linear_schedule_with_warmup: it is 1 - step/total_steps measured from
+    step 0, so at the end of warmup the multiplier drops from (w - 1)/w to 1 - w/total_steps (HF instead decays
+    (total_steps - step)/(total_steps - warmup_steps), continuous at 1). Computed in float64 (google: float32).
+    """
+    who = "linear_warmup_decay"
+    step = _integer(who, "step", step, 0)
+    warmup_steps = _integer(who, "warmup_steps", warmup_steps, 0)
+    total_steps = _integer(who, "total_steps", total_steps, 1)
+    if warmup_steps > total_steps:
+        raise ValueError(f"{who}: argument 'warmup_steps' expected at most total_steps = {total_steps}, "
+                         f"got {warmup_steps}")
+    if step < warmup_steps:
+        return step / warmup_steps
+    return max(0.0, 1.0 - step / total_steps)
+
+
+class LinearWarmupDecay:
+    """base_lr times linear_warmup_decay: `LinearWarmupDecay(1e-4, 10_000, 1_000_000).lr(step)`."""
+
+    def __init__(self, base_lr, warmup_steps, total_steps):
+        who = "LinearWarmupDecay"
+        self.base_lr = _number(who, "base_lr", base_lr, 0.0)
+        self.warmup_steps = _integer(who, "warmup_steps", warmup_steps, 0)
+        self.total_steps = _integer(who, "total_steps", total_steps, 1)
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(f"{who}: argument 'warmup_steps' expected at most total_steps = {self.total_steps}, "
+                             f"got {self.warmup_steps}")
+
+    def lr(self, step):
+        """The learning rate of the update made at `step` (0, 1, ...)."""
+        return self.base_lr * linear_warmup_decay(step, self.warmup_steps, self.total_steps)
+
+    def __repr__(self):
+        return f"LinearWarmupDecay(base_lr={self.base_lr}, warmup_steps={self.warmup_steps}, " \
+               f"total_steps={self.total_steps})"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gradient clipping
+
+def clip_grad_norm(grads, max_norm=1.0):
+    """Scale all gradients together so their global L2 norm is at most about max_norm; returns the norm before.
+
+        norm = sqrt(sum over every gradient of sum(g²))          (accumulated in float64)
+        c    = min(max_norm / (norm + 1e-6), 1)                   every g <- c·g, in place, in g's dtype
+
+    This is torch.nn.utils.clip_grad_norm_ (norm_type 2): its clip_coef = max_norm / (total_norm + 1e-6),
+    clamped to at most 1. Two consequences of the 1e-6: a norm in (max_norm - 1e-6, max_norm] is already scaled
+    (by a factor within 1e-6 of 1), and a clipped set ends with norm max_norm·norm/(norm + 1e-6), a hair under
+    max_norm. (google-research/bert used tf.clip_by_global_norm: c = max_norm / max(norm, max_norm), no 1e-6.)
+    torch sums a float32 set in float32; here the norm is always summed in float64, then the factor applied in
+    each gradient's own dtype.
+
+    `grads` is a dict name -> float32/float64 array (model.backward()); a non-finite value raises a ValueError
+    naming the key, before anything is scaled. Returns the pre-clip norm as a Python float.
+    """
+    who = "clip_grad_norm"
+    max_norm = _number(who, "max_norm", max_norm, 0.0, low_open=True)
+    if not isinstance(grads, dict):
+        raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient, got {type(grads).__name__}")
+    total = 0.0
+    for name, g in grads.items():
+        _float_array(who, "grads", name, g)
+        bad = ~np.isfinite(g)
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise ValueError(f"{who}: argument 'grads' key {name!r} expected finite values, got {g[i]} at index {i}")
+        total += float(np.sum(np.square(g, dtype=np.float64)))
+    norm = math.sqrt(total)
+    if not math.isfinite(norm):
+        raise ValueError(f"{who}: argument 'grads' expected a global norm finite in float64, got one that overflows")
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    if coef < 1.0:
+        for g in grads.values():
+            g *= coef
+    return norm

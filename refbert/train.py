@@ -1,0 +1,572 @@
+"""Training runs: `refbert pretrain` (MLM + NSP) and `refbert finetune` (classification, pair, ner, qa).
+
+A run directory holds
+    log.csv, eval.csv          one row per step / per evaluation
+    loss.png                   the curves, redrawn at every evaluation
+    checkpoint-{step}/         an HF folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json)
+                               plus optimizer.safetensors (AdamW moments) and trainer_state.json (step, epoch,
+                               batch, RNG states, arguments)
+    latest.json                {"checkpoint": "checkpoint-..."}: the newest complete checkpoint
+    model/ (pretrain), best/ (finetune)   the final / best model, an HF folder
+Checkpoints are written into a temporary folder beside their final place and renamed into it, and latest.json is
+replaced atomically after that, so a run killed at any moment leaves the previous checkpoint intact and pointed to.
+`--resume` continues from latest.json bit-exactly: the same parameters, optimizer moments, dropout generator and
+data order, hence the same losses as a run that was never interrupted.
+"""
+import csv
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from . import model as M
+from . import ops, safetensors_io
+from .config import BertConfig
+from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
+
+
+class UserError(ValueError):
+    """A problem with what the user asked for (a file, a folder, an argument): reported without a traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run folders, checkpoints, logs
+
+def prepare_out(out, resume, overwrite=False):
+    """The run folder: new, or resumed. An existing non-empty folder is never written over by accident."""
+    if resume:
+        if not os.path.isfile(os.path.join(out, "latest.json")):
+            raise UserError(f"--resume: expected a run folder with latest.json, got {out!r} without one")
+        return
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise UserError(f"--out: {out!r} exists and is not empty; choose a new folder, or pass --resume to continue "
+                        f"that run (nothing in it was touched)")
+    os.makedirs(out, exist_ok=True)
+
+
+def _write_json(path, obj):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):
+    """Write out/name atomically (temp folder + rename); then point latest.json at it and drop old checkpoints."""
+    final = os.path.join(out, name)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out)
+    try:
+        model.save_pretrained(os.path.join(tmp, "m"))
+        for f in os.listdir(os.path.join(tmp, "m")):
+            os.replace(os.path.join(tmp, "m", f), os.path.join(tmp, f))
+        os.rmdir(os.path.join(tmp, "m"))
+        tokenizer.save_pretrained(tmp)
+        if opt is not None:
+            sd = opt.state_dict()
+            arrays = {f"{k}.{n}": a for k in ("m", "v") for n, a in sd[k].items()}
+            safetensors_io.save_file(arrays, os.path.join(tmp, "optimizer.safetensors"))
+            state = {**state, "optimizer": {k: v for k, v in sd.items() if k not in ("m", "v")}}
+        if state is not None:
+            _write_json(os.path.join(tmp, "trainer_state.json"), state)
+        if os.path.exists(final):                    # re-saving the same name (best/, model/): swap, then drop
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if name.startswith("checkpoint-"):
+        _write_json(os.path.join(out, "latest.json"), {"checkpoint": name})
+        old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
+        for d in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    return final
+
+
+def load_checkpoint(out, model_cls, dtype=np.float32):
+    """(folder, model, optimizer state dict, trainer state) of the checkpoint latest.json points at."""
+    with open(os.path.join(out, "latest.json")) as f:
+        folder = os.path.join(out, json.load(f)["checkpoint"])
+    model = model_cls.from_pretrained(folder, dtype=dtype)
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        state = json.load(f)
+    arrays = safetensors_io.load_file(os.path.join(folder, "optimizer.safetensors"))
+    sd = dict(state["optimizer"], m={}, v={})
+    for key, a in arrays.items():
+        which, name = key.split(".", 1)
+        sd[which][name] = a.astype(model.dtype)
+    return folder, model, sd, state
+
+
+class CsvLog:
+    """Append-only CSV; on resume, rows past the checkpoint's step are dropped first (they were never saved)."""
+
+    def __init__(self, path, fields, resume_step=None):
+        self.path, self.fields = path, fields
+        rows = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fields)
+            w.writeheader()
+            w.writerows(rows)
+
+    def write(self, row):
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.fields).writerow({k: row.get(k, "") for k in self.fields})
+
+
+def plot(out, title, baseline=None):
+    """loss.png from log.csv and eval.csv (matplotlib, no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, style in (("log.csv", "-"), ("eval.csv", "o-")):
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
+            continue
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        keys = [k for k in (rows[0].keys() if rows else []) if k.endswith("loss") and rows[0][k] != ""]
+        for k in keys:
+            ax.plot([int(r["step"]) for r in rows], [float(r[k]) for r in rows], style,
+                    label=f"{'eval ' if name == 'eval.csv' else ''}{k}", lw=1, ms=3)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", ls="--", lw=1, label="unigram baseline (MLM)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def _progress(total, initial, desc):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pretraining
+
+def pretraining_metrics(out, batch):
+    """MLM and NSP loss and accuracy from the logits of BertForPreTraining (the loss is their sum)."""
+    labels, nsp = batch["labels"], batch["next_sentence_label"]
+    mlm_loss = float(ops.cross_entropy_forward(out.prediction_logits, labels)[0])
+    nsp_loss = float(ops.cross_entropy_forward(out.seq_relationship_logits, nsp)[0])
+    kept = labels != -100
+    mlm_acc = float((out.prediction_logits[kept].argmax(-1) == labels[kept]).mean()) if kept.any() else 0.0
+    nsp_acc = float((out.seq_relationship_logits.argmax(-1) == nsp).mean())
+    return dict(mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_acc=mlm_acc, nsp_acc=nsp_acc, n_masked=int(kept.sum()))
+
+
+def unigram_baseline(data, tokenizer, batch_size):
+    """Cross-entropy (nats) of predicting each masked token from the corpus's unigram frequencies alone: the
+    loss an MLM that ignores context would reach. Frequencies from the training batches of epoch 0."""
+    counts = np.zeros(len(tokenizer.vocab), np.float64)
+    for b in data.batches(0, batch_size):
+        counts += np.bincount(b["labels"][b["labels"] != -100], minlength=counts.size)
+    p = counts / counts.sum()
+    nz = p > 0
+    return float(-(p[nz] * np.log(p[nz])).sum())
+
+
+def pretrain(args):
+    from .data import PretrainingData, read_documents
+    from .tokenization import BertTokenizer, train_vocab
+
+    out = args.out
+    prepare_out(out, args.resume, args.overwrite)
+    if args.resume:
+        folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining)
+        a = state["args"]
+        a.update(steps=args.steps or a["steps"])      # a resumed run may be extended, never reshaped
+        tokenizer = BertTokenizer.from_pretrained(folder)
+    else:
+        a = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+        tokenizer = _pretrain_tokenizer(args, out, BertTokenizer, train_vocab)
+    docs = read_documents(a["corpus"])
+    rng = np.random.default_rng(a["seed"])
+    order = rng.permutation(len(docs))
+    n_eval = min(max(1, len(docs) // 20), len(docs) - 1) if len(docs) > 1 else 0
+    eval_docs = [docs[i] for i in order[:n_eval]]
+    train_docs = [docs[i] for i in order[n_eval:]] or docs
+    data_kw = dict(max_seq_length=a["max_seq_length"], short_seq_prob=a["short_seq_prob"],
+                   next_sentence=a["objective"], masked_lm_prob=a["mlm_prob"],
+                   max_predictions_per_seq=a["max_predictions"], whole_word=a["whole_word"], ngram=a["ngram"],
+                   dynamic=not a["static_masking"], dupe_factor=a["dupe_factor"])
+    data = PretrainingData(train_docs, tokenizer, seed=a["seed"], **data_kw)
+    eval_data = PretrainingData(eval_docs, tokenizer, seed=a["seed"] + 1, **data_kw) if eval_docs else None
+    steps_per_epoch = max(1, math.ceil(len(data) / a["batch_size"]))
+    total = a["steps"] or a["epochs"] * steps_per_epoch
+
+    if not args.resume:
+        model = _pretrain_model(a, tokenizer)
+        opt_state, state = None, dict(step=0, epoch=0, batch=0)
+    opt = AdamW(model.parameters(), lr=a["lr"], weight_decay=0.01, correct_bias=not a["no_bias_correction"])
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+        model.dropout_rng.bit_generator.state = state["dropout_rng"]
+    sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
+    baseline = unigram_baseline(data, tokenizer, a["batch_size"])
+    fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
+    log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if args.resume else None)
+    elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
+                  state["step"] if args.resume else None)
+    print(f"pretraining {model.num_parameters():,} parameters on {len(data)} sequences "
+          f"({len(train_docs)} documents; {n_eval} held out), {total} steps of {a['batch_size']}; "
+          f"unigram baseline for the MLM loss: {baseline:.3f} nats")
+    step, epoch, skip = state["step"], state["epoch"], state["batch"]
+    stop = min(total, args.stop_after) if args.stop_after else total
+    bar = _progress(total, step, "pretrain")
+    t0 = time.perf_counter()
+    while step < stop:
+        for bi, batch in enumerate(data.batches(epoch, a["batch_size"])):
+            if bi < skip:
+                continue                                # resumed mid-epoch: these batches were already seen
+            if step >= stop:
+                break
+            model.train()
+            o = model(**batch)
+            grads = model.backward()
+            norm = clip_grad_norm(grads, 1.0)
+            lr = sched.lr(step)
+            opt.step(grads, lr=lr)
+            step += 1
+            met = pretraining_metrics(o, batch)
+            tps = int(batch["attention_mask"].sum() / max(time.perf_counter() - t0, 1e-9))
+            t0 = time.perf_counter()
+            log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}", grad_norm=f"{norm:.4f}",
+                           tokens_per_s=tps, **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
+            bar.set_postfix(loss=f"{float(o.loss):.3f}", mlm_acc=f"{met['mlm_acc']:.2f}", nsp_acc=f"{met['nsp_acc']:.2f}",
+                            tok_s=tps)
+            bar.update(1)
+            done_epoch = bi + 1 >= steps_per_epoch
+            position = dict(step=step, epoch=epoch + done_epoch, batch=0 if done_epoch else bi + 1)
+            if eval_data is not None and (step % a["eval_every"] == 0 or step == total):
+                elog.write(dict(step=step, **{k: f"{v:.6f}" for k, v in evaluate_pretraining(model, eval_data,
+                                                                                             a["batch_size"]).items()}))
+                plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
+            if step % a["save_every"] == 0 or step == total:
+                st = dict(position, args=a, dropout_rng=model.dropout_rng.bit_generator.state)
+                save_checkpoint(out, f"checkpoint-{step:07d}", model, tokenizer, opt, st)
+        else:
+            epoch, skip = epoch + 1, 0
+            continue
+        break
+    bar.close()
+    if step >= total:
+        save_checkpoint(out, "model", model, tokenizer)
+        plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
+        print(f"done: {step} steps; the model is in {os.path.join(out, 'model')}")
+    else:
+        print(f"stopped after step {step} (--stop-after); continue with --resume")
+    return 0
+
+
+def evaluate_pretraining(model, data, batch_size):
+    """Mean MLM/NSP loss and accuracy over the held-out sequences, masks fixed (epoch 0), eval mode."""
+    model.eval()
+    tot, n = {}, 0
+    for b in data.batches(0, batch_size):
+        met = pretraining_metrics(model(**b), b)
+        w = len(b["input_ids"])
+        for k, v in met.items():
+            tot[k] = tot.get(k, 0.0) + v * w
+        n += w
+    model.train()
+    return {k: tot[k] / n for k in ("mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc")}
+
+
+def _pretrain_tokenizer(args, out, BertTokenizer, train_vocab):
+    if args.init:
+        return BertTokenizer.from_pretrained(args.init)
+    if args.vocab:
+        return BertTokenizer(args.vocab, do_lower_case=not args.cased)
+    folder = os.path.join(out, "tokenizer")
+    train_vocab([args.corpus], folder, vocab_size=args.vocab_size, lowercase=not args.cased)
+    return BertTokenizer.from_pretrained(folder)
+
+
+def _pretrain_model(a, tokenizer):
+    if a["init"]:                                       # continue pretraining any HF BERT on in-domain text
+        return M.BertForPreTraining.from_pretrained(a["init"]).train()
+    if a["config"]:
+        config = BertConfig.from_json_file(a["config"])
+    else:
+        config = BertConfig.preset(a["preset"], vocab_size=len(tokenizer.vocab),
+                                   max_position_embeddings=max(512, a["max_seq_length"]))
+    if config.vocab_size != len(tokenizer.vocab):
+        raise UserError(f"--config: vocab_size {config.vocab_size} does not match the tokenizer's "
+                        f"{len(tokenizer.vocab)} tokens")
+    return M.BertForPreTraining(config, seed=a["seed"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fine-tuning: data files, encoding, metrics
+
+TASKS = {  # task -> (model class, required fields of a row)
+    "classification": ("BertForSequenceClassification", ("text", "label")),
+    "pair": ("BertForSequenceClassification", ("text_a", "text_b", "label")),
+    "ner": ("BertForTokenClassification", ("tokens", "tags")),
+    "qa": ("BertForQuestionAnswering", ("question", "context", "answer_text", "answer_start")),
+}
+
+
+def read_rows(path, task):
+    """Rows of a .jsonl (one JSON object a line) or .csv (a header row) file, checked against the task's schema;
+    a malformed row is reported with its line number."""
+    if task not in TASKS:
+        raise UserError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
+    fields = TASKS[task][1]
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file")
+    rows = []
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.endswith(".csv"):
+            if task in ("ner", "qa"):
+                raise UserError(f"{path}: task {task!r} reads .jsonl files (its rows hold lists or offsets)")
+            items = [(i + 2, r) for i, r in enumerate(csv.DictReader(f))]
+        else:
+            items = []
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    items.append((i, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}, line {i}: expected a JSON object, got invalid JSON ({e.msg})") from None
+    for line, r in items:
+        if not isinstance(r, dict) or any(k not in r for k in fields):
+            raise UserError(f"{path}, line {line}: expected the fields {list(fields)}, got "
+                            f"{sorted(r) if isinstance(r, dict) else type(r).__name__}")
+        if task == "ner" and (not isinstance(r["tokens"], list) or len(r["tokens"]) != len(r["tags"])):
+            raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' lists of equal length")
+        if task == "qa":
+            s = r["answer_start"]
+            if not isinstance(s, int) or (r["answer_text"] and r["context"][s:s + len(r["answer_text"])] != r["answer_text"]):
+                raise UserError(f"{path}, line {line}: expected context[answer_start:][:len(answer_text)] == "
+                                f"answer_text, got {r['context'][s:s + len(r['answer_text'])]!r}" if isinstance(s, int)
+                                else f"{path}, line {line}: expected an integer 'answer_start', got {s!r}")
+        rows.append(r)
+    if not rows:
+        raise UserError(f"{path}: expected at least one row, got none")
+    return rows
+
+
+def label_set(rows, task):
+    if task == "qa":
+        return None
+    if task == "ner":
+        return sorted({t for r in rows for t in r["tags"]} | {"O"})
+    return sorted({str(r["label"]) for r in rows})
+
+
+def encode_rows(rows, task, tokenizer, max_len, label2id):
+    """Arrays for a list of rows; for ner and qa also what evaluation needs to map tokens back to text."""
+    if task in ("classification", "pair"):
+        enc = tokenizer([r["text"] if task == "classification" else r["text_a"] for r in rows],
+                        [r["text_b"] for r in rows] if task == "pair" else None,
+                        padding="max_length", truncation=True, max_length=max_len, return_tensors="np")
+        labels = np.array([label2id.get(str(r["label"]), -1) for r in rows])
+        if (labels < 0).any():
+            bad = rows[int(np.flatnonzero(labels < 0)[0])]["label"]
+            raise UserError(f"label {bad!r} does not occur in the training file (labels: {sorted(label2id)})")
+        return dict(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"],
+                    attention_mask=enc["attention_mask"], labels=labels), None
+    if task == "ner":
+        texts, spans = [], []
+        for r in rows:                                  # words joined by spaces; remember each word's span
+            pos, sp = 0, []
+            for w in r["tokens"]:
+                sp.append((pos, pos + len(w)))
+                pos += len(w) + 1
+            texts.append(" ".join(r["tokens"]))
+            spans.append(sp)
+        enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_len, return_tensors="np",
+                        return_offsets_mapping=True)
+        labels = np.full(enc["input_ids"].shape, -100)
+        word_of = np.full(enc["input_ids"].shape, -1)
+        for b, r in enumerate(rows):
+            seen = set()
+            for t, (s, e) in enumerate(enc["offset_mapping"][b]):
+                if e <= s:
+                    continue                            # special or padding
+                w = next((i for i, (ws, we) in enumerate(spans[b]) if ws <= s < we), None)
+                if w is not None and w not in seen:     # the first piece of a word carries its tag (HF's recipe)
+                    seen.add(w)
+                    labels[b, t] = label2id.get(r["tags"][w], label2id["O"])
+                    word_of[b, t] = w
+        return dict(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"],
+                    attention_mask=enc["attention_mask"], labels=labels), dict(word_of=word_of)
+    # longest_first rather than HF's only_second: a long question is cut too, instead of failing the row
+    enc = tokenizer([r["question"] for r in rows], [r["context"] for r in rows], padding="max_length",
+                    truncation="longest_first", max_length=max_len, return_tensors="np", return_offsets_mapping=True)
+    starts, ends = np.zeros(len(rows), np.int64), np.zeros(len(rows), np.int64)
+    for b, r in enumerate(rows):
+        if not r["answer_text"]:
+            continue                                    # unanswerable: both positions at [CLS]
+        cs, ce = r["answer_start"], r["answer_start"] + len(r["answer_text"])
+        ctx = (enc["token_type_ids"][b] == 1) & (enc["attention_mask"][b] == 1)
+        toks = [t for t in np.flatnonzero(ctx) if enc["offset_mapping"][b][t][1] > cs and enc["offset_mapping"][b][t][0] < ce]
+        if toks:                                        # else the answer was truncated away: [CLS], as HF
+            starts[b], ends[b] = toks[0], toks[-1]
+    return dict(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"],
+                start_positions=starts, end_positions=ends), dict(offsets=enc["offset_mapping"])
+
+
+def _entities(tags):
+    """BIO spans (type, start, end) of a tag sequence."""
+    spans, cur = set(), None
+    for i, t in enumerate(list(tags) + ["O"]):
+        if cur and not (t.startswith("I-") and t[2:] == cur[0]):
+            spans.add((cur[0], cur[1], i))
+            cur = None
+        if t.startswith("B-") or (t.startswith("I-") and cur is None):
+            cur = (t[2:], i)
+    return spans
+
+
+def _f1(pred, gold):
+    tp = len(pred & gold)
+    p, r = tp / max(len(pred), 1), tp / max(len(gold), 1)
+    return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def _qa_f1(pred, gold):
+    p, g = pred.lower().split(), gold.lower().split()
+    common = sum(min(p.count(w), g.count(w)) for w in set(p))
+    if not p or not g:
+        return float(p == g)
+    return 0.0 if common == 0 else 2 * common / (len(p) + len(g))
+
+
+def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
+    """The task's metrics on a dev set: accuracy (classification, pair); entity F1 and token accuracy (ner, BIO
+    spans as conlleval counts them); exact match and token F1 (qa, SQuAD's definitions)."""
+    model.eval()
+    n = len(rows)
+    outs = [model(**{k: v[i:i + batch_size] for k, v in arrays.items()}) for i in range(0, n, batch_size)]
+    if task in ("classification", "pair"):
+        pred = np.concatenate([o.logits.argmax(-1) for o in outs])
+        return dict(accuracy=float((pred == arrays["labels"]).mean()))
+    if task == "ner":
+        pred = np.concatenate([o.logits.argmax(-1) for o in outs])
+        gold_spans, pred_spans, correct, total = set(), set(), 0, 0
+        for b, r in enumerate(rows):
+            words = {int(w): t for t, w in enumerate(extra["word_of"][b]) if w >= 0}
+            ptags = [id2label[int(pred[b, words[w]])] if w in words else "O" for w in range(len(r["tags"]))]
+            gold_spans |= {(b, *s) for s in _entities(r["tags"])}
+            pred_spans |= {(b, *s) for s in _entities(ptags)}
+            correct += sum(p == g for p, g in zip(ptags, r["tags"]))
+            total += len(r["tags"])
+        return dict(f1=_f1(pred_spans, gold_spans), token_accuracy=correct / total)
+    start = np.concatenate([o.start_logits for o in outs])
+    end = np.concatenate([o.end_logits for o in outs])
+    ctx = (arrays["token_type_ids"] == 1) & (arrays["attention_mask"] == 1)
+    spans = M.decode_qa_span(start, end, max_answer_length=30, context_mask=ctx,
+                             null_score_diff_threshold=float("inf"))  # every demo question has an answer
+    em = f1 = 0.0
+    for b, (s, e, _) in enumerate(spans):
+        off = extra["offsets"][b]
+        text = rows[b]["context"][off[s][0]:off[e][1]] if e >= s > 0 else ""
+        em += text.strip().lower() == rows[b]["answer_text"].strip().lower()
+        f1 += _qa_f1(text, rows[b]["answer_text"])
+    return dict(exact_match=em / n, f1=f1 / n)
+
+
+def baseline(task, train_rows, dev_rows):
+    """What a model that ignores its input scores: the majority class (classification, pair), all "O" (ner:
+    F1 0), the first name in the context (qa)."""
+    if task in ("classification", "pair"):
+        labels = [str(r["label"]) for r in train_rows]
+        major = max(set(labels), key=labels.count)
+        return dict(accuracy=float(np.mean([str(r["label"]) == major for r in dev_rows])))
+    if task == "ner":
+        return dict(f1=0.0)
+    em = np.mean([r["context"].split(":")[0] == r["answer_text"] for r in dev_rows])
+    return dict(exact_match=float(em))
+
+
+def finetune(args):
+    from .tokenization import BertTokenizer
+
+    out, task = args.out, args.task
+    if task not in TASKS:
+        raise UserError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
+    prepare_out(out, False, args.overwrite)
+    train_rows, dev_rows = read_rows(args.train, task), read_rows(args.dev, task)
+    tokenizer = BertTokenizer.from_pretrained(args.init)
+    labels = label_set(train_rows, task)
+    cls = getattr(M, TASKS[task][0])
+    id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
+    model = cls.from_pretrained(args.init, id2label=id2label)
+    if args.seed is not None:
+        model.dropout_rng = np.random.default_rng(args.seed)
+    label2id = {v: k for k, v in id2label.items()}
+    tr, _ = encode_rows(train_rows, task, tokenizer, args.max_seq_length, label2id)
+    dv, dv_extra = encode_rows(dev_rows, task, tokenizer, args.max_seq_length, label2id)
+    n, B = len(train_rows), args.batch_size
+    steps_per_epoch = math.ceil(n / B)
+    total = steps_per_epoch * args.epochs
+    opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = LinearWarmupDecay(args.lr, int(0.1 * total), total)
+    metric = {"classification": "accuracy", "pair": "accuracy", "ner": "f1", "qa": "f1"}[task]
+    base = baseline(task, train_rows, dev_rows)
+    print(f"fine-tuning {TASKS[task][0]} on {n} rows ({args.epochs} epochs, {total} steps); dev {len(dev_rows)} rows; "
+          f"baseline {base}")
+    log = CsvLog(os.path.join(out, "log.csv"), ["step", "epoch", "lr", "loss"])
+    elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "epoch", "loss", *sorted(evaluate_keys(task))])
+    rng = np.random.default_rng(args.seed or 0)
+    bar = _progress(total, 0, f"finetune {task}")
+    step, best = 0, -1.0
+    for epoch in range(args.epochs):
+        order = rng.permutation(n)
+        losses = []
+        for i in range(0, n, B):
+            idx = order[i:i + B]
+            model.train()
+            o = model(**{k: v[idx] for k, v in tr.items()})
+            grads = model.backward()
+            clip_grad_norm(grads, 1.0)
+            lr = sched.lr(step)
+            opt.step(grads, lr=lr)
+            step += 1
+            losses.append(float(o.loss))
+            log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}"))
+            bar.set_postfix(loss=f"{float(o.loss):.3f}")
+            bar.update(1)
+        scores = evaluate(model, task, dev_rows, dv, dv_extra, B, id2label)
+        elog.write(dict(step=step, epoch=epoch + 1, loss=f"{np.mean(losses):.6f}", **{k: f"{v:.4f}" for k, v in scores.items()}))
+        bar.write(f"epoch {epoch + 1}: train loss {np.mean(losses):.4f}, dev " +
+                  ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+        if scores[metric] > best:
+            best = scores[metric]
+            save_checkpoint(out, "best", model, tokenizer)
+        plot(out, f"refbert finetune {task}")
+    bar.close()
+    print(f"best dev {metric} {best:.4f} (baseline {base}); the best model is in {os.path.join(out, 'best')}")
+    return 0
+
+
+def evaluate_keys(task):
+    return {"classification": ["accuracy"], "pair": ["accuracy"], "ner": ["f1", "token_accuracy"],
+            "qa": ["exact_match", "f1"]}[task]
