@@ -1,13 +1,17 @@
 """refbert: BERT in NumPy, every backward written by hand and proven by finite differences.
 
-The oracle ops live in refbert.ops; refbert.gradcheck checks any forward/backward pair; `refbert check` runs it
-over every op.
+refbert.ops holds the oracle op pairs, refbert.gradcheck checks any forward/backward pair, refbert.model builds BERT
+and its heads on them (HF's names and semantics), refbert.tokenization / data / optim / train take text to a trained
+model. `refbert check` proves every backward; `refbert trace` shows one step op by op.
 """
-from . import gradcheck, ops  # noqa: F401
+from . import gradcheck, ops
+from .config import BertConfig
+from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction, BertForPreTraining,
+                    BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification, BertModel,
+                    decode_qa_span)
+from .tokenization import BertTokenizer
 
 __version__ = "0.1.0"
-from .config import BertConfig  # noqa: E402,F401
-from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction,  # noqa: E402,F401
-                    BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
-                    BertForTokenClassification, BertModel, decode_qa_span)
-from .tokenization import BertTokenizer  # noqa: E402,F401
+__all__ = ["gradcheck", "ops", "BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM",
+           "BertForNextSentencePrediction", "BertForSequenceClassification", "BertForTokenClassification",
+           "BertForQuestionAnswering", "BertForMultipleChoice", "decode_qa_span", "BertTokenizer"]

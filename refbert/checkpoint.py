@@ -8,14 +8,13 @@ freshly initialised and listed, and keys the class does not use are listed; both
 import copy
 import json
 import os
-import shutil
-import tempfile
 import warnings
 
 import numpy as np
 
 from . import safetensors_io
 from .config import BertConfig
+from .fileio import folder
 from .model import parameter_shapes
 
 WEIGHTS = "model.safetensors"
@@ -107,17 +106,8 @@ def save_pretrained(model, path):
     atomically, so a crash never leaves a truncated file."""
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    fresh = not os.path.exists(path)
-    target = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path))) if fresh else path
-    try:
+    with folder(path) as target:
         safetensors_io.save_file(dict(model.params), os.path.join(target, WEIGHTS), metadata={"format": "pt"})
         config.to_json_file(os.path.join(target, "config.json"))
-        if fresh:
-            os.rename(target, path)
-    except BaseException:
-        if fresh:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
-
 
 __all__ = ["load_pretrained", "save_pretrained", "parameter_shapes"]

@@ -7,8 +7,9 @@ out, as an explicit sum, how many trainable parameters each Hugging Face BERT cl
 import json
 import math
 import os
-import secrets
 from dataclasses import InitVar, dataclass, field, fields
+
+from .fileio import write_text
 
 # HF's ACT2FN names we implement, and the `approximate` argument of ops.gelu_forward each one means.
 # "gelu" is the exact x·Φ(x); "gelu_new" (HF's Python formula) and "gelu_pytorch_tanh" (torch's kernel) are both the
@@ -208,20 +209,7 @@ class BertConfig:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        directory, name = os.path.split(os.path.abspath(path))
-        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-        # os.open with mode 0o666 lets the umask decide the permissions, as a plain open() would.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        write_text(path, text)
         return path
 
     @classmethod

@@ -82,13 +82,19 @@ def stdlib_docs():
         for name, obj in sorted(vars(mod).items()):
             if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
                 continue
-            doc = inspect.getdoc(obj)
-            if not doc or doc in seen:
-                continue
-            seen.add(doc)
-            sents = _sentences(doc)
-            if sents:
-                docs.append((getattr(obj, "__module__", None) or m, name, sents, public))
+            where = getattr(obj, "__module__", None) or m
+            # the object, then (for a class) its public methods: each docstring one document
+            members = [(name, obj)] + ([(f"{name}.{k}", v) for k, v in sorted(vars(obj).items())
+                                        if not k.startswith("_") and callable(v)] if inspect.isclass(obj) else [])
+            for qualname, o in members:
+                doc = o.__doc__ if isinstance(getattr(o, "__doc__", None), str) else None
+                doc = inspect.cleandoc(doc) if doc else None
+                if not doc or doc in seen:
+                    continue
+                seen.add(doc)
+                sents = _sentences(doc)
+                if sents:
+                    docs.append((where, qualname, sents, public))
     return docs
 
 
@@ -147,5 +153,5 @@ def write_demo_data(out_dir, seed=0):
         with open(os.path.join(out_dir, f"{key}.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(items[i], ensure_ascii=False) + "\n" for i in order)
     counts = {f"{k}.jsonl": len(v) for k, v in rows.items()}
-    counts["corpus.txt"] = sum(len(s) for _, _, s, _ in docs)
+    counts["corpus.txt"] = len(docs)                   # documents (docstrings)
     return counts

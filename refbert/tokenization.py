@@ -40,12 +40,12 @@ the tests compare on every character where the tables agree.
 import collections
 import json
 import os
-import shutil
-import tempfile
 import unicodedata
 from collections.abc import Mapping
 
 import numpy as np
+
+from .fileio import folder, write_text
 
 VOCAB_FILES_NAMES = {"vocab_file": "vocab.txt"}
 CONFIG_FILE = "tokenizer_config.json"
@@ -509,7 +509,7 @@ class BertTokenizer:
         if strategy == "longest_first":
             # Remove one token at a time from the longer sequence; when they end up equal and one more must go,
             # it comes from the one that was shorter (the first on a tie). In closed form:
-            short, long_ = min(n0, n1), max(n0, n1)
+            short = min(n0, n1)
             if 2 * short <= budget:
                 keep_short, keep_long = short, budget - short
             else:
@@ -752,37 +752,11 @@ class BertTokenizer:
 
 
 def _write_folder(path, files):
-    """Write {name: text} into the folder `path`: a new folder is built beside it and renamed into place; in an
-    existing folder each file is written to a temporary file and moved over the old one with os.replace."""
-    path = os.fspath(path)
-    fresh = not os.path.exists(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    if fresh:
-        os.makedirs(parent, exist_ok=True)
-        target = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    elif os.path.isdir(path):
-        target = path
-    else:
-        raise ValueError(f"save_pretrained: argument 'path' expected a folder, got '{path}', which is a file")
-    try:
+    """Write {name: text} into the folder `path` atomically (refbert.fileio: a new folder appears whole, files in an
+    existing one are replaced one by one)."""
+    with folder(path) as target:
         for name, text in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=target)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, os.path.join(target, name))
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-        if fresh:
-            os.rename(target, path)
-    except BaseException:
-        if fresh:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
+            write_text(os.path.join(target, name), text)
 
 
 # ---------------------------------------------------------------------------------------------------------------

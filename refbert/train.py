@@ -26,6 +26,7 @@ import numpy as np
 from . import model as M
 from . import ops, safetensors_io
 from .config import BertConfig
+from .fileio import write_text
 from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
 
 
@@ -49,17 +50,7 @@ def prepare_out(out, resume, overwrite=False):
 
 
 def _write_json(path, obj):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_text(path, json.dumps(obj, indent=2))
 
 
 def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):

@@ -4,7 +4,6 @@ import pytest
 
 import refbert
 from refbert import model as M
-from refbert.config import BertConfig
 from refbert.check import HEADS, model_batch as batch, tiny_config as tiny
 from refbert.gradcheck import TOLERANCE, check_model
 

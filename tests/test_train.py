@@ -181,3 +181,23 @@ def test_vocab_order_is_a_function_of_the_token_set(demo, tmp_path):
     assert lines[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and len(lines) == 300
     key = lambda t: (len(t.removeprefix("##")) > 1, t.startswith("##"), t)  # noqa: E731  (single chars first)
     assert lines[5:] == sorted(lines[5:], key=key)
+
+
+def test_continue_pretraining_from_an_hf_folder(demo, tmp_path):
+    """--init: general -> domain. An HF-saved BertForPreTraining (weights + tokenizer) continues on new text."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    hf_dir = tmp_path / "hf"
+    cfg = json.loads((demo / "config.json").read_text())
+    torch.manual_seed(0)
+    transformers.BertForPreTraining(transformers.BertConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+                                    ).save_pretrained(hf_dir)
+    transformers.BertTokenizerFast.from_pretrained(demo / "tok").save_pretrained(hf_dir)
+    out = tmp_path / "domain"
+    assert cli.main(["pretrain", "--corpus", str(demo / "small.txt"), "--init", str(hf_dir), "--out", str(out),
+                     "--max-seq-length", "32", "--batch-size", "8", "--steps", "3"]) == 0
+    from refbert import safetensors_io
+    before = safetensors_io.load_file(str(hf_dir / "model.safetensors"))
+    after = safetensors_io.load_file(str(out / "model" / "model.safetensors"))
+    key = "bert.encoder.layer.0.attention.self.query.weight"
+    assert before[key].shape == after[key].shape and not np.array_equal(before[key], after[key])  # trained on

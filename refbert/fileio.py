@@ -1,0 +1,59 @@
+"""Atomic writes: nothing already saved is lost, and no reader ever sees half a file or half a folder.
+
+A file is written to a temporary name beside its target, flushed to disk, then renamed over it (os.replace is
+atomic on POSIX); a new folder is built beside its final place and renamed into it. On any failure the temporary
+file or folder is removed and the old contents stay as they were.
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+
+
+def write_text(path, text):
+    """Replace the file `path` with `text` (UTF-8) atomically. The umask decides the permissions, as for open()."""
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)                    # mkstemp made it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def folder(path):
+    """`with folder(path) as target:` write the files into `target`. A new folder is built beside `path` and
+    renamed into place at the end, so it appears whole or not at all; an existing folder is written in place (each
+    file by its own atomic replace)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"save_pretrained: argument 'path' expected a folder, got '{path}', which is a file")
+    if os.path.isdir(path):
+        yield path
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    target = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        yield target
+        os.chmod(target, 0o777 & ~_umask())
+        os.rename(target, path)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
