@@ -15,6 +15,14 @@ import sys
 import warnings
 
 
+def positive(text):
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _pretrain_args(p):
     p.add_argument("--corpus", help="text file: one sentence per line, a blank line between documents")
     p.add_argument("--out", required=True, help="run folder (must be new, unless --resume)")
@@ -24,26 +32,26 @@ def _pretrain_args(p):
     p.add_argument("--config", help="a config.json instead of a preset")
     p.add_argument("--init", help="an HF BERT folder to continue pretraining from (its vocab and weights)")
     p.add_argument("--vocab", help="a vocab.txt (default: train one on the corpus)")
-    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--vocab-size", type=positive, default=8000)
     p.add_argument("--cased", action="store_true", help="keep case (default: lower-case, as bert-base-uncased)")
     p.add_argument("--objective", choices=["nsp", "sop"], default="nsp",
                    help="the sentence task beside MLM: next-sentence (BERT) or sentence-order (ALBERT)")
-    p.add_argument("--max-seq-length", type=int, default=128)
+    p.add_argument("--max-seq-length", type=positive, default=128)
     p.add_argument("--short-seq-prob", type=float, default=0.1)
     p.add_argument("--mlm-prob", type=float, default=0.15)
-    p.add_argument("--max-predictions", type=int, default=20)
+    p.add_argument("--max-predictions", type=positive, default=20)
     p.add_argument("--whole-word", action="store_true", help="mask whole words")
-    p.add_argument("--ngram", type=int, default=1, help="n-gram (span) masking up to n (ALBERT uses 3)")
+    p.add_argument("--ngram", type=positive, default=1, help="n-gram (span) masking up to n (ALBERT uses 3)")
     p.add_argument("--static-masking", action="store_true", help="google's dupe_factor copies instead of dynamic")
-    p.add_argument("--dupe-factor", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--dupe-factor", type=positive, default=10)
+    p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up steps, or a fraction of all steps if < 1")
     p.add_argument("--no-bias-correction", action="store_true", help="the original BERT's uncorrected Adam")
     p.add_argument("--steps", type=int, default=0, help="total optimizer steps (default: --epochs over the data)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--epochs", type=positive, default=1)
+    p.add_argument("--eval-every", type=positive, default=100)
+    p.add_argument("--save-every", type=positive, default=200)
     p.add_argument("--stop-after", type=int, default=0, help="stop after this step as if interrupted (resume later)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -58,7 +66,7 @@ def build_parser():
     p = sub.add_parser("vocab", help="train a WordPiece vocab.txt on text files")
     p.add_argument("corpus", nargs="+")
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--vocab-size", type=positive, default=8000)
     p.add_argument("--cased", action="store_true")
     _pretrain_args(sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining"))
     p = sub.add_parser("finetune", help="fine-tune a pretrained model on a task")
@@ -68,10 +76,10 @@ def build_parser():
     p.add_argument("--init", required=True, help="a pretrained model folder (refbert's or any HF BERT)")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", type=positive, default=3)
+    p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--max-seq-length", type=int, default=128)
+    p.add_argument("--max-seq-length", type=positive, default=128)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("predict", help="classify, tag or answer with a fine-tuned model")
     p.add_argument("model")
@@ -80,19 +88,19 @@ def build_parser():
     p.add_argument("--question")
     p.add_argument("--context")
     p.add_argument("--null-threshold", type=float, default=0.0)
-    p.add_argument("--max-seq-length", type=int, default=512)
+    p.add_argument("--max-seq-length", type=positive, default=512)
     p = sub.add_parser("fill-mask", help="the likeliest tokens for each [MASK]")
     p.add_argument("model")
     p.add_argument("text", nargs="+")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--max-seq-length", type=int, default=512)
+    p.add_argument("--top-k", type=positive, default=5)
+    p.add_argument("--max-seq-length", type=positive, default=512)
     p = sub.add_parser("embed", help="sentence embeddings")
     p.add_argument("model")
     p.add_argument("--text", action="append")
     p.add_argument("--file")
     p.add_argument("--pooling", choices=["mean", "cls"], default="mean")
     p.add_argument("--out", help=".npy file (default: print JSON)")
-    p.add_argument("--max-seq-length", type=int, default=512)
+    p.add_argument("--max-seq-length", type=positive, default=512)
     return ap
 
 
@@ -128,7 +136,7 @@ def main(argv=None):
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return run(args)
-    except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:  # user errors: no traceback
+    except (ValueError, OSError) as e:  # user errors (bad values, missing or unwritable files): no traceback
         if os.environ.get("REFBERT_DEBUG"):
             raise
         print(f"refbert {args.command}: error: {e}", file=sys.stderr)

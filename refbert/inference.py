@@ -22,6 +22,13 @@ def _load(path, default_head):
     return getattr(M, head).from_pretrained(path), BertTokenizer.from_pretrained(path)
 
 
+def _require(model, prefix, path, what):
+    """Refuse to answer with weights from_pretrained had to initialise at random."""
+    from .train import UserError
+    if any(k.startswith(prefix) for k in model.loading_info["missing_keys"]):
+        raise UserError(f"{path}: expected {what}; its weights are not in this checkpoint")
+
+
 def _max_len(args, model):
     return min(args.max_seq_length, model.config.max_position_embeddings)
 
@@ -50,8 +57,14 @@ def predict(args):
         answer = args.context[off[s][0]:off[e][1]] if s > 0 else ""
         print(json.dumps({"answer": answer, "start": int(off[s][0]) if s else None, "score": score}))
         return 0
+    if name not in ("BertForSequenceClassification", "BertForNextSentencePrediction", "BertForTokenClassification"):
+        raise UserError(f"predict: {args.model} holds a {name}, which has no classification head; use "
+                        f"fill-mask or embed with it, or fine-tune it first")
     if not args.text:
         raise UserError(f"predict: a {name} needs --text")
+    if args.text_pair and len(args.text_pair) != len(args.text):
+        raise UserError(f"predict: expected one --text-pair per --text, got {len(args.text_pair)} for "
+                        f"{len(args.text)}")
     for i, text in enumerate(args.text):
         pair = args.text_pair[i] if args.text_pair else None
         if name == "BertForTokenClassification":
@@ -84,6 +97,7 @@ def fill_mask(args):
     model, tok = _load(args.model, "BertForMaskedLM")
     if type(model).__name__ not in ("BertForMaskedLM", "BertForPreTraining"):
         model = M.BertForMaskedLM.from_pretrained(args.model)
+    _require(model, "cls.predictions.", args.model, "an MLM head (a pretrained model, not a fine-tuned one)")
     for text in args.text:
         enc = tok(text, return_tensors="np", truncation=True, max_length=_max_len(args, model))
         ids = enc["input_ids"][0]
@@ -107,6 +121,8 @@ def embed(args):
     from .tokenization import BertTokenizer
     tok = BertTokenizer.from_pretrained(args.model)
     model = M.BertModel.from_pretrained(args.model)
+    if args.pooling == "cls":
+        _require(model, "pooler.", args.model, "a pooler (use --pooling mean)")
     texts = list(args.text or [])
     if args.file:
         with open(args.file, encoding="utf-8") as f:

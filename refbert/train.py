@@ -37,15 +37,17 @@ class UserError(ValueError):
 # ----------------------------------------------------------------------------------------------------------------
 # run folders, checkpoints, logs
 
-def prepare_out(out, resume, overwrite=False):
+def prepare_out(out, resume, overwrite=False, resumable=True):
     """The run folder: new, or resumed. An existing non-empty folder is never written over by accident."""
     if resume:
         if not os.path.isfile(os.path.join(out, "latest.json")):
             raise UserError(f"--resume: expected a run folder with latest.json, got {out!r} without one")
         return
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out: expected a folder, got {out!r}, which is a file")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise UserError(f"--out: {out!r} exists and is not empty; choose a new folder, or pass --resume to continue "
-                        f"that run (nothing in it was touched)")
+        raise UserError(f"--out: {out!r} exists and is not empty; choose a new folder"
+                        f"{', or pass --resume to continue that run' if resumable else ''} (nothing in it was touched)")
     os.makedirs(out, exist_ok=True)
 
 
@@ -56,7 +58,12 @@ def _write_json(path, obj):
 def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):
     """Write out/name atomically (temp folder + rename); then point latest.json at it and drop old checkpoints."""
     final = os.path.join(out, name)
+    if not os.path.exists(final) and os.path.isdir(final + ".old"):
+        os.rename(final + ".old", final)              # a crash between the two renames below: put the old one back
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)                     # mkdtemp makes 0700
     try:
         model.save_pretrained(os.path.join(tmp, "m"))
         for f in os.listdir(os.path.join(tmp, "m")):
@@ -189,7 +196,15 @@ def pretrain(args):
     if args.resume:
         folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining)
         a = state["args"]
+        if args.steps and args.steps < state["step"]:
+            raise UserError(f"--steps: expected at least {state['step']} (the checkpoint's step) to resume, "
+                            f"got {args.steps}")
         a.update(steps=args.steps or a["steps"])      # a resumed run may be extended, never reshaped
+        changed = [k for k in ("corpus", "batch_size", "max_seq_length", "lr", "seed")
+                   if getattr(args, k) != a[k] and getattr(args, k) != build_default(k)]
+        if changed:
+            print(f"--resume: keeping the run's own {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                  f"(a resumed run continues exactly as it started)")
         tokenizer = BertTokenizer.from_pretrained(folder)
     else:
         a = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -305,6 +320,9 @@ def _pretrain_model(a, tokenizer):
     else:
         config = BertConfig.preset(a["preset"], vocab_size=len(tokenizer.vocab),
                                    max_position_embeddings=max(512, a["max_seq_length"]))
+    if config.max_position_embeddings < a["max_seq_length"]:
+        raise UserError(f"--max-seq-length: expected at most {config.max_position_embeddings} (the config's "
+                        f"max_position_embeddings), got {a['max_seq_length']}")
     if config.vocab_size != len(tokenizer.vocab):
         raise UserError(f"--config: vocab_size {config.vocab_size} does not match the tokenizer's "
                         f"{len(tokenizer.vocab)} tokens")
@@ -331,7 +349,7 @@ def read_rows(path, task):
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
     rows = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:     # -sig: a byte-order mark (Excel) is not text
         if path.endswith(".csv"):
             if task in ("ner", "qa"):
                 raise UserError(f"{path}: task {task!r} reads .jsonl files (its rows hold lists or offsets)")
@@ -349,11 +367,19 @@ def read_rows(path, task):
         if not isinstance(r, dict) or any(k not in r for k in fields):
             raise UserError(f"{path}, line {line}: expected the fields {list(fields)}, got "
                             f"{sorted(r) if isinstance(r, dict) else type(r).__name__}")
-        if task == "ner" and (not isinstance(r["tokens"], list) or len(r["tokens"]) != len(r["tags"])):
-            raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' lists of equal length")
+        if task in ("classification", "pair") and any(r[k] is None or str(r[k]) == "" for k in fields):
+            raise UserError(f"{path}, line {line}: expected a value in each of {list(fields)}, got an empty one")
+        if task == "ner":
+            tokens, tags = r["tokens"], r["tags"]
+            if not (isinstance(tokens, list) and isinstance(tags, list)
+                    and all(isinstance(x, str) for x in tokens + tags)):
+                raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' to be lists of strings")
+            if len(tokens) != len(tags):
+                raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' lists of equal length")
         if task == "qa":
             s = r["answer_start"]
-            if not isinstance(s, int) or (r["answer_text"] and r["context"][s:s + len(r["answer_text"])] != r["answer_text"]):
+            if not isinstance(s, int) or (r["answer_text"] and (s < 0 or r["context"][s:s + len(r["answer_text"])]
+                                                                != r["answer_text"])):
                 raise UserError(f"{path}, line {line}: expected context[answer_start:][:len(answer_text)] == "
                                 f"answer_text, got {r['context'][s:s + len(r['answer_text'])]!r}" if isinstance(s, int)
                                 else f"{path}, line {line}: expected an integer 'answer_start', got {s!r}")
@@ -469,16 +495,18 @@ def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
             pred_spans |= {(b, *s) for s in _entities(ptags)}
             correct += sum(p == g for p, g in zip(ptags, r["tags"]))
             total += len(r["tags"])
-        return dict(f1=_f1(pred_spans, gold_spans), token_accuracy=correct / total)
+        return dict(f1=_f1(pred_spans, gold_spans), token_accuracy=correct / max(total, 1))
     start = np.concatenate([o.start_logits for o in outs])
     end = np.concatenate([o.end_logits for o in outs])
     ctx = (arrays["token_type_ids"] == 1) & (arrays["attention_mask"] == 1)
+    # the null answer competes only when the data has unanswerable questions (SQuAD 2.0 style)
+    has_null = any(not r["answer_text"] for r in rows)
     spans = M.decode_qa_span(start, end, max_answer_length=30, context_mask=ctx,
-                             null_score_diff_threshold=float("inf"))  # every demo question has an answer
+                             null_score_diff_threshold=0.0 if has_null else float("inf"))
     em = f1 = 0.0
     for b, (s, e, _) in enumerate(spans):
         off = extra["offsets"][b]
-        text = rows[b]["context"][off[s][0]:off[e][1]] if e >= s > 0 else ""
+        text = rows[b]["context"][off[s][0]:off[e][1]] if e >= s > 0 else ""  # (0, 0): the null answer
         em += text.strip().lower() == rows[b]["answer_text"].strip().lower()
         f1 += _qa_f1(text, rows[b]["answer_text"])
     return dict(exact_match=em / n, f1=f1 / n)
@@ -503,9 +531,13 @@ def finetune(args):
     out, task = args.out, args.task
     if task not in TASKS:
         raise UserError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
-    prepare_out(out, False, args.overwrite)
     train_rows, dev_rows = read_rows(args.train, task), read_rows(args.dev, task)
     tokenizer = BertTokenizer.from_pretrained(args.init)
+    max_pos = BertConfig.from_pretrained(args.init).max_position_embeddings
+    if args.max_seq_length > max_pos:
+        raise UserError(f"--max-seq-length: expected at most {max_pos} (the model's max_position_embeddings), "
+                        f"got {args.max_seq_length}")
+    prepare_out(out, False, args.overwrite, resumable=False)
     labels = label_set(train_rows, task)
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
@@ -561,3 +593,9 @@ def finetune(args):
 def evaluate_keys(task):
     return {"classification": ["accuracy"], "pair": ["accuracy"], "ner": ["f1", "token_accuracy"],
             "qa": ["exact_match", "f1"]}[task]
+
+
+def build_default(name):
+    """The command line's default for a pretrain option (to tell a user's choice from an untouched default)."""
+    from .cli import build_parser
+    return build_parser().parse_args(["pretrain", "--out", "x"]).__dict__[name]

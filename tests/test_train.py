@@ -201,3 +201,41 @@ def test_continue_pretraining_from_an_hf_folder(demo, tmp_path):
     after = safetensors_io.load_file(str(out / "model" / "model.safetensors"))
     key = "bert.encoder.layer.0.attention.self.query.weight"
     assert before[key].shape == after[key].shape and not np.array_equal(before[key], after[key])  # trained on
+
+
+def test_more_user_errors(demo, tmp_path, capsys):
+    def fails(argv, match):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err
+
+    pre = tmp_path / "pre"
+    assert cli.main(pretrain_args(demo, pre, "--steps", "2")) == 0
+    fails(["predict", str(pre / "model"), "--text", "hello"], "has no classification head")
+    missing = tmp_path / "missing.csv"
+    missing.write_text("text,label\nhello world,a\nshort row\n")
+    fails(["finetune", "--task", "classification", "--train", str(missing), "--dev", str(missing), "--init",
+           str(pre / "model"), "--out", str(tmp_path / "m")], "missing.csv, line 3: expected a value")
+    ints = tmp_path / "ints.jsonl"
+    ints.write_text('{"tokens": ["a", "b"], "tags": [0, 1]}\n')
+    fails(["finetune", "--task", "ner", "--train", str(ints), "--dev", str(ints), "--init", str(pre / "model"),
+           "--out", str(tmp_path / "n")], "lists of strings")
+    fails(["finetune", "--task", "classification", "--train", str(demo / "classification_train.jsonl"), "--dev",
+           str(demo / "classification_dev.jsonl"), "--init", str(pre / "model"), "--out", str(tmp_path / "o"),
+           "--max-seq-length", "65"], "expected at most 64")
+    assert not (tmp_path / "o").exists()               # refused before anything was written
+    cut = tmp_path / "cut"
+    assert cli.main(pretrain_args(demo, cut, "--stop-after", "5")) == 0
+    fails(["pretrain", "--out", str(cut), "--resume", "--steps", "3"], "expected at least 4")
+    clf = tmp_path / "clf"
+    assert cli.main(["finetune", "--task", "classification", "--train", str(demo / "classification_train.jsonl"),
+                     "--dev", str(demo / "classification_dev.jsonl"), "--init", str(pre / "model"), "--out",
+                     str(clf), "--epochs", "1", "--max-seq-length", "32"]) == 0
+    fails(["fill-mask", str(clf / "best"), "a [MASK] b"], "expected an MLM head")
+    fails(["predict", str(clf / "best"), "--text", "a", "--text", "b", "--text-pair", "c"], "one --text-pair per")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    fails(pretrain_args(demo, afile), "which is a file")
+    with pytest.raises(SystemExit):                    # argparse: "expected an integer >= 1"
+        cli.main(pretrain_args(demo, tmp_path / "z", "--batch-size", "0"))
