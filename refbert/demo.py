@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import re
+import warnings
 import zlib
 
 import numpy as np
@@ -75,7 +76,9 @@ def stdlib_docs():
     seen, docs = set(), []
     for m in _MODULES:
         try:
-            mod = importlib.import_module(m)
+            with warnings.catch_warnings():               # some modules warn on import (deprecations): not ours
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(m)
         except ImportError:
             continue
         public = {n for n in dir(mod) if not n.startswith("_") and len(n) > 2}
@@ -87,7 +90,10 @@ def stdlib_docs():
             members = [(name, obj)] + ([(f"{name}.{k}", v) for k, v in sorted(vars(obj).items())
                                         if not k.startswith("_") and callable(v)] if inspect.isclass(obj) else [])
             for qualname, o in members:
-                doc = o.__doc__ if isinstance(getattr(o, "__doc__", None), str) else None
+                with warnings.catch_warnings():           # typing.io and friends warn when their __doc__ is read
+                    warnings.simplefilter("ignore")
+                    doc = getattr(o, "__doc__", None)
+                doc = doc if isinstance(doc, str) else None
                 doc = inspect.cleandoc(doc) if doc else None
                 if not doc or doc in seen:
                     continue

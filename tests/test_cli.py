@@ -65,3 +65,8 @@ def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
     assert trace.main() == 1
     out = capsys.readouterr().out
     assert re.search(r"^gelu .* [0-9.]+e-0[1-4]$", out, re.M)  # the gelu rows' spot checks fail
+
+
+def test_readme_python_examples_run():
+    for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S):
+        exec(compile(block, "README.md", "exec"), {})
