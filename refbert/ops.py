@@ -17,7 +17,7 @@ Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging 
 import math
 
 import numpy as np
-from scipy.special import erfc, expit  # Cephes erfc (~1 ulp) and a stable sigmoid; see README "Dependencies"
+from scipy.special import expit, ndtr  # Cephes' normal CDF (~1 ulp) and a stable sigmoid; see README "Dependencies"
 
 from . import validate as V
 
@@ -180,10 +180,11 @@ def gelu_forward(x, approximate="none"):
     """GELU(x) = x * Phi(x); approximate="none" is exact (HF "gelu"), "tanh" is HF "gelu_new" (torch's names).
 
     x: (...)   ->   out: (...)
-    exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2   (erfc keeps the left tail accurate:
-            1 + erf cancels to 0 for x < -8, erfc does not),   phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+    exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2, the normal CDF (scipy's ndtr, which goes through erfc for x < 0,
+            so the left tail keeps its relative accuracy where 1 + erf would cancel to 0),
+            phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
             dx = dout * (Phi(x) + x * phi(x))
-            The backward reads Phi(x) back as out / x from the cached output instead of a second erfc (the
+            The backward reads Phi(x) back as out / x from the cached output instead of a second ndtr (the
             slowest function here), with Phi(x) = 1/2 + x phi(0) + O(x^3) for |x| < 1e-6 where out / x is 0 / 0.
     tanh:   u = sqrt(2/pi) * (x + 0.044715 x^3),  t = tanh(u),  out = x * (1 + t) / 2
             dx = dout * ((1 + t) / 2 + x/2 * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 x^2))
@@ -192,7 +193,7 @@ def gelu_forward(x, approximate="none"):
     """
     V.floats("gelu", x=x)
     if approximate == "none":
-        out = 0.5 * x * erfc(x * (-1 / math.sqrt(2.0)))
+        out = x * ndtr(x)
     elif approximate == "tanh":
         out = x * expit(2 * _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # x * (1 + tanh(u)) / 2
     else:
