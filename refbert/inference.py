@@ -7,7 +7,13 @@ import os
 import numpy as np
 
 from . import model as M
+from . import ops
 from .config import BertConfig
+
+
+def _probs(z):
+    """Probabilities from logits, in float64 (the oracle's softmax)."""
+    return ops.softmax_forward(np.asarray(z, np.float64))[0]
 
 
 def _load(path, default_head):
@@ -31,11 +37,6 @@ def _require(model, prefix, path, what):
 
 def _max_len(args, model):
     return min(args.max_seq_length, model.config.max_position_embeddings)
-
-
-def _softmax(z):
-    e = np.exp(z - z.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def predict(args):
@@ -85,7 +86,7 @@ def predict(args):
             continue
         enc = tok(text, pair, truncation=True, max_length=_max_len(args, model), return_tensors="np")
         o = model(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"])
-        p = _softmax(o.logits[0].astype(np.float64))
+        p = _probs(o.logits[0])
         print(json.dumps({"label": id2label[int(p.argmax())],
                           "probabilities": {id2label[j]: round(float(v), 4) for j, v in enumerate(p)}}))
     return 0
@@ -108,7 +109,7 @@ def fill_mask(args):
         logits = o["prediction_logits"] if "prediction_logits" in o else o["logits"]
         res = []
         for t in where:
-            p = _softmax(logits[0, t].astype(np.float64))
+            p = _probs(logits[0, t])
             top = np.argsort(-p)[:args.top_k]
             res.append([{"token": tok.convert_ids_to_tokens([int(j)])[0], "score": round(float(p[j]), 4)} for j in top])
         print(json.dumps({"text": text, "masks": res}, ensure_ascii=False))
