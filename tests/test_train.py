@@ -139,13 +139,18 @@ def test_fill_mask_and_embed(demo, tmp_path, capsys):
 
 # --- user errors: one line, exit 2, nothing lost ----------------------------------------------------------------
 
-def test_user_errors(demo, tmp_path, capsys):
-    def fails(argv, match):
+@pytest.fixture
+def fails(capsys):
+    """fails(argv, match): the command exits 2 with `match` in its one-line message and no traceback."""
+    def check(argv, match):
         capsys.readouterr()
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert match in err and "Traceback" not in err, err
+    return check
 
+
+def test_user_errors(demo, tmp_path, fails):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
     fails(pretrain_args(demo, tmp_path / "e", "--corpus", str(empty)), "expected at least one")
@@ -203,13 +208,7 @@ def test_continue_pretraining_from_an_hf_folder(demo, tmp_path):
     assert before[key].shape == after[key].shape and not np.array_equal(before[key], after[key])  # trained on
 
 
-def test_more_user_errors(demo, tmp_path, capsys):
-    def fails(argv, match):
-        capsys.readouterr()
-        assert cli.main(argv) == 2
-        err = capsys.readouterr().err
-        assert match in err and "Traceback" not in err, err
-
+def test_more_user_errors(demo, tmp_path, fails):
     pre = tmp_path / "pre"
     assert cli.main(pretrain_args(demo, pre, "--steps", "2")) == 0
     fails(["predict", str(pre / "model"), "--text", "hello"], "has no classification head")
