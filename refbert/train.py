@@ -7,12 +7,14 @@ A run directory holds
                                plus optimizer.safetensors (AdamW moments) and trainer_state.json (step, epoch,
                                batch, RNG states, arguments)
     latest.json                {"checkpoint": "checkpoint-..."}: the newest complete checkpoint
-    model/ (pretrain), best/ (finetune)   the final / best model, an HF folder
+    model (pretrain), best (finetune)      the final / best model: a symbolic link to the HF folder model-{n} /
+                                           best-{n} of its newest version, swapped atomically on each save
 Checkpoints are written into a temporary folder beside their final place and renamed into it, and latest.json is
 replaced atomically after that, so a run killed at any moment leaves the previous checkpoint intact and pointed to.
 `--resume` continues from latest.json bit-exactly: the same parameters, optimizer moments, dropout generator and
 data order, hence the same losses as a run that was never interrupted.
 """
+import contextlib
 import csv
 import json
 import math
@@ -56,10 +58,15 @@ def _write_json(path, obj):
 
 
 def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):
-    """Write out/name atomically (temp folder + rename); then point latest.json at it and drop old checkpoints."""
+    """Write the HF folder out/name atomically; returns its path.
+
+    checkpoint-{step}: written into a temporary folder and renamed into place, then latest.json is pointed at it
+    and the oldest checkpoints are dropped (keep the newest `keep`).
+    best, model (saved again and again): each version is a folder name-{n}, and out/name is a symbolic link that is
+    swapped onto the new version in one os.replace, so at every moment out/name is a whole model."""
+    versioned = not name.startswith("checkpoint-")
     final = os.path.join(out, name)
-    if not os.path.exists(final) and os.path.isdir(final + ".old"):
-        os.rename(final + ".old", final)              # a crash between the two renames below: put the old one back
+    target = os.path.join(out, f"{name}-{_next_version(out, name):04d}") if versioned else final
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out)
     umask = os.umask(0)
     os.umask(umask)
@@ -77,23 +84,31 @@ def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):
             state = {**state, "optimizer": {k: v for k, v in sd.items() if k not in ("m", "v")}}
         if state is not None:
             _write_json(os.path.join(tmp, "trainer_state.json"), state)
-        if os.path.exists(final):                    # re-saving the same name (best/, model/): swap, then drop
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if name.startswith("checkpoint-"):
-        _write_json(os.path.join(out, "latest.json"), {"checkpoint": name})
-        old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
-        for d in old[:max(0, len(old) - (keep - 1))]:
-            shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    if versioned:
+        previous = os.path.realpath(final) if os.path.islink(final) else None
+        link = os.path.join(out, f".tmp-link-{name}")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(link)
+        os.symlink(os.path.basename(target), link)
+        os.replace(link, final)                       # atomic: out/name is the old version or the new one
+        if previous and previous != os.path.realpath(target):
+            shutil.rmtree(previous, ignore_errors=True)
+        return final
+    _write_json(os.path.join(out, "latest.json"), {"checkpoint": name})
+    old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
+    for d in old[:max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     return final
+
+
+def _next_version(out, name):
+    taken = [int(d.rsplit("-", 1)[1]) for d in os.listdir(out)
+             if d.startswith(f"{name}-") and d.rsplit("-", 1)[1].isdigit()]
+    return max(taken, default=0) + 1
 
 
 def load_checkpoint(out, model_cls, dtype=np.float32):

@@ -238,3 +238,22 @@ def test_more_user_errors(demo, tmp_path, fails):
     fails(pretrain_args(demo, afile), "which is a file")
     with pytest.raises(SystemExit):                    # argparse: "expected an integer >= 1"
         cli.main(pretrain_args(demo, tmp_path / "z", "--batch-size", "0"))
+
+
+def test_best_is_swapped_atomically(tmp_path):
+    """Saving `best` again replaces it through a symlink swap: always a whole model, old versions removed."""
+    import refbert
+    from refbert.train import save_checkpoint
+    cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                     max_position_embeddings=16)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(25)]) + "\n")
+    tok = refbert.BertTokenizer(str(vocab))
+    out = tmp_path / "run"
+    out.mkdir()
+    for seed in (1, 2, 3):
+        save_checkpoint(str(out), "best", refbert.BertModel(cfg, seed=seed), tok)
+        again = refbert.BertModel.from_pretrained(str(out / "best"))
+        want = refbert.BertModel(cfg, seed=seed).parameters()
+        assert all(np.array_equal(again.parameters()[k], want[k]) for k in want)
+    assert os.path.islink(out / "best") and sorted(os.listdir(out)) == ["best", "best-0003"]
