@@ -15,7 +15,6 @@ import numpy as np
 from . import safetensors_io
 from .config import BertConfig
 from .fileio import folder
-from .model import parameter_shapes
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -110,4 +109,4 @@ def save_pretrained(model, path):
         safetensors_io.save_file(dict(model.params), os.path.join(target, WEIGHTS), metadata={"format": "pt"})
         config.to_json_file(os.path.join(target, "config.json"))
 
-__all__ = ["load_pretrained", "save_pretrained", "parameter_shapes"]
+__all__ = ["load_pretrained", "save_pretrained"]
