@@ -8,10 +8,12 @@ from . import gradcheck, ops
 from .config import BertConfig
 from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction, BertForPreTraining,
                     BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification, BertModel,
-                    decode_qa_span)
+                    decode_qa_span, get_backend, is_grad_enabled, no_grad)
+from .philox import DropoutRNG
 from .tokenization import BertTokenizer
 
 __version__ = "0.1.0"
 __all__ = ["gradcheck", "ops", "BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM",
            "BertForNextSentencePrediction", "BertForSequenceClassification", "BertForTokenClassification",
-           "BertForQuestionAnswering", "BertForMultipleChoice", "decode_qa_span", "BertTokenizer"]
+           "BertForQuestionAnswering", "BertForMultipleChoice", "decode_qa_span", "BertTokenizer", "DropoutRNG",
+           "get_backend", "no_grad", "is_grad_enabled"]

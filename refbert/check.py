@@ -12,6 +12,7 @@ from . import model as M
 from . import ops
 from .config import HEADS, BertConfig
 from .gradcheck import TOLERANCE, check_model, check_pair
+from .philox import DropoutRNG
 
 
 @dataclass
@@ -72,7 +73,7 @@ def op_cases(seed=0):
         Case("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, dict(x=3 * f((3, 7))), ("x",), dict(approximate="tanh")),
         Case("tanh", ops.tanh_forward, ops.tanh_backward, dict(x=2 * f((3, 7))), ("x",)),
         Case("dropout (p=0.3)", ops.dropout_forward, ops.dropout_backward, dict(x=f((4, 6))), ("x",),
-             dict(p=0.3, rng=None)),  # a fresh Generator per call: see run()
+             dict(p=0.3, rng=None)),  # a fresh DropoutRNG per call: see bind()
         Case("add (residual)", ops.add_forward, ops.add_backward, dict(a=f((2, 3, 4)), b=f((2, 3, 4))), ("a", "b")),
         Case("attention (H=3, padding, dropout 0.2)", ops.attention_forward, ops.attention_backward,
              dict(q=f((2, 5, 6)), k=f((2, 5, 6)), v=f((2, 5, 6))), ("q", "k", "v"),
@@ -86,18 +87,30 @@ def op_cases(seed=0):
              dict(logits=1e4 + f((2, 4, 5))), ("logits",), dict(labels=lab)),
         Case("cross_entropy (all ignored)", ops.cross_entropy_forward, ops.cross_entropy_backward,
              dict(logits=f((3, 5))), ("logits",), dict(labels=np.full(3, -100))),
+        Case("residual_layernorm", ops.residual_layernorm_forward, ops.residual_layernorm_backward,
+             dict(x=f((2, 3, 6)) * 2, a=f((2, 3, 6)) + 1, w=f(6), b=f(6)), ("x", "a", "w", "b")),
+        Case("dropout_residual_layernorm (p=0.3)", ops.dropout_residual_layernorm_forward,
+             ops.dropout_residual_layernorm_backward,
+             dict(x=f((2, 3, 7)) * 2, a=f((2, 3, 7)) + 1, w=f(7), b=f(7)), ("x", "a", "w", "b"),
+             dict(eps=1e-12, p=0.3, rng=None)),
+        Case("bias_gelu (exact erf)", ops.bias_gelu_forward, ops.bias_gelu_backward,
+             dict(x=3 * f((2, 3, 5)), b=f(5)), ("x", "b")),
+        Case("bias_gelu (tanh)", ops.bias_gelu_forward, ops.bias_gelu_backward,
+             dict(x=3 * f((3, 5)), b=f(5)), ("x", "b"), dict(approximate="tanh")),
+        Case("gather_rows (labelled positions)", ops.gather_rows_forward, ops.gather_rows_backward,
+             dict(x=f((2, 4, 3))), ("x",), dict(rows=np.array([5, 0, 6]))),
         Case("mse", ops.mse_forward, ops.mse_backward, dict(pred=f((4, 3)), target=f((4, 3))), ("pred", "target")),
     ]
     return cases
 
 
 def bind(case, rng_seed=1):
-    """forward(**inputs) with the case's fixed arguments bound; a fresh Generator per call, so every finite-difference
-    evaluation draws the same dropout mask."""
+    """forward(**inputs) with the case's fixed arguments bound; a fresh DropoutRNG per call, so every
+    finite-difference evaluation draws the same dropout mask."""
     def forward(**inputs):
         kw = dict(case.kwargs)
         if "rng" in kw:
-            kw["rng"] = np.random.default_rng(rng_seed)
+            kw["rng"] = DropoutRNG(rng_seed)
         return case.forward(**inputs, **kw)
     return forward
 

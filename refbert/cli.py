@@ -23,6 +23,12 @@ def positive(text):
     return value
 
 
+def _backend_arg(p):
+    p.add_argument("--backend", choices=["numpy", "numba"], default="numpy",
+                   help="numpy: the oracle (default); numba: the fused CPU kernels (pip install 'refbert[kernels]')")
+    return p
+
+
 def _pretrain_args(p):
     p.add_argument("--corpus", help="text file: one sentence per line, a blank line between documents")
     p.add_argument("--out", required=True, help="run folder (must be new, unless --resume)")
@@ -54,13 +60,15 @@ def _pretrain_args(p):
     p.add_argument("--save-every", type=positive, default=200)
     p.add_argument("--stop-after", type=int, default=0, help="stop after this step as if interrupted (resume later)")
     p.add_argument("--seed", type=int, default=0)
+    _backend_arg(p)
 
 
 def build_parser():
     ap = argparse.ArgumentParser(prog="refbert", description="BERT in NumPy with hand-written, proven backward passes.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="every op's and every head's backward against finite differences (float64)")
-    sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with finite-difference checks")
+    _backend_arg(sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with "
+                                              "finite-difference checks"))
     p = sub.add_parser("demo-data", help="write an offline corpus and fine-tuning sets from the stdlib's docstrings")
     p.add_argument("out")
     p = sub.add_parser("vocab", help="train a WordPiece vocab.txt on text files")
@@ -81,6 +89,7 @@ def build_parser():
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-seq-length", type=positive, default=128)
     p.add_argument("--seed", type=int, default=0)
+    _backend_arg(p)
     p = sub.add_parser("predict", help="classify, tag or answer with a fine-tuned model")
     p.add_argument("model")
     p.add_argument("--text", action="append")
@@ -89,11 +98,13 @@ def build_parser():
     p.add_argument("--context")
     p.add_argument("--null-threshold", type=float, default=0.0)
     p.add_argument("--max-seq-length", type=positive, default=512)
+    _backend_arg(p)
     p = sub.add_parser("fill-mask", help="the likeliest tokens for each [MASK]")
     p.add_argument("model")
     p.add_argument("text", nargs="+")
     p.add_argument("--top-k", type=positive, default=5)
     p.add_argument("--max-seq-length", type=positive, default=512)
+    _backend_arg(p)
     p = sub.add_parser("embed", help="sentence embeddings")
     p.add_argument("model")
     p.add_argument("--text", action="append")
@@ -101,6 +112,7 @@ def build_parser():
     p.add_argument("--pooling", choices=["mean", "cls"], default="mean")
     p.add_argument("--out", help=".npy file (default: print JSON)")
     p.add_argument("--max-seq-length", type=positive, default=512)
+    _backend_arg(p)
     return ap
 
 
@@ -126,8 +138,11 @@ def run(args):
         if not args.resume and not args.corpus and not args.init:
             raise train.UserError("pretrain: expected --corpus (or --resume)")
         return train.pretrain(args)
-    return {"finetune": train.finetune, "predict": inference.predict, "fill-mask": inference.fill_mask,
-            "embed": inference.embed}[c](args)
+    if c == "finetune":
+        return train.finetune(args)
+    from .model import no_grad
+    with no_grad():                                     # inference: no backward follows, so no activations kept
+        return {"predict": inference.predict, "fill-mask": inference.fill_mask, "embed": inference.embed}[c](args)
 
 
 def main(argv=None):

@@ -18,6 +18,8 @@ A correct op in float64 gives ~1e-9 or less; refbert's bar is 1e-7 (TOLERANCE).
 """
 import numpy as np
 
+from .philox import DropoutRNG
+
 TOLERANCE = 1e-7    # max relative error a float64 backward may show against centred differences
 STEP = 1e-5         # h: balances truncation error h^2 (~1e-10) against rounding eps/h (~1e-11)
 
@@ -122,7 +124,7 @@ def check_model(model, inputs, seed=0, n_dirs=2, h=STEP, dropout_seed=1234):
     upstream = {}
 
     def loss():
-        model.dropout_rng = np.random.default_rng(dropout_seed)
+        model.dropout_rng = DropoutRNG(dropout_seed)
         out = model.forward(**inputs)
         if not is_encoder:
             return float(out.loss)

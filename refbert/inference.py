@@ -16,7 +16,7 @@ def _probs(z):
     return ops.softmax_forward(np.asarray(z, np.float64))[0]
 
 
-def _load(path, default_head):
+def _load(path, default_head, backend="numpy"):
     from .tokenization import BertTokenizer
     from .train import UserError
     if not os.path.isdir(path):
@@ -25,7 +25,7 @@ def _load(path, default_head):
     head = (config.architectures or [default_head])[0]
     if not hasattr(M, head):
         raise UserError(f"{path}: architecture {head!r} is not one refbert implements")
-    return getattr(M, head).from_pretrained(path), BertTokenizer.from_pretrained(path)
+    return getattr(M, head).from_pretrained(path, backend=backend), BertTokenizer.from_pretrained(path)
 
 
 def _require(model, prefix, path, what):
@@ -42,7 +42,7 @@ def _max_len(args, model):
 def predict(args):
     """Classification / pair: label and probabilities; ner: a tag per word; qa: the answer span."""
     from .train import UserError
-    model, tok = _load(args.model, "BertForSequenceClassification")
+    model, tok = _load(args.model, "BertForSequenceClassification", args.backend)
     id2label = model.config.id2label
     name = type(model).__name__
     if name == "BertForQuestionAnswering":
@@ -95,9 +95,9 @@ def predict(args):
 def fill_mask(args):
     """The top-k tokens for each [MASK] of each text."""
     from .train import UserError
-    model, tok = _load(args.model, "BertForMaskedLM")
+    model, tok = _load(args.model, "BertForMaskedLM", args.backend)
     if type(model).__name__ not in ("BertForMaskedLM", "BertForPreTraining"):
-        model = M.BertForMaskedLM.from_pretrained(args.model)
+        model = M.BertForMaskedLM.from_pretrained(args.model, backend=args.backend)
     _require(model, "cls.predictions.", args.model, "an MLM head (a pretrained model, not a fine-tuned one)")
     for text in args.text:
         enc = tok(text, return_tensors="np", truncation=True, max_length=_max_len(args, model))
@@ -121,7 +121,7 @@ def embed(args):
     from .train import UserError
     from .tokenization import BertTokenizer
     tok = BertTokenizer.from_pretrained(args.model)
-    model = M.BertModel.from_pretrained(args.model)
+    model = M.BertModel.from_pretrained(args.model, backend=args.backend)
     if args.pooling == "cls":
         _require(model, "pooler.", args.model, "a pooler (use --pooling mean)")
     texts = list(args.text or [])

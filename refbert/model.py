@@ -28,18 +28,56 @@ types, C hidden, I intermediate, L layers, K labels):
 
 References: Devlin et al. 2019 (arXiv:1810.04805); HF transformers models/bert/modeling_bert.py.
 """
+import contextlib
+from typing import NamedTuple
+
 import numpy as np
 
 from . import ops as numpy_ops
+from .philox import DropoutRNG
 from . import validate as V
 from .config import BertConfig
 
 
+BACKENDS = ("numpy", "numba")
+
+
 def get_backend(name):
-    """The module whose <op>_forward/<op>_backward the model calls. "numpy" is the oracle, refbert.ops."""
+    """The module whose <op>_forward/<op>_backward the model calls: "numpy" is the oracle, refbert.ops; "numba" is
+    refbert_kernels.backend, the fused CPU kernels with the same names, signatures and semantics (matmuls stay on
+    NumPy's BLAS), which needs the `kernels` extra."""
     if name == "numpy":
         return numpy_ops
-    raise ValueError(f"backend: expected 'numpy' (fused kernels arrive with refbert_kernels), got {name!r}")
+    if name == "numba":
+        try:
+            from refbert_kernels import backend
+        except ImportError as e:
+            raise ValueError(f"backend: 'numba' needs numba (pip install 'refbert[kernels]'): {e}") from None
+        return backend
+    raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inference mode: no caches when no backward can follow
+
+_GRAD_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def no_grad():
+    """`with refbert.no_grad(): model(...)` keeps no activations for a backward (as torch.no_grad): each layer's
+    cache is dropped as soon as the layer returns, so memory stays at one layer's worth. A head's forward without
+    labels keeps none either way (no loss, so no backward)."""
+    before = _GRAD_ENABLED[0]
+    _GRAD_ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _GRAD_ENABLED[0] = before
+
+
+def is_grad_enabled():
+    return _GRAD_ENABLED[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,8 +138,11 @@ def init_parameters(config, shapes, rng, dtype):
 # blocks: forward/backward pairs over the parameter dict. `ctx` carries ops, dropout rng and train flag.
 
 class _Ctx:
-    def __init__(self, ops, rng, train):
-        self.ops, self.rng, self.train = ops, rng, train
+    """What every block needs besides its parameters: the op backend, the dropout generator, train mode, and
+    whether caches are kept for a backward (`keep`)."""
+
+    def __init__(self, ops, rng, train, keep=True):
+        self.ops, self.rng, self.train, self.keep = ops, rng, train, keep
 
     def dropout(self, x, p):
         return self.ops.dropout_forward(x, p, self.rng, self.train)
@@ -118,24 +159,27 @@ def _add_grads(grads, name, dw, db=None):
             grads[key] = g
 
 
-def linear_forward(ctx, P, name, x):
-    out, cache = ctx.ops.linear_forward(x, P[name + ".weight"], P[name + ".bias"])
+def dense_forward(ctx, P, name, x, bias=True):
+    """The HF module `name` (an nn.Linear): ops.linear_forward with its weight, and its bias unless the bias is
+    fused into the next op (bias_gelu)."""
+    out, cache = ctx.ops.linear_forward(x, P[name + ".weight"], P[name + ".bias"] if bias else None)
     return out, (name, cache)
 
 
-def linear_backward(ctx, dout, cache, grads):
+def dense_backward(ctx, dout, cache, grads):
     name, c = cache
-    dx, dw, db = ctx.ops.linear_backward(dout, c)
-    _add_grads(grads, name, dw, db)
+    dx, dw, *db = ctx.ops.linear_backward(dout, c)
+    _add_grads(grads, name, dw, db[0] if db else None)
     return dx
 
 
-def layernorm_forward(ctx, P, name, x, eps):
+def norm_forward(ctx, P, name, x, eps):
+    """The HF module `name` (an nn.LayerNorm): ops.layernorm_forward with its weight and bias."""
     out, cache = ctx.ops.layernorm_forward(x, P[name + ".weight"], P[name + ".bias"], eps)
     return out, (name, cache)
 
 
-def layernorm_backward(ctx, dout, cache, grads):
+def norm_backward(ctx, dout, cache, grads):
     name, c = cache
     dx, dw, db = ctx.ops.layernorm_backward(dout, c)
     _add_grads(grads, name, dw, db)
@@ -149,7 +193,7 @@ def embeddings_forward(ctx, P, pre, cfg, input_ids, token_type_ids, position_ids
     te, c_t = o.embedding_forward(token_type_ids, P[pre + "token_type_embeddings.weight"])
     pe, c_p = o.embedding_forward(position_ids, P[pre + "position_embeddings.weight"])
     x = we + te + pe                                    # (B, T, C): three lookups, summed
-    h, c_ln = layernorm_forward(ctx, P, pre + "LayerNorm", x, cfg.layer_norm_eps)
+    h, c_ln = norm_forward(ctx, P, pre + "LayerNorm", x, cfg.layer_norm_eps)
     h, c_do = ctx.dropout(h, cfg.hidden_dropout_prob)
     return h, (pre, c_w, c_t, c_p, c_ln, c_do)
 
@@ -157,55 +201,79 @@ def embeddings_forward(ctx, P, pre, cfg, input_ids, token_type_ids, position_ids
 def embeddings_backward(ctx, dh, cache, grads):
     pre, c_w, c_t, c_p, c_ln, c_do = cache
     o = ctx.ops
-    dx = layernorm_backward(ctx, o.dropout_backward(dh, c_do), c_ln, grads)
+    dx = norm_backward(ctx, o.dropout_backward(dh, c_do), c_ln, grads)
     # the sum sends dx unchanged to all three tables; each lookup scatters it back into its rows
     _add_grads(grads, pre + "word_embeddings", o.embedding_backward(dx, c_w))
     _add_grads(grads, pre + "token_type_embeddings", o.embedding_backward(dx, c_t))
     _add_grads(grads, pre + "position_embeddings", o.embedding_backward(dx, c_p))
 
 
+class LayerCache(NamedTuple):
+    """What layer_backward reads, by name (forward order)."""
+    q: tuple            # query projection (dense cache)
+    k: tuple
+    v: tuple
+    attention: tuple    # the attention core's cache (ops.attention_probs reads it for output_attentions)
+    attn_out: tuple     # attention.output.dense
+    ln1: tuple          # (name, dropout_residual_layernorm cache) of attention.output.LayerNorm
+    ffn_in: tuple       # intermediate.dense, without its bias
+    act: tuple          # (bias name, bias_gelu cache)
+    ffn_out: tuple      # output.dense
+    ln2: tuple          # (name, dropout_residual_layernorm cache) of output.LayerNorm
+
+
 def layer_forward(ctx, P, pre, cfg, x, mask):
     """One post-LN encoder layer (B, T, C) -> (B, T, C):
-        a  = attention(x W_q^T, x W_k^T, x W_v^T)            multi-head self-attention core
-        h1 = LayerNorm(x + dropout(a W_o^T))                  residual, then LayerNorm (post-LN, as BERT)
-        h2 = LayerNorm(h1 + dropout(gelu(h1 W_i^T) W_out^T))  feed-forward C -> I -> C
+        a  = attention(x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v)   multi-head self-attention core
+        h1 = LayerNorm(x + dropout(a W_o^T + b_o))                     residual, then LayerNorm (post-LN, as BERT)
+        h2 = LayerNorm(h1 + dropout(gelu(h1 W_i^T + b_i) W_out^T + b_out))   feed-forward C -> I -> C
+    Each LayerNorm line is one fused op (dropout_residual_layernorm); gelu(. + b_i) is bias_gelu, the linear
+    before it running without its bias: the ops a fused kernel computes in one pass.
     """
-    o, eps = ctx.ops, cfg.layer_norm_eps
-    q, c_q = linear_forward(ctx, P, pre + "attention.self.query", x)
-    k, c_k = linear_forward(ctx, P, pre + "attention.self.key", x)
-    v, c_v = linear_forward(ctx, P, pre + "attention.self.value", x)
+    o, eps, p = ctx.ops, cfg.layer_norm_eps, cfg.hidden_dropout_prob
+    q, c_q = dense_forward(ctx, P, pre + "attention.self.query", x)
+    k, c_k = dense_forward(ctx, P, pre + "attention.self.key", x)
+    v, c_v = dense_forward(ctx, P, pre + "attention.self.value", x)
     a, c_att = o.attention_forward(q, k, v, cfg.num_attention_heads, mask, cfg.attention_probs_dropout_prob,
                                    ctx.rng, ctx.train)
-    a, c_ao = linear_forward(ctx, P, pre + "attention.output.dense", a)
-    a, c_ad = ctx.dropout(a, cfg.hidden_dropout_prob)
-    h1, c_ln1 = layernorm_forward(ctx, P, pre + "attention.output.LayerNorm", x + a, eps)  # residual
-    f, c_fi = linear_forward(ctx, P, pre + "intermediate.dense", h1)   # (B, T, I)
-    f, c_act = o.gelu_forward(f, cfg.gelu_approximate)
-    f, c_fo = linear_forward(ctx, P, pre + "output.dense", f)          # (B, T, C)
-    f, c_fd = ctx.dropout(f, cfg.hidden_dropout_prob)
-    h2, c_ln2 = layernorm_forward(ctx, P, pre + "output.LayerNorm", h1 + f, eps)  # residual
-    return h2, (c_q, c_k, c_v, c_att, c_ao, c_ad, c_ln1, c_fi, c_act, c_fo, c_fd, c_ln2)
+    a, c_ao = dense_forward(ctx, P, pre + "attention.output.dense", a)
+    ln1 = pre + "attention.output.LayerNorm"
+    h1, c_ln1 = o.dropout_residual_layernorm_forward(x, a, P[ln1 + ".weight"], P[ln1 + ".bias"], eps, p,
+                                                     ctx.rng, ctx.train)
+    fi = pre + "intermediate.dense"
+    f, c_fi = dense_forward(ctx, P, fi, h1, bias=False)              # (B, T, I)
+    f, c_act = o.bias_gelu_forward(f, P[fi + ".bias"], cfg.gelu_approximate)
+    f, c_fo = dense_forward(ctx, P, pre + "output.dense", f)         # (B, T, C)
+    ln2 = pre + "output.LayerNorm"
+    h2, c_ln2 = o.dropout_residual_layernorm_forward(h1, f, P[ln2 + ".weight"], P[ln2 + ".bias"], eps, p,
+                                                     ctx.rng, ctx.train)
+    return h2, LayerCache(c_q, c_k, c_v, c_att, c_ao, (ln1, c_ln1), c_fi, (fi, c_act), c_fo, (ln2, c_ln2))
 
 
 def layer_backward(ctx, dh2, cache, grads):
-    c_q, c_k, c_v, c_att, c_ao, c_ad, c_ln1, c_fi, c_act, c_fo, c_fd, c_ln2 = cache
+    c = cache
     o = ctx.ops
-    ds2 = layernorm_backward(ctx, dh2, c_ln2, grads)   # gradient of h1 + f
-    df = o.dropout_backward(ds2, c_fd)
-    df = linear_backward(ctx, df, c_fo, grads)
-    df = o.gelu_backward(df, c_act)
-    dh1 = ds2 + linear_backward(ctx, df, c_fi, grads)   # h1 fed both the skip and the feed-forward: sum
-    ds1 = layernorm_backward(ctx, dh1, c_ln1, grads)   # gradient of x + a
-    da = linear_backward(ctx, o.dropout_backward(ds1, c_ad), c_ao, grads)
-    dq, dk, dv = o.attention_backward(da, c_att)
+    ln2, c_ln2 = c.ln2
+    dh1, df, dw, db = o.dropout_residual_layernorm_backward(dh2, c_ln2)   # dh1: the skip's share
+    _add_grads(grads, ln2, dw, db)
+    df = dense_backward(ctx, df, c.ffn_out, grads)
+    fi, c_act = c.act
+    df, db_i = o.bias_gelu_backward(df, c_act)
+    _add_grads(grads, fi, None, db_i)
+    dh1 = dh1 + dense_backward(ctx, df, c.ffn_in, grads)   # h1 fed both the skip and the feed-forward: sum
+    ln1, c_ln1 = c.ln1
+    dx, da, dw, db = o.dropout_residual_layernorm_backward(dh1, c_ln1)
+    _add_grads(grads, ln1, dw, db)
+    da = dense_backward(ctx, da, c.attn_out, grads)
+    dq, dk, dv = o.attention_backward(da, c.attention)
     # x fed the skip and all three projections: four paths, summed
-    return ds1 + linear_backward(ctx, dq, c_q, grads) + linear_backward(ctx, dk, c_k, grads) \
-        + linear_backward(ctx, dv, c_v, grads)
+    return dx + dense_backward(ctx, dq, c.q, grads) + dense_backward(ctx, dk, c.k, grads) \
+        + dense_backward(ctx, dv, c.v, grads)
 
 
 def pooler_forward(ctx, P, pre, h):
     """pooled = tanh(h[:, 0] W^T + b): the [CLS] position.  (B, T, C) -> (B, C)"""
-    z, c_d = linear_forward(ctx, P, pre + "pooler.dense", h[:, 0])
+    z, c_d = dense_forward(ctx, P, pre + "pooler.dense", h[:, 0])
     out, c_t = ctx.ops.tanh_forward(z)
     return out, (h.shape, c_d, c_t)
 
@@ -213,26 +281,64 @@ def pooler_forward(ctx, P, pre, h):
 def pooler_backward(ctx, dout, cache, grads):
     shape, c_d, c_t = cache
     dh = np.zeros(shape, dout.dtype)                    # only position 0 was read
-    dh[:, 0] = linear_backward(ctx, ctx.ops.tanh_backward(dout, c_t), c_d, grads)
+    dh[:, 0] = dense_backward(ctx, ctx.ops.tanh_backward(dout, c_t), c_d, grads)
     return dh
 
 
-def mlm_head_forward(ctx, P, cfg, h, word_emb_name):
-    """logits = LayerNorm(act(h W_t^T + b_t)) E^T + bias, with E the word embeddings (tied).  (B, T, C) -> (B, T, V)"""
-    t, c_d = linear_forward(ctx, P, "cls.predictions.transform.dense", h)
-    t, c_a = ctx.ops.gelu_forward(t, cfg.gelu_approximate)
-    t, c_ln = layernorm_forward(ctx, P, "cls.predictions.transform.LayerNorm", t, cfg.layer_norm_eps)
-    logits, c_dec = ctx.ops.linear_forward(t, P[word_emb_name], P["cls.predictions.bias"])
-    return logits, (c_d, c_a, c_ln, c_dec, word_emb_name)
+MLM_DECODE = ("all", "labelled")
 
 
-def mlm_head_backward(ctx, dlogits, cache, grads):
-    c_d, c_a, c_ln, c_dec, word_emb_name = cache
-    dt, dE, dbias = ctx.ops.linear_backward(dlogits, c_dec)
+def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all"):
+    """The MLM head and its loss. transform(h) = LayerNorm(gelu(h W_t^T + b_t)); logits = transform(h) E^T + bias,
+    with E the word embeddings (tied).  h: (B, T, C), labels: (B, T) with -100 where no prediction is asked.
+
+    decode="all" (HF): logits at every position, (B, T, V); the loss reads the labelled rows of them.
+    decode="labelled" (the original BERT's gather_indexes): h is gathered at the n labelled positions first, so
+    transform, decoder and loss run on (n, C) -> (n, V) alone: the same loss and gradients, ~n/(B T) of the work.
+    Either way the loss is CE over the labelled rows only, and the decoder's backward runs on those rows: the
+    (B T, V) gradient, zero on every unlabelled row, is never written (with "all", the labelled rows of the
+    transform's output are decoded a second time for the loss, ~15% of the decoder's forward).
+    Returns (logits, rows, loss or None, cache); rows: the flat indices of the labelled positions (or None).
+    """
+    o = ctx.ops
+    E, bias = P[word_emb_name], P["cls.predictions.bias"]
+    rows = None if labels is None else np.flatnonzero(labels.reshape(-1) != -100)   # (n,)
+    x, c_g = h, None
+    if decode == "labelled":
+        if rows is None:
+            raise ValueError("mlm: decode='labelled' expected labels (the positions to decode), got none")
+        x, c_g = o.gather_rows_forward(h, rows)                       # (n, C)
+    t, c_d = dense_forward(ctx, P, "cls.predictions.transform.dense", x, bias=False)
+    t, c_a = o.bias_gelu_forward(t, P["cls.predictions.transform.dense.bias"], cfg.gelu_approximate)
+    t, c_ln = norm_forward(ctx, P, "cls.predictions.transform.LayerNorm", t, cfg.layer_norm_eps)
+    logits, c_dec = o.linear_forward(t, E, bias)                      # (B, T, V) or (n, V)
+    if rows is None:
+        return logits, None, None, None
+    c_r, lk = None, logits
+    if decode == "labelled" and ctx.keep:
+        logits = logits.copy()                                        # the output stays the user's, lk the loss's
+    if decode == "all":                                               # the loss reads the labelled rows:
+        tk, c_r = o.gather_rows_forward(t, rows)                      # (n, C)
+        lk, c_dec = o.linear_forward(tk, E, bias)                     # (n, V) = logits at those rows, decoded again
+        # (n/(B T) ~ 15% of the decoder's forward, so that its backward sees only the labelled rows)
+    loss, c_l = o.cross_entropy_forward(lk, labels.reshape(-1)[rows])
+    return logits, rows, loss, (c_g, c_d, c_a, c_ln, c_dec, c_r, c_l, word_emb_name)
+
+
+def mlm_head_backward(ctx, dloss, cache, grads):
+    c_g, c_d, c_a, c_ln, c_dec, c_r, c_l, word_emb_name = cache
+    o = ctx.ops
+    dlk = o.cross_entropy_backward(dloss, c_l)                        # (n, V): every row labelled
+    dt, dE, dbias = o.linear_backward(dlk, c_dec)
     grads["cls.predictions.bias"] = dbias
     _add_grads(grads, word_emb_name[:-len(".weight")], dE)  # tied: the decoder's share of the embedding gradient
-    dt = layernorm_backward(ctx, dt, c_ln, grads)
-    return linear_backward(ctx, ctx.ops.gelu_backward(dt, c_a), c_d, grads)
+    if c_r is not None:
+        dt = o.gather_rows_backward(dt, c_r)                          # scatter to (B, T, C); 0 where unlabelled
+    dt = norm_backward(ctx, dt, c_ln, grads)
+    dt, db_t = o.bias_gelu_backward(dt, c_a)
+    _add_grads(grads, "cls.predictions.transform.dense", None, db_t)
+    dh = dense_backward(ctx, dt, c_d, grads)
+    return dh if c_g is None else o.gather_rows_backward(dh, c_g)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,7 +382,7 @@ class BertPreTrainedModel:
         init_ss, dropout_ss = np.random.SeedSequence(seed).spawn(2)
         self.params = init_parameters(config, parameter_shapes(config, type(self).__name__),
                                       np.random.default_rng(init_ss), dtype)
-        self.dropout_rng = np.random.default_rng(dropout_ss)  # dropout masks: reproducible from the seed
+        self.dropout_rng = DropoutRNG.from_seed_sequence(dropout_ss)  # counter-based: same masks on every backend
         self.training = True                                  # as a freshly built torch module
         self._cache = None
 
@@ -303,7 +409,8 @@ class BertPreTrainedModel:
         parameters(). Releases the forward's caches."""
         name = type(self).__name__
         if self._cache is None:
-            raise ValueError(f"{name}.backward: expected a forward() first (each forward allows one backward), got none")
+            raise ValueError(f"{name}.backward: expected a forward() first, outside refbert.no_grad() (each forward "
+                             f"allows one backward), got none")
         if self._cache[0] is None:
             raise ValueError(f"{name}.backward: expected a forward with labels (the loss to differentiate), "
                              f"got a forward without them")
@@ -314,25 +421,31 @@ class BertPreTrainedModel:
         return _ordered(grads, self.params)
 
     # -- the encoder, shared by every class --
-    def _ctx(self):
-        return _Ctx(self.ops, self.dropout_rng, self.training)
+    def _ctx(self, keep=True):
+        return _Ctx(self.ops, self.dropout_rng, self.training, keep and is_grad_enabled())
 
     def _encode(self, ctx, input_ids, attention_mask, token_type_ids, position_ids, pooler, want_hidden, want_att):
+        """Embeddings, layers, pooler. With ctx.keep the caches are returned for a backward, and the outputs are
+        copies (a user writing into them cannot change what the backward reads); without, each layer's cache
+        is dropped when the next layer starts and nothing is copied."""
         cfg, P, pre = self.config, self.params, self.prefix
         ids, tt, pos, mask = _check_inputs(type(self).__name__, cfg, self.dtype, input_ids, attention_mask,
                                            token_type_ids, position_ids)
+        own = (lambda a: a.copy()) if ctx.keep else (lambda a: a)  # noqa: E731
         h, c_emb = embeddings_forward(ctx, P, pre + "embeddings.", cfg, ids, tt, pos)
-        hidden, atts, c_layers = [h], [], []
+        hidden, atts, c_layers = [own(h)], [], []
         for l in range(cfg.num_hidden_layers):
             h, c = layer_forward(ctx, P, f"{pre}encoder.layer.{l}.", cfg, h, mask)
-            c_layers.append(c)
-            hidden.append(h)
+            if want_hidden:
+                hidden.append(own(h))
             if want_att:
-                atts.append(ctx.ops.attention_probs(c[3]))
+                atts.append(own(ctx.ops.attention_probs(c.attention)))
+            if ctx.keep:
+                c_layers.append(c)
         pooled, c_pool = pooler_forward(ctx, P, pre, h) if pooler else (None, None)
-        out = dict(last_hidden_state=h, pooler_output=pooled,
+        out = dict(last_hidden_state=own(h), pooler_output=pooled,
                    hidden_states=tuple(hidden) if want_hidden else None, attentions=tuple(atts) if want_att else None)
-        return out, (c_emb, c_layers, c_pool)
+        return out, ((c_emb, c_layers, c_pool) if ctx.keep else None)
 
     def _encode_backward(self, ctx, dseq, dpooled, cache, grads):
         c_emb, c_layers, c_pool = cache
@@ -417,14 +530,15 @@ class BertModel(BertPreTrainedModel):
         ctx = self._ctx()
         out, cache = self._encode(ctx, input_ids, attention_mask, token_type_ids, position_ids,
                                   self.add_pooling_layer, output_hidden_states, output_attentions)
-        self._cache = (None, (ctx, cache, out["last_hidden_state"].shape))
+        self._cache = (None, (ctx, cache, out["last_hidden_state"].shape)) if ctx.keep else None
         return BaseModelOutputWithPooling(out)
 
     def backward(self, dlast_hidden_state=None, dpooler_output=None):
         """Gradients of sum(dlast_hidden_state * last_hidden_state) + sum(dpooler_output * pooler_output):
         {name: array} with the keys of parameters(). At least one of the two must be given."""
         if self._cache is None:
-            raise ValueError("BertModel.backward: expected a forward() first (each forward allows one backward), got none")
+            raise ValueError("BertModel.backward: expected a forward() first, outside refbert.no_grad() (each forward "
+                             "allows one backward), got none")
         if dlast_hidden_state is None and dpooler_output is None:
             raise ValueError("BertModel.backward: expected dlast_hidden_state and/or dpooler_output, got neither")
         _, (ctx, cache, shape) = self._cache
@@ -445,7 +559,9 @@ class _Head(BertPreTrainedModel):
     pooler = True
 
     def _run(self, kw):
-        ctx = self._ctx()
+        labelled = any(kw.get(k) is not None for k in ("labels", "next_sentence_label", "start_positions",
+                                                       "end_positions"))
+        ctx = self._ctx(keep=labelled)                 # no labels, no loss, no backward: keep no caches
         enc, cache = self._encode(ctx, kw["input_ids"], kw.get("attention_mask"), kw.get("token_type_ids"),
                                   kw.get("position_ids"), self.pooler, kw.get("output_hidden_states", False),
                                   kw.get("output_attentions", False))
@@ -456,7 +572,10 @@ class _Head(BertPreTrainedModel):
         def loss_backward(dloss, _cache, grads):
             dseq, dpooled = head_backward(dloss, grads)
             self._encode_backward(ctx, dseq, dpooled, enc_cache, grads)
-        self._cache = (loss_backward if loss is not None else None, None)
+        if loss is None:
+            self._cache = (None, None)                   # backward() says a loss needs labels
+        else:
+            self._cache = (loss_backward, None) if ctx.keep else None   # under no_grad(): no backward
         return out_cls(loss=loss, **fields, hidden_states=enc["hidden_states"], attentions=enc["attentions"])
 
     def _labels(self, name, labels, shape, upper, allow=-100):
@@ -468,49 +587,72 @@ class _Head(BertPreTrainedModel):
 
 class BertForPreTraining(_Head):
     """MLM + NSP, as BERT was pretrained: loss = CE(prediction_logits, labels) + CE(seq_relationship_logits,
-    next_sentence_label) (both labels are needed for a loss, as in HF)."""
+    next_sentence_label) (both labels are needed for a loss, as in HF).
+
+    mlm_decode="labelled" (an attribute, or forward's argument) decodes only the labelled positions, as the original
+    BERT does: the same loss and gradients, a fraction of the MLM head's work; the output then has
+    prediction_logits=None and masked_lm_logits (n, V) at masked_lm_positions (n,), flat indices into (B*T)."""
+    mlm_decode = "all"
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                next_sentence_label=None, output_hidden_states=False, output_attentions=False):
+                next_sentence_label=None, output_hidden_states=False, output_attentions=False, mlm_decode=None):
+        decode = _decode_arg(type(self).__name__, self.mlm_decode if mlm_decode is None else mlm_decode)
         kw = locals()
         ctx, enc, cache = self._run(kw)
         P, cfg, o = self.params, self.config, self.ops
-        logits, c_mlm = mlm_head_forward(ctx, P, cfg, enc["last_hidden_state"], "bert.embeddings.word_embeddings.weight")
-        nsp, c_nsp = linear_forward(ctx, P, "cls.seq_relationship", enc["pooler_output"])
-        loss = head_backward = None
-        if labels is not None and next_sentence_label is not None:
+        have = labels is not None and next_sentence_label is not None
+        if have:
             self._labels("labels", labels, input_ids.shape, cfg.vocab_size)
             self._labels("next_sentence_label", next_sentence_label, (input_ids.shape[0],), 2)
-            l_mlm, c_l1 = o.cross_entropy_forward(logits, labels)
-            l_nsp, c_l2 = o.cross_entropy_forward(nsp, next_sentence_label)
+        logits, rows, l_mlm, c_mlm = mlm_head_forward(ctx, P, cfg, enc["last_hidden_state"],
+                                                      "bert.embeddings.word_embeddings.weight",
+                                                      labels if have else None, decode)
+        nsp, c_nsp = dense_forward(ctx, P, "cls.seq_relationship", enc["pooler_output"])
+        loss = head_backward = None
+        if have:
+            l_nsp, c_l2 = o.cross_entropy_forward(nsp.copy(), next_sentence_label)  # the output stays the user's
             loss = l_mlm + l_nsp                         # summed, as in the paper and HF
 
             def head_backward(dloss, grads):
-                dseq = mlm_head_backward(ctx, o.cross_entropy_backward(dloss, c_l1), c_mlm, grads)
-                dpooled = linear_backward(ctx, o.cross_entropy_backward(dloss, c_l2), c_nsp, grads)
+                dseq = mlm_head_backward(ctx, dloss, c_mlm, grads)
+                dpooled = dense_backward(ctx, o.cross_entropy_backward(dloss, c_l2), c_nsp, grads)
                 return dseq, dpooled
         return self._finish(BertForPreTrainingOutput, ctx, enc, cache, loss, head_backward,
-                            prediction_logits=logits, seq_relationship_logits=nsp)
+                            **_mlm_fields("prediction_logits", logits, rows, decode), seq_relationship_logits=nsp)
 
 
 class BertForMaskedLM(_Head):
-    """MLM only (no pooler): logits (B, T, V); loss = CE over positions whose label is not -100."""
+    """MLM only (no pooler): logits (B, T, V); loss = CE over positions whose label is not -100.
+    mlm_decode="labelled": as BertForPreTraining (logits=None, masked_lm_logits at masked_lm_positions)."""
     pooler = False
+    mlm_decode = "all"
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False, output_attentions=False):
+                output_hidden_states=False, output_attentions=False, mlm_decode=None):
+        decode = _decode_arg(type(self).__name__, self.mlm_decode if mlm_decode is None else mlm_decode)
         ctx, enc, cache = self._run(locals())
-        o = self.ops
-        logits, c_mlm = mlm_head_forward(ctx, self.params, self.config, enc["last_hidden_state"],
-                                         "bert.embeddings.word_embeddings.weight")
-        loss = head_backward = None
         if labels is not None:
             self._labels("labels", labels, input_ids.shape, self.config.vocab_size)
-            loss, c_l = o.cross_entropy_forward(logits, labels)
-
+        logits, rows, loss, c_mlm = mlm_head_forward(ctx, self.params, self.config, enc["last_hidden_state"],
+                                                     "bert.embeddings.word_embeddings.weight", labels, decode)
+        head_backward = None
+        if labels is not None:
             def head_backward(dloss, grads):
-                return mlm_head_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_mlm, grads), None
-        return self._finish(MaskedLMOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+                return mlm_head_backward(ctx, dloss, c_mlm, grads), None
+        return self._finish(MaskedLMOutput, ctx, enc, cache, loss, head_backward,
+                            **_mlm_fields("logits", logits, rows, decode))
+
+
+def _decode_arg(who, decode):
+    if decode not in MLM_DECODE:
+        raise ValueError(f"{who}: argument 'mlm_decode' expected one of {MLM_DECODE}, got {decode!r}")
+    return decode
+
+
+def _mlm_fields(name, logits, rows, decode):
+    if decode == "all":
+        return {name: logits}
+    return {name: None, "masked_lm_logits": logits, "masked_lm_positions": rows}
 
 
 class BertForNextSentencePrediction(_Head):
@@ -520,14 +662,14 @@ class BertForNextSentencePrediction(_Head):
                 output_hidden_states=False, output_attentions=False):
         ctx, enc, cache = self._run(locals())
         o = self.ops
-        logits, c_nsp = linear_forward(ctx, self.params, "cls.seq_relationship", enc["pooler_output"])
+        logits, c_nsp = dense_forward(ctx, self.params, "cls.seq_relationship", enc["pooler_output"])
         loss = head_backward = None
         if labels is not None:
             self._labels("labels", labels, (input_ids.shape[0],), 2, allow=None)
-            loss, c_l = o.cross_entropy_forward(logits, labels)
+            loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
 
             def head_backward(dloss, grads):
-                return None, linear_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_nsp, grads)
+                return None, dense_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_nsp, grads)
         return self._finish(NextSentencePredictorOutput, ctx, enc, cache, loss, head_backward, logits=logits)
 
 
@@ -540,7 +682,7 @@ class BertForSequenceClassification(_Head):
         ctx, enc, cache = self._run(locals())
         cfg, o = self.config, self.ops
         pooled, c_do = ctx.dropout(enc["pooler_output"], _classifier_dropout(cfg))
-        logits, c_cls = linear_forward(ctx, self.params, "classifier", pooled)
+        logits, c_cls = dense_forward(ctx, self.params, "classifier", pooled)
         loss = head_backward = None
         if labels is not None:
             B = input_ids.shape[0]
@@ -556,11 +698,11 @@ class BertForSequenceClassification(_Head):
                 dlogits_of = lambda d: o.mse_backward(d, c_l)[0]  # noqa: E731
             else:
                 self._labels("labels", labels, (B,), cfg.num_labels)
-                loss, c_l = o.cross_entropy_forward(logits, labels)
+                loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
                 dlogits_of = lambda d: o.cross_entropy_backward(d, c_l)  # noqa: E731
 
             def head_backward(dloss, grads):
-                dp = linear_backward(ctx, dlogits_of(dloss), c_cls, grads)
+                dp = dense_backward(ctx, dlogits_of(dloss), c_cls, grads)
                 return None, o.dropout_backward(dp, c_do)
         return self._finish(SequenceClassifierOutput, ctx, enc, cache, loss, head_backward, logits=logits)
 
@@ -574,14 +716,14 @@ class BertForTokenClassification(_Head):
         ctx, enc, cache = self._run(locals())
         o = self.ops
         h, c_do = ctx.dropout(enc["last_hidden_state"], _classifier_dropout(self.config))
-        logits, c_cls = linear_forward(ctx, self.params, "classifier", h)
+        logits, c_cls = dense_forward(ctx, self.params, "classifier", h)
         loss = head_backward = None
         if labels is not None:
             self._labels("labels", labels, input_ids.shape, self.config.num_labels)
-            loss, c_l = o.cross_entropy_forward(logits, labels)
+            loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
 
             def head_backward(dloss, grads):
-                dh = linear_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_cls, grads)
+                dh = dense_backward(ctx, o.cross_entropy_backward(dloss, c_l), c_cls, grads)
                 return o.dropout_backward(dh, c_do), None
         return self._finish(TokenClassifierOutput, ctx, enc, cache, loss, head_backward, logits=logits)
 
@@ -601,7 +743,7 @@ class BertForQuestionAnswering(_Head):
                 end_positions=None, output_hidden_states=False, output_attentions=False):
         ctx, enc, cache = self._run(locals())
         o = self.ops
-        logits, c_qa = linear_forward(ctx, self.params, "qa_outputs", enc["last_hidden_state"])  # (B, T, 2)
+        logits, c_qa = dense_forward(ctx, self.params, "qa_outputs", enc["last_hidden_state"])  # (B, T, 2)
         start, end = logits[..., 0].copy(), logits[..., 1].copy()
         loss = head_backward = None
         if start_positions is not None and end_positions is not None:
@@ -620,7 +762,7 @@ class BertForQuestionAnswering(_Head):
             def head_backward(dloss, grads):
                 half = dloss / 2
                 dlogits = np.stack([o.cross_entropy_backward(half, c_s), o.cross_entropy_backward(half, c_e)], -1)
-                return linear_backward(ctx, dlogits, c_qa, grads), None
+                return dense_backward(ctx, dlogits, c_qa, grads), None
         return self._finish(QuestionAnsweringModelOutput, ctx, enc, cache, loss, head_backward,
                             start_logits=start, end_logits=end)
 
@@ -639,19 +781,19 @@ class BertForMultipleChoice(_Head):
         ctx, enc, cache = self._run(dict(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
                                          token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
                                          output_hidden_states=output_hidden_states,
-                                         output_attentions=output_attentions))
+                                         output_attentions=output_attentions, labels=labels))
         o = self.ops
         pooled, c_do = ctx.dropout(enc["pooler_output"], _classifier_dropout(self.config))
-        scores, c_cls = linear_forward(ctx, self.params, "classifier", pooled)  # (B*N, 1)
+        scores, c_cls = dense_forward(ctx, self.params, "classifier", pooled)  # (B*N, 1)
         logits = scores.reshape(B, N)
         loss = head_backward = None
         if labels is not None:
             self._labels("labels", labels, (B,), N)
-            loss, c_l = o.cross_entropy_forward(logits, labels)
+            loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
 
             def head_backward(dloss, grads):
                 ds = o.cross_entropy_backward(dloss, c_l).reshape(B * N, 1)
-                return None, o.dropout_backward(linear_backward(ctx, ds, c_cls, grads), c_do)
+                return None, o.dropout_backward(dense_backward(ctx, ds, c_cls, grads), c_do)
         return self._finish(MultipleChoiceModelOutput, ctx, enc, cache, loss, head_backward, logits=logits)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from scipy.special import expit, ndtr  # Cephes' normal CDF (~1 ulp) and a stable sigmoid; see README "Dependencies"
 
 from . import validate as V
+from .philox import DropoutRNG, keep_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,23 +235,32 @@ def tanh_backward(dout, cache):
 # dropout, inverted: kept units are scaled by 1/(1-p) in training so that eval is the identity
 
 def dropout_forward(x, p, rng=None, train=True):
-    """Inverted dropout with its keep-mask drawn from an explicit np.random.Generator.
+    """Inverted dropout with a counter-based keep-mask (refbert.philox), the same on every backend.
 
-    x: (...)   p: drop probability in [0, 1]   rng: np.random.Generator (needed when train and p > 0)
-    keep = rng.random(x.shape, float32) >= p   (drawn in float32 whatever x's dtype, so a float32 and a float64
-    run from the same seed drop the same units);   out = x * keep / (1 - p)   (p = 1: out = 0)
-    Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p). Eval or p = 0: out = x, dx = dout.
+    x: (...)   p: drop probability in [0, 1]   rng: refbert.philox.DropoutRNG (needed when train and p > 0)
+    (seed, stream) = rng.next_stream();  keep[i] = philox_word(seed, stream, i) >= round(p * 2^32)  (i: C-order
+    index, an integer comparison, so float32, float64 and every kernel keep the same units);
+    out = x * keep / (1 - p)   (p = 1: out = 0)
+    Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p). Eval or p = 0: out = x, dx = dout,
+    and no stream is drawn.
     """
     V.floats("dropout", x=x)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: argument 'p' expected a probability in [0, 1], got {p}")
     if not train or p == 0.0:
         return x, (None, 1.0, x.shape, x.dtype)
-    if not isinstance(rng, np.random.Generator):
-        raise ValueError(f"dropout: argument 'rng' expected a numpy.random.Generator in training, got {type(rng).__name__}")
-    keep = rng.random(x.shape, dtype=np.float32) >= p  # (...) bool: 1 byte per unit in the cache
+    keep = dropout_mask(rng, x.shape, p, "dropout")     # (...) bool: 1 byte per unit in the cache
     scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
     return _keep_scale(x, keep, scale), (keep, scale, x.shape, x.dtype)
+
+
+def dropout_mask(rng, shape, p, op):
+    """The keep-mask of the next dropout call of `rng`, shape `shape` (draws one stream)."""
+    if not isinstance(rng, DropoutRNG):
+        raise ValueError(f"{op}: argument 'rng' expected a refbert.philox.DropoutRNG in training, "
+                         f"got {type(rng).__name__}")
+    seed, stream = rng.next_stream()
+    return keep_mask(seed, stream, shape, p)
 
 
 def dropout_backward(dout, cache):
@@ -279,6 +289,91 @@ def add_backward(dout, cache):
     shape, dtype = cache
     V.dout("add", dout, shape, dtype)
     return dout.copy(), dout.copy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fused ops: what the kernels compute in one pass, composed here from the ops above (the spec of each kernel)
+
+def residual_layernorm_forward(x, a, w, b, eps=1e-12):
+    """out = LayerNorm(x + a): the residual sum and the post-LN of a BERT sublayer.
+
+    x, a: (..., C) equal shapes   w, b: (C,)   ->   out: (..., C)
+    Forward: s = x + a, out = layernorm(s).   Backward: ds = layernorm_backward(dout); the sum copies ds to both
+    inputs, so dx = da = ds (returned as one array twice: read them, do not write into them).
+    """
+    V.floats("residual_layernorm", x=x, a=a)
+    V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
+    out, ln_cache = layernorm_forward(x + a, w, b, eps)
+    return out, (ln_cache,)
+
+
+def residual_layernorm_backward(dout, cache):
+    (ln_cache,) = cache
+    ds, dw, db = layernorm_backward(dout, ln_cache)
+    return ds, ds, dw, db
+
+
+def dropout_residual_layernorm_forward(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    """out = LayerNorm(x + dropout(a)): a post-LN encoder sublayer's output (a = the sublayer's projection).
+
+    x, a: (..., C)   w, b: (C,)   p, rng, train: as dropout_forward   ->   out: (..., C)
+    Backward: ds = layernorm_backward(dout);  dx = ds;  da = dropout_backward(ds) = ds * keep / (1 - p).
+    """
+    V.floats("dropout_residual_layernorm", x=x, a=a)
+    V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
+    ad, do_cache = dropout_forward(a, p, rng, train)
+    out, ln_cache = layernorm_forward(x + ad, w, b, eps)
+    return out, (do_cache, ln_cache)
+
+
+def dropout_residual_layernorm_backward(dout, cache):
+    do_cache, ln_cache = cache
+    ds, dw, db = layernorm_backward(dout, ln_cache)
+    return ds, dropout_backward(ds, do_cache), dw, db
+
+
+def bias_gelu_forward(x, b, approximate="none"):
+    """out = gelu(x + b): the feed-forward's first bias and activation (the linear before it runs without bias).
+
+    x: (..., I)   b: (I,)   ->   out: (..., I)
+    Backward: du = gelu_backward(dout) at u = x + b;  dx = du;  db = du summed over every leading dim.
+    """
+    V.floats("bias_gelu", x=x, b=b)
+    V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
+    V.shape("bias_gelu", "b", b, (x.shape[-1],), "(I,)")
+    out, g_cache = gelu_forward(x + b, approximate)
+    return out, (g_cache,)
+
+
+def bias_gelu_backward(dout, cache):
+    (g_cache,) = cache
+    du = gelu_backward(dout, g_cache)
+    return du, du.reshape(-1, du.shape[-1]).sum(0)
+
+
+def gather_rows_forward(x, rows):
+    """out = x2[rows] with x2 = x flattened to (N, C): the labelled positions of an MLM batch, before the decoder.
+
+    x: (..., C)   rows: (n,) integer indices into N = prod(x.shape[:-1])   ->   out: (n, C)
+    Backward: a scatter, dx2[rows[j]] += dout[j] (rows are distinct in BERT, but repeats would sum), 0 elsewhere.
+    Decoding only these rows gives the same loss and gradients as decoding every position and ignoring the
+    unlabelled ones, whose logits never reach the loss (cross_entropy with ignore_index).
+    """
+    V.floats("gather_rows", x=x)
+    V.min_ndim("gather_rows", "x", x, 1, "(..., C)")
+    N = int(np.prod(x.shape[:-1]))
+    V.ids("gather_rows", "rows", rows, N)
+    if rows.ndim != 1:
+        raise ValueError(f"gather_rows: argument 'rows' expected a 1-d integer array, got shape {rows.shape}")
+    return x.reshape(N, x.shape[-1])[rows], (x.shape, x.dtype, rows)
+
+
+def gather_rows_backward(dout, cache):
+    shape, dtype, rows = cache
+    V.dout("gather_rows", dout, (rows.size, shape[-1]), dtype)
+    dx = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)
+    np.add.at(dx, rows, dout)
+    return dx.reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------

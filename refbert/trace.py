@@ -6,13 +6,15 @@ check of that very call (float64, centred differences along one random direction
 The reading companion of docs/backprop.md: run it, then follow a row's gradient through the derivation.
 """
 import inspect
+import sys
 
 import numpy as np
 
 from . import ops as numpy_ops
 from .config import BertConfig
 from .gradcheck import TOLERANCE, check_pair
-from .model import BertForPreTraining
+from .model import BertForPreTraining, get_backend
+from .philox import DropoutRNG
 
 
 class TracingOps:
@@ -39,8 +41,9 @@ class TracingOps:
         where = params[0].rsplit(".", 1)[0] if params else self.where    # the module: strip .weight/.bias
         if op == "linear" and params and params[0].endswith("word_embeddings.weight"):
             where = "cls.predictions.decoder (tied to word_embeddings)"
+            self.where = "cls.predictions"              # the gather and the loss that follow belong to the head
         rec = dict(op=op, fn=fn, args=dict(bound.arguments), where=where,
-                   rng_state=rng.bit_generator.state if isinstance(rng, np.random.Generator) else None)
+                   rng_state=rng.state if isinstance(rng, DropoutRNG) else None)
         out, cache = fn(*args, **kwargs)
         rec["shapes"] = [np.shape(v) for v in bound.arguments.values() if isinstance(v, np.ndarray)]
         rec["out"] = np.shape(out)
@@ -65,14 +68,12 @@ def spot_check(rec, seed=0):
     wrt = tuple(floats[:rec["n_grads"]])                 # the differentiable inputs lead the signature
     fixed = {k: v for k, v in args.items() if k not in wrt}
     state = rec["rng_state"]
-    backward = getattr(numpy_ops, fn.__name__.replace("_forward", "_backward"))
+    backward = getattr(sys.modules[fn.__module__], fn.__name__.replace("_forward", "_backward"))  # same backend
 
     def forward(**x):
         kw = dict(fixed)
         if state is not None:                            # replay the same dropout draw at every evaluation
-            g = np.random.Generator(np.random.PCG64())
-            g.bit_generator.state = state
-            kw["rng"] = g
+            kw["rng"] = DropoutRNG(**state)
         return fn(**x, **kw)
     # the step follows the inputs' scale: layernorm is scale-invariant, and at BERT's init (std 0.02) a fixed
     # h = 1e-5 would leave its linear regime
@@ -82,13 +83,13 @@ def spot_check(rec, seed=0):
     return max(errs.values())
 
 
-def trace(config=None, B=2, T=8, seed=0, dtype=np.float64):
-    """Run one traced training step; returns (records, loss)."""
+def trace(config=None, B=2, T=8, seed=0, dtype=np.float64, backend="numpy"):
+    """Run one traced training step on `backend`; returns (records, loss)."""
     config = config or BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=32, max_position_embeddings=32)
     model = BertForPreTraining(config, seed=seed, dtype=dtype)
     names = {id(v): k for k, v in model.parameters().items()}
-    model.ops = tracer = TracingOps(names)
+    model.ops = tracer = TracingOps(names, get_backend(backend))
     r = np.random.default_rng(seed)
     ids = r.integers(5, config.vocab_size, (B, T))
     ids[:, 0], ids[:, T // 2], ids[:, -1] = 1, 2, 2     # [CLS]-like and [SEP]-like ids
@@ -104,12 +105,15 @@ def trace(config=None, B=2, T=8, seed=0, dtype=np.float64):
 
 
 def main(args=None):
-    records, loss = trace()
-    print(f"one training step of a tiny BertForPreTraining (L2 H16 A2, B2 T8, float64, dropout on); loss {loss:.4f}")
+    backend = getattr(args, "backend", "numpy") or "numpy"
+    records, loss = trace(backend=backend)
+    print(f"one training step of a tiny BertForPreTraining (L2 H16 A2, B2 T8, float64, dropout on, backend "
+          f"{backend}); loss {loss:.4f}")
     print("rows in forward order; |dout| reached the op's output, |d in| left through its inputs (backward order is "
           "bottom to top)\n")
     W = max(len(r["where"]) for r in records) + 2
-    print(f"{'op':<14}{'where':<{W}}{'inputs -> output':<46}{'|dout|':>9}  {'|d in|':<28}{'FD err':>8}")
+    O = max(len(r["op"]) for r in records) + 2
+    print(f"{'op':<{O}}{'where':<{W}}{'inputs -> output':<46}{'|dout|':>9}  {'|d in|':<28}{'FD err':>8}")
     block, failed = None, 0
     for rec in records:
         w = rec["where"]
@@ -122,7 +126,7 @@ def main(args=None):
         failed += err is not None and err > TOLERANCE
         shapes = " ".join(str(s).replace(" ", "") for s in rec["shapes"]) + f" -> {str(rec['out']).replace(' ', '')}"
         grads = " ".join(f"{g:.2e}" for g in rec.get("grad_norms", []))
-        print(f"{rec['op']:<14}{rec['where']:<{W}}{shapes:<46}{rec.get('dout_norm', float('nan')):>9.2e}  {grads:<28}"
+        print(f"{rec['op']:<{O}}{rec['where']:<{W}}{shapes:<46}{rec.get('dout_norm', float('nan')):>9.2e}  {grads:<28}"
               f"{'-' if err is None else f'{err:.1e}':>8}")
     print(f"\n{len(records)} op calls, {failed} spot check(s) above {TOLERANCE:g}")
     return 1 if failed else 0

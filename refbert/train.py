@@ -30,6 +30,7 @@ from . import ops, safetensors_io
 from .config import BertConfig
 from .fileio import write_text
 from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
+from .philox import DropoutRNG
 
 
 class UserError(ValueError):
@@ -111,11 +112,11 @@ def _next_version(out, name):
     return max(taken, default=0) + 1
 
 
-def load_checkpoint(out, model_cls, dtype=np.float32):
+def load_checkpoint(out, model_cls, dtype=np.float32, backend="numpy"):
     """(folder, model, optimizer state dict, trainer state) of the checkpoint latest.json points at."""
     with open(os.path.join(out, "latest.json")) as f:
         folder = os.path.join(out, json.load(f)["checkpoint"])
-    model = model_cls.from_pretrained(folder, dtype=dtype)
+    model = model_cls.from_pretrained(folder, dtype=dtype, backend=backend)
     with open(os.path.join(folder, "trainer_state.json")) as f:
         state = json.load(f)
     arrays = safetensors_io.load_file(os.path.join(folder, "optimizer.safetensors"))
@@ -181,12 +182,17 @@ def _progress(total, initial, desc):
 # pretraining
 
 def pretraining_metrics(out, batch):
-    """MLM and NSP loss and accuracy from the logits of BertForPreTraining (the loss is their sum)."""
+    """MLM and NSP loss and accuracy from the logits of BertForPreTraining (the loss is their sum); the MLM logits
+    are every position's (prediction_logits) or the labelled positions' alone (mlm_decode="labelled")."""
     labels, nsp = batch["labels"], batch["next_sentence_label"]
-    mlm_loss = float(ops.cross_entropy_forward(out.prediction_logits, labels)[0])
-    nsp_loss = float(ops.cross_entropy_forward(out.seq_relationship_logits, nsp)[0])
     kept = labels != -100
-    mlm_acc = float((out.prediction_logits[kept].argmax(-1) == labels[kept]).mean()) if kept.any() else 0.0
+    if out.prediction_logits is not None:
+        logits, targets = out.prediction_logits[kept], labels[kept]             # (n, V), (n,)
+    else:
+        logits, targets = out.masked_lm_logits, labels.reshape(-1)[out.masked_lm_positions]
+    mlm_loss = float(ops.cross_entropy_forward(logits, targets)[0])
+    nsp_loss = float(ops.cross_entropy_forward(out.seq_relationship_logits, nsp)[0])
+    mlm_acc = float((logits.argmax(-1) == targets).mean()) if kept.any() else 0.0
     nsp_acc = float((out.seq_relationship_logits.argmax(-1) == nsp).mean())
     return dict(mlm_loss=mlm_loss, nsp_loss=nsp_loss, mlm_acc=mlm_acc, nsp_acc=nsp_acc, n_masked=int(kept.sum()))
 
@@ -209,7 +215,7 @@ def pretrain(args):
     out = args.out
     prepare_out(out, args.resume, args.overwrite)
     if args.resume:
-        folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining)
+        folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining, backend=args.backend)
         a = state["args"]
         if args.steps and args.steps < state["step"]:
             raise UserError(f"--steps: expected at least {state['step']} (the checkpoint's step) to resume, "
@@ -240,12 +246,13 @@ def pretrain(args):
     total = a["steps"] or a["epochs"] * steps_per_epoch
 
     if not args.resume:
-        model = _pretrain_model(a, tokenizer)
+        model = _pretrain_model(a, tokenizer, args.backend)
         opt_state, state = None, dict(step=0, epoch=0, batch=0)
+    model.mlm_decode = "labelled"                       # decode the masked positions alone, as the original BERT
     opt = AdamW(model.parameters(), lr=a["lr"], weight_decay=0.01, correct_bias=not a["no_bias_correction"])
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-        model.dropout_rng.bit_generator.state = state["dropout_rng"]
+        model.dropout_rng.state = state["dropout_rng"]
     sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
     baseline = unigram_baseline(data, tokenizer, a["batch_size"])
     fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
@@ -287,7 +294,7 @@ def pretrain(args):
                                                                                              a["batch_size"]).items()}))
                 plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
             if step % a["save_every"] == 0 or step == total:
-                st = dict(position, args=a, dropout_rng=model.dropout_rng.bit_generator.state)
+                st = dict(position, args=a, dropout_rng=model.dropout_rng.state)
                 save_checkpoint(out, f"checkpoint-{step:07d}", model, tokenizer, opt, st)
         else:
             epoch, skip = epoch + 1, 0
@@ -308,7 +315,8 @@ def evaluate_pretraining(model, data, batch_size):
     model.eval()
     tot, n = {}, 0
     for b in data.batches(0, batch_size):
-        met = pretraining_metrics(model(**b), b)
+        with M.no_grad():
+            met = pretraining_metrics(model(**b), b)
         w = len(b["input_ids"])
         for k, v in met.items():
             tot[k] = tot.get(k, 0.0) + v * w
@@ -327,9 +335,9 @@ def _pretrain_tokenizer(args, out, BertTokenizer, train_vocab):
     return BertTokenizer.from_pretrained(folder)
 
 
-def _pretrain_model(a, tokenizer):
+def _pretrain_model(a, tokenizer, backend="numpy"):
     if a["init"]:                                       # continue pretraining any HF BERT on in-domain text
-        return M.BertForPreTraining.from_pretrained(a["init"]).train()
+        return M.BertForPreTraining.from_pretrained(a["init"], backend=backend).train()
     if a["config"]:
         config = BertConfig.from_json_file(a["config"])
     else:
@@ -341,7 +349,7 @@ def _pretrain_model(a, tokenizer):
     if config.vocab_size != len(tokenizer.vocab):
         raise UserError(f"--config: vocab_size {config.vocab_size} does not match the tokenizer's "
                         f"{len(tokenizer.vocab)} tokens")
-    return M.BertForPreTraining(config, seed=a["seed"])
+    return M.BertForPreTraining(config, seed=a["seed"], backend=backend)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -496,7 +504,8 @@ def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
     spans as conlleval counts them); exact match and token F1 (qa, SQuAD's definitions)."""
     model.eval()
     n = len(rows)
-    outs = [model(**{k: v[i:i + batch_size] for k, v in arrays.items()}) for i in range(0, n, batch_size)]
+    with M.no_grad():                                   # no backward follows: keep no activations
+        outs = [model(**{k: v[i:i + batch_size] for k, v in arrays.items()}) for i in range(0, n, batch_size)]
     if task in ("classification", "pair"):
         pred = np.concatenate([o.logits.argmax(-1) for o in outs])
         return dict(accuracy=float((pred == arrays["labels"]).mean()))
@@ -556,9 +565,9 @@ def finetune(args):
     labels = label_set(train_rows, task)
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
-    model = cls.from_pretrained(args.init, id2label=id2label)
+    model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend)
     if args.seed is not None:
-        model.dropout_rng = np.random.default_rng(args.seed)
+        model.dropout_rng = DropoutRNG(args.seed)
     label2id = {v: k for k, v in id2label.items()}
     tr, _ = encode_rows(train_rows, task, tokenizer, args.max_seq_length, label2id)
     dv, dv_extra = encode_rows(dev_rows, task, tokenizer, args.max_seq_length, label2id)

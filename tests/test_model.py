@@ -161,5 +161,91 @@ def test_backward_misuse_and_bad_labels():
     e(input_ids=np.array([[1, 2]]))
     with pytest.raises(ValueError, match=r"'dout' expected an array of shape \(1, 2, 12\)"):
         e.backward(np.ones((1, 2, 11), np.float32))
-    with pytest.raises(ValueError, match="'backend' .*got 'cuda'|backend: expected 'numpy'"):
+    with pytest.raises(ValueError, match="backend: expected one of 'numpy', 'numba', got 'cuda'"):
         refbert.BertModel(cfg, backend="cuda")
+
+
+# --- the MLM decoder at the labelled positions; inference mode; outputs that are the user's --------------------
+
+@pytest.mark.parametrize("head", ["BertForPreTraining", "BertForMaskedLM"])
+@pytest.mark.parametrize("train", [False, True])
+def test_labelled_decode_gives_the_full_decode_loss_and_gradients(head, train):
+    cfg = tiny(head)
+    x = batch(cfg, head)
+    runs = {}
+    for decode in M.MLM_DECODE:
+        model = getattr(refbert, head)(cfg, seed=3, dtype=np.float64).train(train)  # same seed: same dropout masks
+        out = model(**x, mlm_decode=decode)
+        runs[decode] = out, model.backward()
+    (full, g_full), (lab, g_lab) = runs["all"], runs["labelled"]
+    # float64, the same sums in a different grouping (n rows instead of B*T): agreement to ~1e-15 relative
+    assert float(lab.loss) == pytest.approx(float(full.loss), rel=1e-12)
+    for k in g_full:
+        np.testing.assert_allclose(g_lab[k], g_full[k], rtol=1e-10, atol=1e-13, err_msg=k)
+    name = "prediction_logits" if head == "BertForPreTraining" else "logits"
+    kept = np.flatnonzero(x["labels"].reshape(-1) != -100)
+    np.testing.assert_array_equal(lab.masked_lm_positions, kept)
+    assert lab[name] is None
+    np.testing.assert_allclose(lab.masked_lm_logits, full[name].reshape(-1, cfg.vocab_size)[kept], rtol=1e-12)
+
+
+def test_labelled_decode_against_finite_differences():
+    cfg = tiny("BertForPreTraining")
+    model = refbert.BertForPreTraining(cfg, seed=1, dtype=np.float64)
+    model.mlm_decode = "labelled"
+    for p in model.parameters().values():
+        p += np.random.default_rng(2).standard_normal(p.shape) * 0.05
+    errs = check_model(model, batch(cfg, "BertForPreTraining"), n_dirs=1)
+    assert max(errs.values()) <= TOLERANCE, errs
+
+
+def test_no_grad_keeps_no_caches_and_gives_the_same_outputs():
+    cfg = tiny("BertForPreTraining")
+    x = batch(cfg, "BertForPreTraining")
+    model = refbert.BertForPreTraining(cfg, seed=0, dtype=np.float64).eval()
+    ref = model(**x)
+    with refbert.no_grad():
+        assert not refbert.is_grad_enabled()
+        out = model(**x)
+        enc = refbert.BertModel(cfg, seed=0, dtype=np.float64).eval()
+        h = enc(input_ids=x["input_ids"], attention_mask=x["attention_mask"])
+    assert refbert.is_grad_enabled()
+    np.testing.assert_array_equal(out.prediction_logits, ref.prediction_logits)   # same ops, same order: exact
+    assert model._cache is None and enc._cache is None
+    with pytest.raises(ValueError, match="outside refbert.no_grad"):
+        model.backward()
+    with pytest.raises(ValueError, match="outside refbert.no_grad"):
+        enc.backward(np.ones_like(h.last_hidden_state))
+
+
+def test_a_head_without_labels_keeps_no_layer_caches(monkeypatch):
+    kept = []
+    real = M._Ctx.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        kept.append(self.keep)
+    monkeypatch.setattr(M._Ctx, "__init__", spy)
+    cfg = tiny("BertForSequenceClassification")
+    x = batch(cfg, "BertForSequenceClassification")
+    model = refbert.BertForSequenceClassification(cfg)
+    model(input_ids=x["input_ids"])               # no labels: no loss, no backward, no caches
+    model(**x)                                    # labels: caches for the backward
+    assert kept == [False, True]
+
+
+def test_outputs_do_not_share_memory_with_what_the_backward_reads():
+    cfg = tiny("BertForPreTraining")
+    x = batch(cfg, "BertForPreTraining")
+    grads = []
+    for scribble in (False, True):
+        model = refbert.BertForPreTraining(cfg, seed=0, dtype=np.float64).eval()
+        out = model(**x, output_hidden_states=True, output_attentions=True)
+        if scribble:                              # a user writing into every output array
+            for v in out.values():
+                for a in (v if isinstance(v, tuple) else (v,)):
+                    if isinstance(a, np.ndarray) and a.ndim:
+                        a[...] = 7.0
+        grads.append(model.backward())
+    for k in grads[0]:
+        np.testing.assert_array_equal(grads[1][k], grads[0][k], err_msg=k)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from refbert import ops
 from refbert.check import _mask, bind, op_cases, run, Case
 from refbert.gradcheck import TOLERANCE, check_pair
+from refbert.philox import DropoutRNG
 
 dims = st.integers(1, 6)
 seeds = st.integers(0, 2 ** 16)
@@ -24,8 +25,8 @@ def assert_grads(forward, backward, inputs, wrt, **kw):
 
 
 def fresh_rng(forward, seed=7):
-    """Bind a fresh Generator per call, so each finite-difference evaluation draws the same dropout mask."""
-    return lambda **kw: forward(**kw, rng=np.random.default_rng(seed))
+    """Bind a fresh DropoutRNG per call, so each finite-difference evaluation draws the same dropout mask."""
+    return lambda **kw: forward(**kw, rng=DropoutRNG(seed))
 
 
 # --- the table behind `refbert check` -------------------------------------------------------------------------
@@ -255,14 +256,14 @@ def test_ndtr_accuracy_documented():
 
 def test_dropout_rate_and_reproducibility():
     x = np.ones((200, 500))
-    out, _ = ops.dropout_forward(x, 0.1, np.random.default_rng(5))
+    out, _ = ops.dropout_forward(x, 0.1, DropoutRNG(5))
     n, dropped = x.size, int((out == 0).sum())
     # binomial(n=1e5, p=0.1): sd = sqrt(n p (1-p)) ~ 95; 5 sd is a bound a correct sampler passes ~always
     assert abs(dropped - 0.1 * n) <= 5 * math.sqrt(n * 0.1 * 0.9)
     np.testing.assert_array_equal(out[out != 0], 1 / 0.9)  # inverted: kept units are scaled by 1/(1-p)
-    again, _ = ops.dropout_forward(x.astype(np.float32), 0.1, np.random.default_rng(5))
+    again, _ = ops.dropout_forward(x.astype(np.float32), 0.1, DropoutRNG(5))
     np.testing.assert_array_equal(again == 0, out == 0)  # same seed, same units, whatever the dtype
-    same, _ = ops.dropout_forward(x, 0.1, np.random.default_rng(5), train=False)
+    same, _ = ops.dropout_forward(x, 0.1, DropoutRNG(5), train=False)
     assert same is x  # eval is the identity
 
 
@@ -286,8 +287,8 @@ F = np.zeros
     (lambda: ops.softmax_forward(F((2, 4)), 1.0, F((3, 1, 4))), r"'mask' expected a shape that broadcasts to \(2, 4\), got \(3, 1, 4\)"),
     (lambda: ops.softmax_forward(F((1, 2)), 1.0, np.full((1, 2), -np.inf)), r"'x' \(with 'mask'\) expected every row to have a finite maximum"),
     (lambda: ops.gelu_forward(F(3), "erf"), r"'approximate' expected 'none' or 'tanh', got 'erf'"),
-    (lambda: ops.dropout_forward(F(3), 1.5, np.random.default_rng()), r"'p' expected a probability in \[0, 1\], got 1.5"),
-    (lambda: ops.dropout_forward(F(3), 0.5, 42), r"'rng' expected a numpy.random.Generator in training, got int"),
+    (lambda: ops.dropout_forward(F(3), 1.5, DropoutRNG(0)), r"'p' expected a probability in \[0, 1\], got 1.5"),
+    (lambda: ops.dropout_forward(F(3), 0.5, 42), r"'rng' expected a refbert.philox.DropoutRNG in training, got int"),
     (lambda: ops.add_forward(F((2, 3)), F((1, 3))), r"'b' expected shape \(same as a\) = \(2, 3\), got \(1, 3\)"),
     (lambda: ops.attention_forward(F((1, 2, 6)), F((1, 2, 6)), F((1, 2, 6)), 4), r"'n_heads' expected a positive divisor of C = 6, got 4"),
     (lambda: ops.attention_forward(F((1, 2, 6)), F((1, 3, 6)), F((1, 2, 6)), 2), r"'k' expected shape \(B, T, C\) as q = \(1, 2, 6\), got \(1, 3, 6\)"),

@@ -11,6 +11,7 @@ import pytest
 from refbert import ops
 from refbert.check import _mask
 from refbert.gradcheck import rel_error
+from refbert.philox import DropoutRNG
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -107,7 +108,7 @@ def test_mse():
 def test_dropout_is_inverted_like_torch():
     # torch draws its own mask, so compare the semantics: kept units are x / (1 - p), dropped are 0, eval is identity
     x = np.abs(r.standard_normal((50, 40))) + 1
-    ours, _ = ops.dropout_forward(x, 0.25, np.random.default_rng(0))
+    ours, _ = ops.dropout_forward(x, 0.25, DropoutRNG(0))
     theirs = F.dropout(torch.tensor(x), 0.25, training=True).numpy()
     for out in (ours, theirs):
         kept = out != 0

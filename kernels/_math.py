@@ -1,0 +1,300 @@
+"""Elementary functions that vectorise inside Numba loops, and the Philox generator of refbert.philox in Numba.
+
+Pip's llvmlite links no SVML, so `math.exp` in a Numba loop is a scalar libm call per element and stops LLVM from
+vectorising the loop. `exp(x)` below is a polynomial for float32 (branch-free, so a loop of it becomes SIMD code)
+and `math.exp` for float64, where the kernels must match the float64 oracle to ~1e-15 and speed is secondary.
+The dispatch is by argument type at compile time (numba.extending.overload), so one kernel source serves both.
+
+float32 exp, Cody & Waite range reduction then a minimax-style polynomial:
+    k = round(x / ln 2),  r = x - k * ln2_hi - k * ln2_lo      |r| <= ln2 / 2, ln2_hi exact in 16 bits
+    exp(r) ~ 1 + r + r^2/2! + ... + r^7/7!                     Taylor to degree 7: truncation < 2.5e-9 relative
+    exp(x) = 2^k * exp(r),  2^k built from its exponent bits  (k clamped to [-126, 127])
+Measured maximum error over x in [-87.3, 88.7] (10^7 points, tests/test_kernels_math.py): 0.50 ulp (Numba's
+math.floor returns an int64, so r and the polynomial run in float64 registers, which still vectorise); stated as
+EXP32_MAX_ULP below, which the test re-measures. Below -87.34 (and at -inf) the result is exactly 0, as a softmax
+over a padding mask needs.
+
+Philox4x32-10: the same function of (counter, key) as refbert.philox, on uint64 scalars holding 32-bit words
+(Numba promotes mixed signed/unsigned integer arithmetic to float64, so every constant here is a np.uint64).
+"""
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils  # noqa: F401  (llvmlite is reached through numba)
+from numba.extending import intrinsic, overload
+
+EXP32_MAX_ULP = 1          # worst error of exp() in float32 units in the last place, re-measured by the tests
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bit casts (one LLVM instruction each; no memory round trip)
+
+@intrinsic
+def bits_to_f32(typingctx, i):
+    """Reinterpret the low 32 bits of an integer as a float32."""
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+        v = builder.trunc(args[0], ir.IntType(32)) if args[0].type.width > 32 else args[0]
+        return builder.bitcast(v, ir.FloatType())
+    return types.float32(i), codegen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exp
+
+def exp(x):
+    """exp(x): a polynomial for float32 (vectorises), math.exp for float64. Use inside @njit code."""
+    return math.exp(x)
+
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693145751953125            # ln 2 rounded to 16 significant bits: k * _LN2_HI is exact for |k| < 2^8
+_LN2_LO = 1.4286068203094172e-06       # ln 2 - _LN2_HI
+
+
+@overload(exp, fastmath=True)
+def _exp_overload(x):
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def impl(x):
+            xc = min(max(x, np.float32(-87.33654)), np.float32(88.72283))  # exp of these is the float32 range
+            k = math.floor(xc * np.float32(_LOG2E) + np.float32(0.5))       # nearest integer
+            r = (xc - k * np.float32(_LN2_HI)) - k * np.float32(_LN2_LO)     # |r| <= ln2 / 2
+            p = np.float32(1.0 / 5040)                                      # Horner: sum r^n / n!, n <= 7
+            p = p * r + np.float32(1.0 / 720)
+            p = p * r + np.float32(1.0 / 120)
+            p = p * r + np.float32(1.0 / 24)
+            p = p * r + np.float32(1.0 / 6)
+            p = p * r + np.float32(0.5)
+            p = p * r + np.float32(1.0)
+            p = p * r + np.float32(1.0)
+            e = np.int32(k) + np.int32(127)                                  # biased exponent of 2^k, in [1, 254]
+            y = p * bits_to_f32(e << np.int32(23))
+            return np.float32(0.0) if x < np.float32(-87.33654) else y      # underflow (and -inf) -> 0, a select
+        return impl
+    if isinstance(x, types.Float):
+        return lambda x: math.exp(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Philox4x32-10 (refbert.philox)
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_MASK32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+
+
+@njit(cache=True, inline="always")
+def philox_block(block, stream, seed):
+    """The 4 words of Philox block `block` of dropout call (seed, stream): elements 4*block .. 4*block + 3.
+    All arguments are uint64; returns 4 uint64 holding uint32 values."""
+    c0, c1 = block & _MASK32, block >> _S32
+    c2, c3 = stream & _MASK32, stream >> _S32
+    k0, k1 = seed & _MASK32, seed >> _S32
+    for r in range(10):
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        c0, c1, c2, c3 = ((p1 >> _S32) ^ c1 ^ k0) & _MASK32, p1 & _MASK32, ((p0 >> _S32) ^ c3 ^ k1) & _MASK32, \
+            p0 & _MASK32
+        k0 = (k0 + _W0) & _MASK32
+        k1 = (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+@njit(cache=True, inline="always")
+def philox_word(i, stream, seed):
+    """The uint32 word (as uint64) of element i of dropout call (seed, stream): word i % 4 of block i // 4."""
+    i = np.uint64(i)
+    w0, w1, w2, w3 = philox_block(i >> np.uint64(2), np.uint64(stream), np.uint64(seed))
+    lane = i & np.uint64(3)
+    if lane == 0:
+        return w0
+    if lane == 1:
+        return w1
+    if lane == 2:
+        return w2
+    return w3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# erf, erfc, ndtr (normal CDF), sigmoid                                         (added with the GELU / CE kernels)
+#
+# float32: evaluated in float64 registers (which vectorise like float32 ones, 8 lanes of AVX-512 instead of 16),
+# from float64 approximations about 100x more accurate than float32 needs, then rounded once to float32. This
+# makes every argument reduction exact without Dekker splits that fast-math reassociation would undo (x^2 of a
+# float32 is exact in float64), keeps *relative* accuracy in both tails, and leaves only the final rounding:
+#     _exp_wide(y)   exp of a float64 to ~3e-10 relative: y = k ln2 + r, |r| <= ln2/2, Taylor to degree 8
+#                    (truncation 0.347^9 / 9! = 2e-10), 2^k from its exponent bits; y clamped to [-708, 709]
+#     erfcx          erfc(a) = exp(-a^2) * P(q) / (1 + 2a),  q = (a - 2) / (a + 2),  a in [0, 11]: the variable
+#                    and the factor (1 + 2a) are N. Juffa's (his float32 erfcf, StackOverflow 2015/2020); P of
+#                    degree 11 self-fitted in float64 to (1 + 2a) erfcx(a) (scipy.special.erfcx) on 4e5 points,
+#                    Chebyshev least squares with 40 Lawson reweightings towards minimax relative error:
+#                    max relative error 1.02e-9. For a > 11 erfc(a) < 2e-54 and the float32 result is 0.
+#     erf small      erf(x) = x * Q(x^2) for |x| < 0.75 (where 1 - erfc would lose relative accuracy), Q of
+#                    degree 5 fitted the same way to erf(x)/x: max relative error 1.4e-9.
+#     ndtr(x)        Phi(x) = erfc(-x/sqrt2) / 2 through the same erfcx, so the left tail keeps its relative
+#                    accuracy: x * Phi(x) at x = -10 is right to float32 rounding, as is every x down to where it
+#                    underflows float32 (x ~ -13.2); the right side is 1 - erfc/2.
+#     sigmoid(x)     1 / (1 + e) or e / (1 + e) with e = exp(-|x|) (no overflow, relative accuracy for x -> -inf).
+# Measured max error over the float32 range (tests/test_kernels_math.py, 4*10^6 points, float64 math.* and scipy
+# as reference): erf, erfc, ndtr, sigmoid all 0.50 ulp, i.e. correctly rounded to within the reference's reach
+# (the stated bounds below leave 1 ulp). Normal results only: below the float32 normal range (erfc(x > 9.2),
+# sigmoid(x < -87.3)) the error is bounded by the denormal spacing, 1.4e-45 absolute.
+# float64: math.erf / math.erfc / math.exp (the oracle's reference to ~1e-16, so kernels match it to ~1e-13).
+
+ERF32_MAX_ULP = 1          # the stated bounds, re-measured by tests/test_kernels_math.py
+ERFC32_MAX_ULP = 1
+NDTR32_MAX_ULP = 1
+SIGMOID32_MAX_ULP = 1
+
+
+@intrinsic
+def bits_to_f64(typingctx, i):
+    """Reinterpret a 64-bit integer as a float64."""
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(i), codegen
+
+
+_LN2 = 0.6931471805599453
+_ERFCX_P = (8.0625796659860728e-05, 1.7221381303262519e-04, -3.9992376463454351e-04, -1.4231625009672850e-03,
+            1.2512140672789503e-03, 8.7096940163940619e-03, -8.0303348825008902e-03, -5.4217868693199257e-02,
+            1.6405097537051525e-01, -1.6603052241427724e-01, -9.2763818638443171e-02, 1.2769783827114616e+00)
+_ERF_Q = (-6.74991077559662688e-04, 5.11439745532295698e-03, -2.68346481092045890e-02, 1.12833770060912233e-01,
+          -3.76126187841257953e-01, 1.12837916549919104e+00)
+_SQRT_HALF = 0.7071067811865476
+_FAST = {"reassoc", "contract", "arcp", "nsz"}   # no nnan / ninf: infinities and NaN pass through
+
+
+@njit(cache=True, fastmath=_FAST)
+def _exp_wide(y):
+    """exp(y) for float64 y, relative error ~3e-10: the float32 functions' internal exponential."""
+    y = min(max(y, -708.0), 709.0)
+    k = math.floor(y * 1.4426950408889634 + 0.5)
+    r = y - k * _LN2                                   # |r| <= ln2/2 (+ k ulp(ln2) ~ 1e-13: harmless here)
+    p = 1.0 / 40320
+    p = p * r + 1.0 / 5040
+    p = p * r + 1.0 / 720
+    p = p * r + 1.0 / 120
+    p = p * r + 1.0 / 24
+    p = p * r + 1.0 / 6
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    return p * bits_to_f64((np.int64(k) + np.int64(1023)) << np.int64(52))
+
+
+@njit(cache=True, fastmath=_FAST)
+def _erfcx_wide(a):
+    """erfcx(a) = exp(a^2) erfc(a) for float64 a in [0, 11], relative error 1.0e-9."""
+    q = (a - 2.0) / (a + 2.0)
+    p = _ERFCX_P[0]
+    for c in _ERFCX_P[1:]:
+        p = p * q + c
+    return p / (1.0 + 2.0 * a)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _erfc_pos(a):
+    """erfc(a) for float64 a >= 0 (a > 11 is treated as 11: erfc < 2e-54 there), relative error ~1.5e-9."""
+    a = min(a, 11.0)
+    return _exp_wide(-a * a) * _erfcx_wide(a)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _erf_wide(x):
+    """erf(x) for float64 x, relative error ~2e-9."""
+    a = abs(x)
+    s = x * x
+    p = _ERF_Q[0]
+    for c in _ERF_Q[1:]:
+        p = p * s + c
+    big = 1.0 - _erfc_pos(a)
+    return x * p if a < 0.75 else (big if x >= 0 else -big)
+
+
+def erf(x):
+    """erf(x): float64-register approximation rounded once for float32 (vectorises), math.erf for float64."""
+    return math.erf(x)
+
+
+def erfc(x):
+    """erfc(x) = 1 - erf(x), accurate relative to itself in the right tail. math.erfc for float64."""
+    return math.erfc(x)
+
+
+def ndtr(x):
+    """Phi(x), the standard normal CDF (scipy.special.ndtr), relative accuracy in the left tail."""
+    return 0.5 * math.erfc(-x * _SQRT_HALF)
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x)) (scipy.special.expit) without overflow, relative accuracy for x -> -inf."""
+    e = math.exp(-abs(x))
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
+
+
+def _f32(x):
+    return isinstance(x, types.Float) and x.bitwidth == 32
+
+
+@overload(erf, fastmath=_FAST)
+def _erf_overload(x):
+    if _f32(x):
+        return lambda x: np.float32(_erf_wide(np.float64(x)))
+    if isinstance(x, types.Float):
+        return lambda x: math.erf(x)
+
+
+@overload(erfc, fastmath=_FAST)
+def _erfc_overload(x):
+    if _f32(x):
+        def impl(x):
+            xd = np.float64(x)
+            r = _erfc_pos(abs(xd))
+            return np.float32(r if xd >= 0 else 2.0 - r)
+        return impl
+    if isinstance(x, types.Float):
+        return lambda x: math.erfc(x)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _ndtr_wide(x):
+    """Phi(x) for float64 x through the float32-grade erfc (relative error ~2e-9 in both tails)."""
+    r = 0.5 * _erfc_pos(abs(x) * _SQRT_HALF)
+    return r if x < 0 else 1.0 - r
+
+
+@overload(ndtr, fastmath=_FAST)
+def _ndtr_overload(x):
+    if _f32(x):
+        return lambda x: np.float32(_ndtr_wide(np.float64(x)))
+    if isinstance(x, types.Float):
+        def impl(x):
+            # Cephes ndtr: erf near 0 (no erfc cancellation at 1 - erfc), erfc in the tails
+            z = x * _SQRT_HALF
+            if abs(z) < _SQRT_HALF:
+                return 0.5 + 0.5 * math.erf(z)
+            r = 0.5 * math.erfc(abs(z))
+            return r if x < 0 else 1.0 - r
+        return impl
+
+
+@njit(cache=True, fastmath=_FAST)
+def _sigmoid_wide(x):
+    e = _exp_wide(-abs(x))
+    r = 1.0 / (1.0 + e)
+    return r if x >= 0 else e * r
+
+
+@overload(sigmoid, fastmath=_FAST)
+def _sigmoid_overload(x):
+    if _f32(x):
+        return lambda x: np.float32(_sigmoid_wide(np.float64(x)))
+    if isinstance(x, types.Float):
+        def impl(x):
+            e = math.exp(-abs(x))
+            return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
+        return impl

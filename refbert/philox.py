@@ -1,0 +1,96 @@
+"""Counter-based random numbers for dropout: Philox4x32-10, so every backend drops exactly the same elements.
+
+A `np.random.Generator` hands out numbers in sequence, which a kernel (a parallel loop, a CUDA block, a flash
+attention backward that must regenerate the mask of one tile) cannot reproduce. A counter-based generator is a
+pure function of (key, counter): element i of a dropout call gets its random word from
+
+    words = philox4x32_10(counter = (i // 4, 0, stream_lo, stream_hi), key = (seed_lo, seed_hi))
+    word  = words[i % 4]                                  uint32
+    keep  = word >= threshold(p),   threshold(p) = round(p * 2^32)   (P(keep) = 1 - p to within 2^-32)
+
+where `stream` counts the dropout calls of a model (one per call, drawn even when the tensor is tiny) and i is the
+element's C-order index in the tensor (for attention: the flat index into (B, H, T, T)). The comparison is on
+integers, so float32 and float64 runs, the NumPy oracle and every kernel keep the same elements, bit for bit.
+
+Philox4x32-10 (Salmon, Moraes, Dror & Shaw 2011, "Parallel random numbers: as easy as 1, 2, 3", SC'11): ten
+rounds of, on a counter (c0, c1, c2, c3) and key (k0, k1),
+    hi0:lo0 = 0xD2511F53 * c0        hi1:lo1 = 0xCD9E8D57 * c2        (32 x 32 -> 64-bit products)
+    (c0, c1, c2, c3) <- (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+    (k0, k1) <- (k0 + 0x9E3779B9, k1 + 0xBB67AE85)   (mod 2^32; between rounds)
+Known-answer vectors from the authors' Random123 distribution (kat_vectors) are tested in tests/test_philox.py.
+"""
+import numpy as np
+
+M0, M1 = 0xD2511F53, 0xCD9E8D57        # round multipliers
+W0, W1 = 0x9E3779B9, 0xBB67AE85        # key schedule: golden ratio and sqrt(3) - 1, as 32-bit fractions
+ROUNDS = 10
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds=ROUNDS):
+    """Philox4x32 on arrays of 32-bit words (any integer dtype, values < 2^32, broadcastable): 4 uint32 arrays."""
+    c = [np.asarray(a, np.uint64) & _MASK32 for a in (c0, c1, c2, c3)]
+    k0, k1 = np.uint64(int(k0) & 0xFFFFFFFF), np.uint64(int(k1) & 0xFFFFFFFF)
+    for r in range(rounds):
+        p0 = np.uint64(M0) * c[0]                      # exact: both factors < 2^32
+        p1 = np.uint64(M1) * c[2]
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & _MASK32, p1 & _MASK32,
+             ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & _MASK32, p0 & _MASK32]
+        if r < rounds - 1:
+            k0, k1 = (k0 + np.uint64(W0)) & _MASK32, (k1 + np.uint64(W1)) & _MASK32
+    return [a.astype(np.uint32) for a in c]
+
+
+def threshold(p):
+    """The integer cut for drop probability p: an element is kept when its word >= round(p * 2^32)."""
+    return int(round(float(p) * 2.0 ** 32))
+
+
+def random_words(seed, stream, n, start=0):
+    """uint32 words for elements start .. start + n - 1 of one dropout call (seed, stream).  -> (n,) uint32"""
+    first, last = start // 4, (start + n + 3) // 4            # the Philox blocks that cover the range
+    block = np.arange(first, last, dtype=np.uint64)           # 4 words per Philox call: block b holds 4b .. 4b+3
+    words = philox4x32(block & _MASK32, block >> np.uint64(32), stream & 0xFFFFFFFF, stream >> 32,
+                       seed & 0xFFFFFFFF, seed >> 32)
+    flat = np.stack(words, -1).reshape(-1)                    # (4 * blocks,): element 4b + j is word j of block b
+    return flat[start - 4 * first: start - 4 * first + n]
+
+
+def keep_mask(seed, stream, shape, p):
+    """Boolean keep-mask of a dropout call: element i (C order) kept iff its word >= threshold(p).  -> shape, bool"""
+    n = int(np.prod(shape))
+    return (random_words(seed, stream, n) >= np.uint64(threshold(p))).reshape(shape)
+
+
+class DropoutRNG:
+    """The model's dropout generator: a 64-bit seed and a count of dropout calls so far.
+
+    `next_stream()` gives the (seed, stream) of the next call and advances the count; the oracle and every kernel
+    turn that pair into the same mask. The whole state is two integers (`state`), so a checkpoint restores it
+    exactly and a resumed run drops the same elements as an uninterrupted one.
+    """
+
+    def __init__(self, seed=0, calls=0):
+        if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2 ** 64:
+            raise ValueError(f"DropoutRNG: argument 'seed' expected an integer in [0, 2^64), got {seed!r}")
+        self.seed, self.calls = int(seed), int(calls)
+
+    @classmethod
+    def from_seed_sequence(cls, ss):
+        return cls(int(ss.generate_state(1, np.uint64)[0]))
+
+    def next_stream(self):
+        s = self.calls
+        self.calls += 1
+        return self.seed, s
+
+    @property
+    def state(self):
+        return {"seed": self.seed, "calls": self.calls}
+
+    @state.setter
+    def state(self, st):
+        self.seed, self.calls = int(st["seed"]), int(st["calls"])
+
+    def __repr__(self):
+        return f"DropoutRNG(seed={self.seed}, calls={self.calls})"

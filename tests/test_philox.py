@@ -1,0 +1,56 @@
+"""The counter-based dropout generator: Philox4x32-10 against its authors' known answers, and the mask's law.
+
+Known-answer vectors: Random123's kat_vectors (Salmon et al., SC'11), the lines "philox4x32 10 <ctr x4> <key x2>
+<out x4>"; an independent implementation either matches them bit for bit or is wrong.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from refbert.philox import DropoutRNG, keep_mask, philox4x32, random_words, threshold
+
+KAT = [  # counter (4 words), key (2 words) -> output (4 words)
+    ((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+    ((0xffffffff,) * 4, (0xffffffff,) * 2, (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+    ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+     (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)),
+]
+
+
+@pytest.mark.parametrize("ctr, key, want", KAT)
+def test_philox4x32_10_known_answers(ctr, key, want):
+    assert tuple(int(w) for w in philox4x32(*ctr, *key)) == want
+
+
+def test_words_are_a_function_of_the_element_index_alone():
+    seed, stream = 2 ** 40 + 17, 3
+    whole = random_words(seed, stream, 103)
+    for start in (0, 1, 5, 50):                       # any window, aligned to a Philox block or not
+        np.testing.assert_array_equal(random_words(seed, stream, 20, start=start), whole[start:start + 20])
+    block = philox4x32(7, 0, stream, 0, seed & 0xFFFFFFFF, seed >> 32)  # element 4*7 + j is word j of block 7
+    np.testing.assert_array_equal(whole[28:32], block)
+    assert not np.array_equal(whole, random_words(seed, stream + 1, 103))   # another call, another mask
+    assert not np.array_equal(whole, random_words(seed + 1, stream, 103))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_keep_rate_is_binomial(p):
+    n = 200_000
+    kept = int(keep_mask(5, 0, (n,), p).sum())
+    # binomial(n, 1 - p): 5 sd is a bound a correct generator passes except with probability ~6e-7
+    assert abs(kept - (1 - p) * n) <= 5 * math.sqrt(n * p * (1 - p)) + (threshold(p) == 2 ** 32)
+    if p == 1.0:
+        assert kept == 0
+    if p == 0.0:
+        assert kept == n
+
+
+def test_dropout_rng_counts_calls_and_restores_its_state():
+    r = DropoutRNG(9)
+    assert [r.next_stream() for _ in range(3)] == [(9, 0), (9, 1), (9, 2)]
+    again = DropoutRNG(0)
+    again.state = r.state
+    assert again.next_stream() == r.next_stream() == (9, 3)
+    with pytest.raises(ValueError, match=r"'seed' expected an integer in \[0, 2\^64\), got -1"):
+        DropoutRNG(-1)
