@@ -99,6 +99,8 @@ def op_cases(seed=0):
              dict(x=3 * f((3, 5)), b=f(5)), ("x", "b"), dict(approximate="tanh")),
         Case("gather_rows (labelled positions)", ops.gather_rows_forward, ops.gather_rows_backward,
              dict(x=f((2, 4, 3))), ("x",), dict(rows=np.array([5, 0, 6]))),
+        Case("bce_with_logits (multi-label)", ops.bce_with_logits_forward, ops.bce_with_logits_backward,
+             dict(logits=4 * f((3, 5))), ("logits",), dict(targets=np.abs(np.sin(np.arange(15.0))).reshape(3, 5))),
         Case("mse", ops.mse_forward, ops.mse_backward, dict(pred=f((4, 3)), target=f((4, 3))), ("pred", "target")),
     ]
     return cases
@@ -189,10 +191,47 @@ def format_table(rows):
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
 
 
+def kernel_rows():
+    """One row per kernel version and dtype: the fused Numba kernels (refbert_kernels) against their oracle op,
+    forward and backward, on each spec's small irregular shapes: (kernel, dtype, max |diff|, max err/tol, ok).
+    Empty when numba is not installed."""
+    try:
+        from refbert_kernels import _harness, backend
+    except ImportError:
+        return None
+    rows = []
+    for spec in backend.specs():
+        for v in sorted(spec.versions):
+            for dtype in (np.float64, np.float32):
+                ratio = diff = 0.0
+                for shape in spec.shapes:
+                    r, d = _harness.validate(spec, v, dtype, shape)
+                    ratio, diff = max(ratio, r), max(diff, d)
+                rows.append((f"{spec.name} v{v}", np.dtype(dtype).name, diff, ratio, ratio <= 1))
+    return rows
+
+
+def format_kernel_table(rows):
+    head = ("kernel (numba) vs oracle", "dtype", "max |diff|", "err/tol", "")
+    body = [(k, d, f"{diff:.2e}", f"{ratio:.3f}", "pass" if ok else "FAIL") for k, d, diff, ratio, ok in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(5)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+
+
 def main(args=None):
     rows = run(op_cases()) + model_rows()
     print(format_table(rows))
     failed = sum(not r[4] for r in rows)
-    print(f"\n{len(rows) - failed} passed, {failed} failed (tolerance {TOLERANCE:g}, float64 centred differences)")
+    n = len(rows)
+    krows = kernel_rows() if getattr(args, "kernels", True) else []
+    if krows is None:
+        print("\n(kernels: numba is not installed, so the fused kernels were not checked: pip install 'refbert[kernels]')")
+    elif krows:
+        print("\nfused kernels, every numbered version, forward and backward against the oracle op "
+              "(err/tol <= 1 passes; tol = atol + rtol |ref|, stated per kernel file):\n")
+        print(format_kernel_table(krows))
+        failed += sum(not r[4] for r in krows)
+        n += len(krows)
+    print(f"\n{n - failed} passed, {failed} failed (gradients: tolerance {TOLERANCE:g}, float64 centred differences)")
     return 1 if failed else 0
-

@@ -66,7 +66,9 @@ def _pretrain_args(p):
 def build_parser():
     ap = argparse.ArgumentParser(prog="refbert", description="BERT in NumPy with hand-written, proven backward passes.")
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="every op's and every head's backward against finite differences (float64)")
+    p = sub.add_parser("check", help="every op's and every head's backward against finite differences (float64), "
+                                     "and every fused kernel against its op")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the fused kernels' rows")
     _backend_arg(sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with "
                                               "finite-difference checks"))
     p = sub.add_parser("demo-data", help="write an offline corpus and fine-tuning sets from the stdlib's docstrings")

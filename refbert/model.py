@@ -505,11 +505,9 @@ def _check_inputs(who, cfg, dtype, input_ids, attention_mask, token_type_ids, po
     if not np.isin(am, (0, 1)).all():
         raise ValueError(f"{who}: argument 'attention_mask' expected only 0 (padding) and 1 (real token), "
                          f"got values {np.unique(am)[:5]}")
-    empty = np.flatnonzero(am.sum(1) == 0)
-    if empty.size:
-        raise ValueError(f"{who}: argument 'attention_mask' expected at least one real token per row, "
-                         f"got row {int(empty[0])} with none")
-    # HF's extended mask: 0 where attended, the dtype's most negative number where padded
+    # HF's extended mask: 0 where attended, the dtype's most negative number where padded. A row with no real token
+    # is valid input, as in HF: every score of it becomes that same number (|score| is far below its ulp), so its
+    # queries attend uniformly to every position — finite, no NaN, and the same numbers as transformers.
     mask = ((1 - am.astype(dtype)) * np.finfo(dtype).min)[:, None, None, :]  # (B, 1, 1, T)
     return input_ids, token_type_ids, position_ids, mask
 
@@ -675,7 +673,11 @@ class BertForNextSentencePrediction(_Head):
 
 class BertForSequenceClassification(_Head):
     """Single sentences and sentence pairs (NLI): logits = classifier(dropout(pooled)), (B, num_labels).
-    Loss as HF's problem_type: num_labels == 1 -> regression (MSE); integer labels -> cross-entropy."""
+    Loss as HF selects it (config.problem_type, or when that is None: num_labels == 1 -> "regression", integer
+    labels -> "single_label_classification", float labels -> "multi_label_classification"):
+        regression                  MSE(logits, labels)                       labels: (B,) or (B, num_labels) floats
+        single_label_classification CE(logits, labels)                        labels: (B,) integers
+        multi_label_classification  BCE-with-logits(logits, labels), mean     labels: (B, num_labels) in [0, 1]"""
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_hidden_states=False, output_attentions=False):
@@ -686,16 +688,19 @@ class BertForSequenceClassification(_Head):
         loss = head_backward = None
         if labels is not None:
             B = input_ids.shape[0]
-            if cfg.problem_type == "multi_label_classification":
-                raise ValueError("BertForSequenceClassification: config.problem_type expected 'regression' or "
-                                 "'single_label_classification' (multi-label BCE is not implemented), "
-                                 "got 'multi_label_classification'")
-            if cfg.num_labels == 1 or cfg.problem_type == "regression":
+            problem = problem_type(cfg, labels)
+            if problem == "regression":
                 if not isinstance(labels, np.ndarray) or labels.size != logits.size:
                     raise ValueError(f"BertForSequenceClassification: argument 'labels' expected {logits.size} "
                                      f"regression targets, got {V._desc(labels)}")
                 loss, c_l = o.mse_forward(logits, labels.reshape(logits.shape).astype(self.dtype))
                 dlogits_of = lambda d: o.mse_backward(d, c_l)[0]  # noqa: E731
+            elif problem == "multi_label_classification":
+                if not isinstance(labels, np.ndarray) or labels.shape != logits.shape:
+                    raise ValueError(f"BertForSequenceClassification: argument 'labels' expected multi-label "
+                                     f"targets of shape {logits.shape} (B, num_labels), got {V._desc(labels)}")
+                loss, c_l = o.bce_with_logits_forward(logits, labels.astype(self.dtype))
+                dlogits_of = lambda d: o.bce_with_logits_backward(d, c_l)  # noqa: E731
             else:
                 self._labels("labels", labels, (B,), cfg.num_labels)
                 loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
@@ -795,6 +800,23 @@ class BertForMultipleChoice(_Head):
                 ds = o.cross_entropy_backward(dloss, c_l).reshape(B * N, 1)
                 return None, o.dropout_backward(dense_backward(ctx, ds, c_cls, grads), c_do)
         return self._finish(MultipleChoiceModelOutput, ctx, enc, cache, loss, head_backward, logits=logits)
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def problem_type(cfg, labels):
+    """HF's choice of loss for sequence classification: config.problem_type when set, else from num_labels and
+    the labels' dtype (integers -> single-label, anything else -> multi-label)."""
+    if cfg.problem_type is not None:
+        if cfg.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"BertForSequenceClassification: config.problem_type expected one of {PROBLEM_TYPES} "
+                             f"or None, got {cfg.problem_type!r}")
+        return cfg.problem_type
+    if cfg.num_labels == 1:
+        return "regression"
+    integer = isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
+    return "single_label_classification" if integer else "multi_label_classification"
 
 
 def _classifier_dropout(cfg):

@@ -4,7 +4,8 @@
     <op>_backward(dout, cache) -> the gradients of the forward's differentiable inputs, in the forward's order
                                   (one array when there is one such input, else a tuple)
 
-The cache is a flat tuple unpacked on the backward's first line. Backwards return fresh arrays and never write
+The cache is a flat tuple unpacked on the backward's first line (a NamedTuple where another function reads it
+by name: attention_probs). Backwards return fresh arrays and never write
 into their arguments. float32 and float64 both work and the output keeps the input's dtype.
 Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, V classes/vocabulary.
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
@@ -15,6 +16,7 @@ Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging 
 `models/bert/modeling_bert.py`, whose semantics (weight layout, eps, masks, ignore_index) these ops follow.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 from scipy.special import expit, ndtr  # Cephes' normal CDF (~1 ulp) and a stable sigmoid; see README "Dependencies"
@@ -161,7 +163,12 @@ def softmax_forward(x, scale=1.0, mask=None):
                          "that is entirely -inf, or a NaN/+inf score")
     e = np.exp(z - m)
     p = e / e.sum(-1, keepdims=True)
-    return p, (p, scale)
+    return p, SoftmaxCache(p, scale)
+
+
+class SoftmaxCache(NamedTuple):
+    p: np.ndarray          # the probabilities (..., T)
+    scale: float
 
 
 def softmax_backward(dout, cache):
@@ -248,10 +255,17 @@ def dropout_forward(x, p, rng=None, train=True):
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: argument 'p' expected a probability in [0, 1], got {p}")
     if not train or p == 0.0:
-        return x, (None, 1.0, x.shape, x.dtype)
+        return x, DropoutCache(None, 1.0, x.shape, x.dtype)
     keep = dropout_mask(rng, x.shape, p, "dropout")     # (...) bool: 1 byte per unit in the cache
     scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
-    return _keep_scale(x, keep, scale), (keep, scale, x.shape, x.dtype)
+    return _keep_scale(x, keep, scale), DropoutCache(keep, scale, x.shape, x.dtype)
+
+
+class DropoutCache(NamedTuple):
+    keep: np.ndarray       # bool keep-mask, or None when dropout was the identity (eval, p = 0)
+    scale: float           # 1 / (1 - p)
+    shape: tuple
+    dtype: np.dtype
 
 
 def dropout_mask(rng, shape, p, op):
@@ -410,15 +424,23 @@ def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, trai
     pd, do_cache = dropout_forward(p, dropout_p, rng, train)
     y = pd @ vh                                         # (B, H, T, hs)
     out = y.transpose(0, 2, 1, 3).reshape(B, T, C)     # (B, T, C)
-    return out, (qh, kh, vh, sm_cache, do_cache)
+    return out, AttentionCache(qh, kh, vh, sm_cache, do_cache)
+
+
+class AttentionCache(NamedTuple):
+    qh: np.ndarray         # (B, H, T, hs) views of q, k, v split into heads
+    kh: np.ndarray
+    vh: np.ndarray
+    softmax: SoftmaxCache  # p: (B, H, T, T)
+    dropout: DropoutCache  # its keep-mask over (B, H, T, T)
 
 
 def attention_backward(dout, cache):
     qh, kh, vh, sm_cache, do_cache = cache
     B, H, T, hs = qh.shape
     V.dout("attention", dout, (B, T, H * hs), qh.dtype)
-    p = sm_cache[0]
-    pd = p if do_cache[0] is None else _keep_scale(p, do_cache[0], do_cache[1])  # recompute dropout(p)
+    p = sm_cache.p
+    pd = p if do_cache.keep is None else _keep_scale(p, do_cache.keep, do_cache.scale)  # recompute dropout(p)
     dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
     dpd = dy @ vh.transpose(0, 1, 3, 2)                 # (B, H, T, T)
     dvh = pd.transpose(0, 1, 3, 2) @ dy                 # (B, H, T, hs)
@@ -431,8 +453,8 @@ def attention_backward(dout, cache):
 
 def attention_probs(cache):
     """The attention probabilities after dropout, (B, H, T, T), as HF returns under output_attentions."""
-    p, (keep, scale) = cache[3][0], cache[4][:2]
-    return p if keep is None else _keep_scale(p, keep, scale)
+    p, keep = cache.softmax.p, cache.dropout.keep
+    return p if keep is None else _keep_scale(p, keep, cache.dropout.scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,6 +497,31 @@ def cross_entropy_backward(dloss, cache):
     g[np.arange(kept.size), yk] -= 1
     dz[kept] = g * (dloss / max(kept.size, 1))
     return dz.reshape(shape)
+
+
+def bce_with_logits_forward(logits, targets):
+    """Mean binary cross-entropy on logits (torch's F.binary_cross_entropy_with_logits; HF's multi-label loss).
+
+    logits, targets: (...) same shape, targets in [0, 1] (float)   ->   loss: scalar of logits' dtype
+    With s = sigmoid(z):  loss = mean(-(y log s + (1 - y) log(1 - s))) = mean(max(z, 0) - z y + log(1 + exp(-|z|)))
+    (the second form never takes the log of 0 nor the exp of a large positive number).
+    Backward (targets are labels, not differentiated):  dz = dloss * (s - y) / N.
+    """
+    V.floats("bce_with_logits", logits=logits, targets=targets)
+    V.shape("bce_with_logits", "targets", targets, logits.shape, "(same as logits)")
+    if targets.size and not ((targets >= 0) & (targets <= 1)).all():
+        raise ValueError(f"bce_with_logits: argument 'targets' expected values in [0, 1], got values in "
+                         f"[{targets.min()}, {targets.max()}]")
+    e = np.exp(-np.abs(logits))                         # in (0, 1]: no overflow
+    loss = (np.maximum(logits, 0) - logits * targets + np.log1p(e)).mean() if logits.size else 0.0
+    s = np.where(logits >= 0, 1 / (1 + e), e / (1 + e))  # sigmoid(z), each branch without overflow
+    return np.asarray(loss, dtype=logits.dtype), (s, targets)
+
+
+def bce_with_logits_backward(dloss, cache):
+    s, targets = cache
+    dloss = _scalar_dout("bce_with_logits", dloss, s.dtype)
+    return (s - targets) * (dloss / max(s.size, 1))
 
 
 def mse_forward(pred, target):

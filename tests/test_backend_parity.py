@@ -1,0 +1,86 @@
+"""The numba backend against the numpy backend (the oracle), whole model: every head, every output, every
+parameter gradient, in train mode with dropout on (both backends draw the same Philox masks) and in eval mode.
+
+Tolerance (per tensor, relative to the tensor's largest entry: |a - b|max <= rtol * |b|max):
+  float64 1e-10 — the kernels use exact math.exp/erf in float64 and differ from NumPy only in summation order
+                  (~1e-16 per add), amplified through 2 layers and a loss;
+  float32 1e-5  — float32 sums in another order and polynomial exp/erf of <= 2 ulp, through the same depth.
+"""
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import refbert  # noqa: E402
+from refbert.check import HEADS, model_batch, tiny_config  # noqa: E402
+
+RTOL = {np.float64: 1e-10, np.float32: 1e-5}
+
+
+def close(got, ref, rtol, what):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, what
+    scale = max(float(np.abs(ref).max()), 1e-30) if ref.size else 1.0
+    err = float(np.abs(got - ref).max()) / scale if ref.size else 0.0
+    assert err <= rtol, f"{what}: max |diff| / max |ref| = {err:.2e} > {rtol:g}"
+
+
+def run(head, dtype, backend, train, decode=None, **cfg_kw):
+    cfg = tiny_config(head, hidden_act="gelu_new" if cfg_kw.pop("tanh", False) else "gelu", **cfg_kw)
+    model = getattr(refbert, head)(cfg, seed=4, dtype=dtype, backend=backend).train(train)
+    for p in model.parameters().values():          # off HF's init, so no term of the gradient hides behind a zero
+        p += (np.random.default_rng(5).standard_normal(p.shape) * 0.05).astype(dtype)
+    x = model_batch(cfg, head)
+    kw = {} if decode is None else dict(mlm_decode=decode)
+    out = model(**x, output_hidden_states=True, output_attentions=True, **kw)
+    return out, model.backward()
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("train", [True, False])
+def test_numba_backend_equals_numpy_backend(head, dtype, train):
+    ref_out, ref_g = run(head, dtype, "numpy", train)
+    out, g = run(head, dtype, "numba", train)
+    rtol = RTOL[dtype]
+    assert set(out) == set(ref_out)
+    for k, v in ref_out.items():
+        if v is None:
+            assert out[k] is None, k
+            continue
+        for i, (a, b) in enumerate(zip(out[k] if isinstance(v, tuple) else (out[k],),
+                                       v if isinstance(v, tuple) else (v,))):
+            assert np.asarray(a).dtype == dtype, (k, i)
+            close(a, b, rtol, f"{head} {k}[{i}]")
+    assert list(g) == list(ref_g)
+    for k in ref_g:
+        assert g[k].dtype == dtype, k
+        close(g[k], ref_g[k], rtol, f"{head} d{k}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_same_dropout_masks_on_both_backends(dtype):
+    """The attention probabilities after dropout are zero at exactly the same places on both backends."""
+    ref, _ = run("BertModel", dtype, "numpy", True, attention_probs_dropout_prob=0.3)
+    got, _ = run("BertModel", dtype, "numba", True, attention_probs_dropout_prob=0.3)
+    for a, b in zip(got.attentions, ref.attentions):
+        np.testing.assert_array_equal(a == 0, b == 0)
+        assert (b == 0).mean() > 0.1               # dropout 0.3 did drop something (besides padding)
+
+
+@pytest.mark.parametrize("decode", ["all", "labelled"])
+def test_pretraining_both_decodes_tanh_gelu(decode):
+    ref_out, ref_g = run("BertForPreTraining", np.float64, "numpy", True, decode, tanh=True)
+    out, g = run("BertForPreTraining", np.float64, "numba", True, decode, tanh=True)
+    close(out.loss, ref_out.loss, RTOL[np.float64], "loss")
+    for k in ref_g:
+        close(g[k], ref_g[k], RTOL[np.float64], k)
+
+
+def test_backend_has_every_op_of_the_oracle():
+    from refbert import ops
+    from refbert_kernels import backend
+    names = {n for n in dir(ops) if n.endswith(("_forward", "_backward"))} | {"attention_probs"}
+    assert names <= set(dir(backend)), names - set(dir(backend))
+    for op, module in backend.KERNELS.items():   # a kernel really replaced each fused op
+        assert getattr(backend, f"{op}_forward").__module__ == f"refbert_kernels.{module}", op
