@@ -280,7 +280,7 @@ def pooler_forward(ctx, P, pre, h):
 
 def pooler_backward(ctx, dout, cache, grads):
     shape, c_d, c_t = cache
-    dh = np.zeros(shape, dout.dtype)                    # only position 0 was read
+    dh = np.zeros_like(dout, shape=shape)               # only position 0 was read (zeros_like: any array library)
     dh[:, 0] = dense_backward(ctx, ctx.ops.tanh_backward(dout, c_t), c_d, grads)
     return dh
 
