@@ -1,0 +1,120 @@
+"""Every version of the GELU / bias+GELU kernels against its oracle in refbert.ops, on hypothesis-drawn shapes and
+values (the tails at +-10, |x| < 1e-6, both dtypes, both approximations), and the oracle's ValueErrors."""
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+from hypothesis import given, strategies as st  # noqa: E402
+
+from refbert import ops  # noqa: E402
+from refbert_kernels import gelu as G  # noqa: E402
+
+VERSIONS = sorted(G.SPEC_GELU.versions)
+# float64: libm erfc vs scipy ndtr and the oracle's Phi = out / x (~1e-15 relative, more in the tails), db's
+#          summation order; float32: the oracle rounds every step to float32 and sums db in float32
+TOL = {np.float64: (1e-12, 1e-11), np.float32: (1e-6, 1e-5)}
+
+shapes = st.lists(st.integers(1, 41), min_size=1, max_size=3).map(tuple)
+tails = st.sampled_from([-10.0, 10.0, -6.0, -1e-7, 3e-9, 0.0, -2.5, 1.3])
+
+
+def close(got, ref, dtype, what):
+    atol, rtol = TOL[dtype]
+    assert got.dtype == ref.dtype and got.shape == ref.shape, what
+    bad = np.abs(got.astype(np.float64) - ref) > atol + rtol * np.abs(ref.astype(np.float64))
+    assert not bad.any(), f"{what}: first mismatch at {np.argwhere(bad)[0]}: {got[bad][:3]} vs {ref[bad][:3]}"
+
+
+def draw_x(shape, dtype, seed, tail_values):
+    rng = np.random.default_rng(seed)
+    x = 3 * rng.standard_normal(shape)
+    flat = x.reshape(-1)
+    flat[:len(tail_values)] = tail_values[:flat.size]
+    return x.astype(dtype)
+
+
+@given(shape=shapes, dtype=st.sampled_from([np.float32, np.float64]), approximate=st.sampled_from(["none", "tanh"]),
+       seed=st.integers(0, 2**16), tail_values=st.lists(tails, max_size=6))
+def test_gelu_versions_match_oracle(shape, dtype, approximate, seed, tail_values):
+    x = draw_x(shape, dtype, seed, tail_values)
+    dout = np.random.default_rng(seed + 1).standard_normal(shape).astype(dtype)
+    ref, rc = ops.gelu_forward(x, approximate)
+    rdx = ops.gelu_backward(dout, rc)
+    x0, d0 = x.copy(), dout.copy()
+    for v in VERSIONS:
+        fwd, bwd = G.SPEC_GELU.versions[v]
+        out, cache = fwd(x, approximate)
+        close(out, ref, dtype, f"v{v} out")
+        close(bwd(dout, cache), rdx, dtype, f"v{v} dx")
+    np.testing.assert_array_equal(x, x0)                      # nothing writes into its arguments
+    np.testing.assert_array_equal(dout, d0)
+
+
+@given(shape=shapes, dtype=st.sampled_from([np.float32, np.float64]), approximate=st.sampled_from(["none", "tanh"]),
+       seed=st.integers(0, 2**16), tail_values=st.lists(tails, max_size=6))
+def test_bias_gelu_versions_match_oracle(shape, dtype, approximate, seed, tail_values):
+    x = draw_x(shape, dtype, seed, tail_values)
+    b = (0.1 * np.random.default_rng(seed + 2).standard_normal(shape[-1])).astype(dtype)
+    b[0] = 0                                                  # the planted tails stay tails in x + b
+    dout = np.random.default_rng(seed + 1).standard_normal(shape).astype(dtype)
+    ref, rc = ops.bias_gelu_forward(x, b, approximate)
+    rdx, rdb = ops.bias_gelu_backward(dout, rc)
+    for v in VERSIONS:
+        fwd, bwd = G.SPEC_BIAS_GELU.versions[v]
+        out, cache = fwd(x, b, approximate)
+        close(out, ref, dtype, f"v{v} out")
+        dx, db = bwd(dout, cache)
+        close(dx, rdx, dtype, f"v{v} dx")
+        # db: the oracle sums the rows in float32 (pairwise, error <= log2(N) eps sum_rows |du|), the kernels in
+        # float64, so the gap scales with sum |du| (cancelling columns), not with |db|
+        n_rows = max(1, rdx.size // shape[-1])
+        slack = (np.log2(n_rows) + 2) * np.finfo(dtype).eps * np.abs(rdx).reshape(-1, shape[-1]).sum(0)
+        assert (np.abs(db - rdb.astype(np.float64)) <= slack + TOL[dtype][0] + TOL[dtype][1] * np.abs(rdb)).all()
+
+
+def test_noncontiguous_and_zero_d():
+    x = np.random.default_rng(0).standard_normal((6, 10))[:, ::2]
+    b = np.linspace(-1, 1, 5)
+    for v in VERSIONS:
+        out, cache = G.SPEC_BIAS_GELU.versions[v][0](x, b)
+        np.testing.assert_allclose(out, ops.bias_gelu_forward(x, b)[0], rtol=1e-11, atol=1e-12)
+        out, cache = G.SPEC_GELU.versions[v][0](np.full((), -10, np.float32))
+        assert out.shape == () and out.dtype == np.float32
+
+
+def test_db_is_deterministic():
+    # per-chunk float64 partials summed in a fixed order: the same bits on every call
+    x = np.random.default_rng(0).standard_normal((300, 33)).astype(np.float32)
+    b = np.zeros(33, np.float32)
+    dout = np.ones_like(x)
+    _, cache = G.bias_gelu_forward(x, b)
+    db = [G.bias_gelu_backward(dout, cache)[1] for _ in range(3)]
+    assert all(np.array_equal(db[0], d) for d in db)
+
+
+def _message(fn, *args, **kwargs):
+    with pytest.raises(ValueError) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("v", VERSIONS)
+def test_same_value_errors_as_oracle(v):
+    gf, gb = G.SPEC_GELU.versions[v]
+    bf, bb = G.SPEC_BIAS_GELU.versions[v]
+    x = np.ones((3, 4))
+    cases = [
+        (gf, ops.gelu_forward, (x.astype(int),), {}),
+        (gf, ops.gelu_forward, ([1.0, 2.0],), {}),
+        (gf, ops.gelu_forward, (x,), {"approximate": "erf"}),
+        (bf, ops.bias_gelu_forward, (x, np.ones(3)), {}),
+        (bf, ops.bias_gelu_forward, (x, np.ones(4, np.float32)), {}),
+        (bf, ops.bias_gelu_forward, (np.ones(()), np.ones(1)), {}),
+        (bf, ops.bias_gelu_forward, (x, np.ones(4)), {"approximate": "fast"}),
+    ]
+    for mine, oracle, args, kwargs in cases:
+        assert _message(mine, *args, **kwargs) == _message(oracle, *args, **kwargs)
+    for fwd, bwd, ofwd, obwd, args in [(gf, gb, ops.gelu_forward, ops.gelu_backward, (x,)),
+                                       (bf, bb, ops.bias_gelu_forward, ops.bias_gelu_backward, (x, np.ones(4)))]:
+        for bad in (np.ones((4, 3)), np.ones((3, 4), np.float32), [[1.0] * 4] * 3):
+            assert _message(bwd, bad, fwd(*args)[1]) == _message(obwd, bad, ofwd(*args)[1])
