@@ -1,0 +1,431 @@
+"""Oracle: refbert.ops.layernorm_forward / layernorm_backward, residual_layernorm_forward / _backward and
+dropout_residual_layernorm_forward / _backward — LayerNorm over the last axis of x, x + a, or x + dropout(a),
+each direction one Numba kernel over rows.
+
+    x, a: (..., C) seen as (R, C) rows   w, b: (C,)
+    forward, per row:  s = x (+ a * keep * scale);  mean = sum(s) / C;  rstd = 1 / sqrt(sum((s - mean)^2) / C + eps)
+                       out = (s - mean) * rstd * w + b
+    backward, per row, with xhat = (s - mean) * rstd and wdy = dout * w:
+                       c1 = sum(wdy * xhat) / C,  c2 = sum(wdy) / C,  ds = (wdy - (xhat * c1 + c2)) * rstd
+                       dx = ds,  da = ds (residual) or ds * keep * scale (dropout);  dw += dout * xhat,  db += dout
+dw and db are summed per chunk of rows into their own partial row (the chunks depend on R only, never on the
+threads), then the partials are added in chunk order: the same bits on every run.
+The cache keeps x, a, mean and rstd; the backward recomputes s (and, for dropout, regenerates the keep-mask from
+(seed, stream): it is a pure function of the element index, refbert.philox) instead of storing s or a mask.
+
+Versions (python -m refbert_kernels.layernorm validates each against the oracle, then times it):
+    1  one row per prange iteration, three passes each recomputing s from the inputs, float64 row sums; the
+       dropout mask is a bool array made first (philox_word per element) and cached, as the oracle does
+    2  s written once into the output row (it stays in L1) and normalised in place, row sums in the dtype
+       (SIMD), chunks of rows per prange iteration; dropout multipliers one Philox block per 4 elements into a
+       row buffer, regenerated in the backward (no mask in memory)
+
+Tolerance (the spec's tol): float64 atol 1e-12, rtol 1e-11 — summation order only (SIMD lanes and chunked dw, db
+against NumPy's pairwise row means and sequential column sums). float32 atol 1e-5, rtol 1e-4 — float32 sums in
+another order: out and dx are O(1) with ~1e-7 relative error each, but dx = (wdy - xhat c1 - c2) rstd cancels
+terms of size |wdy| ~ 3 into results near 0, and dw, db add R float32 terms (the oracle sequentially), so
+1e-5 absolute is what float32 order differences reach on the validation shapes (err/tol printed stays < 0.3).
+fastmath: {'reassoc', 'arcp', 'nsz'} — no 'nnan'/'ninf', so NaN/inf inputs propagate as in NumPy; and no 'contract':
+an fma would turn dout * w - c2 into the exact product minus its rounded copy, so where the oracle cancels to
+exactly 0 (C = 1, or a constant row: xhat = 0, rstd = 1/sqrt(eps) = 1e6) the kernel would give 1e-17 * 1e6.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from refbert import ops
+from refbert import validate as V
+from refbert.philox import DropoutRNG
+
+from ._harness import KernelSpec, main
+from ._math import philox_word
+from .dropout import draw, fill_multipliers, like
+
+FASTMATH = {"reassoc", "arcp", "nsz"}            # no 'contract': see the docstring
+CHUNKS = 64                      # row chunks of the backward: each owns one partial row of dw and of db
+
+
+def _chunks(R):
+    """(rows per chunk, number of chunks): a function of R alone, so dw, db sum in the same order every run."""
+    per = max(1, -(-R // CHUNKS))
+    return per, -(-R // per)
+
+
+@njit(cache=True)
+def _chunks_nb(R):
+    per = max(1, -(-R // CHUNKS))
+    return per, -(-R // per)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# version 1: x (R, C); a (R, C) or None; keep (R, C) bool or None; every `is None` branch is pruned at compile time.
+# No fast-math at all: every s is recomputed from the inputs, and with 'reassoc' LLVM may turn (x + a) - mean into
+# x + (a - mean) (for C = 1 the oracle's s - mean is exactly 0, and rstd = 1e6 magnifies any difference)
+
+@njit(parallel=True, cache=True)
+def _keep_v1(keep, seed, stream, thr):
+    k1 = keep.reshape(-1)
+    for i in prange(k1.size):
+        k1[i] = philox_word(i, stream, seed) >= thr
+
+
+@njit(cache=True)
+def _s_v1(x, a, keep, scale, r, j):
+    v = x[r, j]
+    if a is not None:
+        if keep is not None:
+            v = v + a[r, j] * (scale if keep[r, j] else like(scale, 0))
+        else:
+            v = v + a[r, j]
+    return v
+
+
+@njit(parallel=True, cache=True)
+def _forward_v1(x, a, keep, scale, w, b, eps, out, mean, rstd):
+    R, C = x.shape
+    for r in prange(R):
+        s = 0.0
+        for j in range(C):                           # pass 1: mean (float64 sum)
+            s += _s_v1(x, a, keep, scale, r, j)
+        m = s / C
+        q = 0.0
+        for j in range(C):                           # pass 2: biased variance about the mean
+            d = _s_v1(x, a, keep, scale, r, j) - m
+            q += d * d
+        rs = 1 / math.sqrt(q / C + eps)
+        for j in range(C):                           # pass 3: normalise, scale, shift
+            out[r, j] = (_s_v1(x, a, keep, scale, r, j) - m) * rs * w[j] + b[j]
+        mean[r] = m
+        rstd[r] = rs
+
+
+@njit(parallel=True, cache=True)
+def _backward_v1(dout, x, a, keep, scale, w, mean, rstd, dx, da, dwp, dbp):
+    R, C = x.shape
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        for r in range(c * per, min(R, (c + 1) * per)):
+            m, rs = mean[r], rstd[r]
+            c1 = 0.0
+            c2 = 0.0
+            for j in range(C):
+                xh = (_s_v1(x, a, keep, scale, r, j) - m) * rs
+                wdy = dout[r, j] * w[j]
+                c1 += wdy * xh
+                c2 += wdy
+                dwp[c, j] += dout[r, j] * xh
+                dbp[c, j] += dout[r, j]
+            c1 /= C
+            c2 /= C
+            for j in range(C):
+                xh = (_s_v1(x, a, keep, scale, r, j) - m) * rs
+                d = (dout[r, j] * w[j] - (xh * c1 + c2)) * rs
+                dx[r, j] = d
+                if da is not None:
+                    da[r, j] = d * scale if keep[r, j] else d * like(scale, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# version 2: drop = (seed, stream, thr, scale) or None; rows of a chunk share one multiplier buffer; sums in the
+# dtype (like(): a float32 row stays float32, 16 SIMD lanes). s = x + a is stored to a row in L1 before anything
+# subtracts the mean from it: a value read back from memory is rounded, and 'reassoc' cannot regroup across it
+
+@njit(cache=True, fastmath=FASTMATH)
+def _multipliers(buf, drop, r, C):
+    """The drop multipliers (scale or 0) of row r's elements r*C .. r*C + C - 1, as a view into buf."""
+    seed, stream, thr, scale = drop
+    b0 = (r * C) // 4                                # element i is word i % 4 of Philox block i // 4
+    fill_multipliers(buf, b0, (r * C + C + 3) // 4 - b0, seed, stream, thr, scale)
+    return buf[r * C - 4 * b0: r * C - 4 * b0 + C]
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _forward_v2(x, a, drop, w, b, eps, out, mean, rstd):
+    R, C = x.shape
+    cf = like(eps, C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf = np.empty(C + 8, x.dtype)               # multipliers of the Philox blocks that cover one row
+        for r in range(c * per, min(R, (c + 1) * per)):
+            xr, o = x[r], out[r]
+            mr = buf[:C]
+            if drop is not None:
+                mr = _multipliers(buf, drop, r, C)
+            s = like(eps, 0)
+            for j in range(C):                       # s = x + a * keep * scale, kept in the output row
+                v = xr[j]
+                if a is not None:
+                    if drop is not None:
+                        v = v + a[r, j] * mr[j]
+                    else:
+                        v = v + a[r, j]
+                o[j] = v
+                s += v
+            m = s / cf
+            q = like(eps, 0)
+            for j in range(C):
+                d = o[j] - m
+                q += d * d
+            rs = like(eps, 1) / math.sqrt(q / cf + eps)
+            for j in range(C):
+                o[j] = (o[j] - m) * rs * w[j] + b[j]
+            mean[r] = m
+            rstd[r] = rs
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _backward_v2(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp):
+    R, C = x.shape
+    cf = like(w[0], C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf = np.empty(C + 8, x.dtype)
+        dwc, dbc = dwp[c], dbp[c]
+        for r in range(c * per, min(R, (c + 1) * per)):
+            xr, dy, g = x[r], dout[r], dx[r]
+            m, rs = mean[r], rstd[r]
+            mr = buf[:C]
+            if drop is not None:
+                mr = _multipliers(buf, drop, r, C)
+            if a is not None:                        # s into dx's row (L1), rounded there exactly as in the
+                for j in range(C):                   # forward; s - mean in one expression would let 'reassoc'
+                    if drop is not None:             # compute x + (a - mean) instead
+                        g[j] = xr[j] + a[r, j] * mr[j]
+                    else:
+                        g[j] = xr[j] + a[r, j]
+            else:
+                g[:] = xr
+            c1 = like(m, 0)
+            c2 = like(m, 0)
+            for j in range(C):                       # xhat into dx's row; c1, c2 and the dw, db partials
+                xh = (g[j] - m) * rs
+                g[j] = xh
+                wdy = dy[j] * w[j]
+                c1 += wdy * xh
+                c2 += wdy
+                dwc[j] += dy[j] * xh
+                dbc[j] += dy[j]
+            c1 /= cf
+            c2 /= cf
+            for j in range(C):
+                g[j] = (dy[j] * w[j] - (g[j] * c1 + c2)) * rs
+            if da is not None:
+                for j in range(C):
+                    da[r, j] = g[j] * mr[j]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers: the oracle's checks in the oracle's order, then rows
+
+def _check_ln(x, w, b):
+    V.floats("layernorm", x=x, w=w, b=b)
+    V.min_ndim("layernorm", "x", x, 1, "(..., C)")
+    V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
+    V.shape("layernorm", "b", b, (x.shape[-1],), "(C,)")
+
+
+def _rows(x):
+    return np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+
+
+def _run_forward(version, x, a, drop, w, b, eps):
+    """-> out, (x2, a2, drop-or-keep, w, mean, rstd, shape): the kernel's forward on (R, C) rows."""
+    x2 = _rows(x)
+    a2 = None if a is None else _rows(a)
+    R, C = x2.shape
+    out = np.empty(x.shape, x.dtype)
+    mean, rstd = np.empty(R, x.dtype), np.empty(R, x.dtype)
+    dt = x.dtype.type
+    w, b = np.ascontiguousarray(w), np.ascontiguousarray(b)
+    if version == 1:
+        keep, scale = None, dt(1.0)
+        if drop is not None:
+            keep = np.empty((R, C), np.bool_)
+            _keep_v1(keep, drop[0], drop[1], drop[2])
+            scale = dt(drop[3])
+        _forward_v1(x2, a2, keep, scale, w, b, dt(eps), out.reshape(R, C), mean, rstd)
+        mask = (keep, scale)
+    else:
+        mask = None if drop is None else (drop[0], drop[1], drop[2], dt(drop[3]))
+        _forward_v2(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
+    return out, (version, x2, a2, mask, w, mean, rstd, x.shape)
+
+
+def _run_backward(dout, cache, with_da):
+    version, x2, a2, mask, w, mean, rstd, shape = cache
+    V.dout("layernorm", dout, shape, x2.dtype)
+    R, C = x2.shape
+    d2 = _rows(dout)
+    per, n = _chunks(R)
+    dwp, dbp = np.zeros((n, C), x2.dtype), np.zeros((n, C), x2.dtype)  # one partial row per chunk
+    dx = np.empty(shape, x2.dtype)
+    da = np.empty(shape, x2.dtype) if with_da else None
+    da2 = None if da is None else da.reshape(R, C)
+    if version == 1:
+        keep, scale = mask
+        _backward_v1(d2, x2, a2, keep, scale, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp)
+    else:
+        _backward_v2(d2, x2, a2, mask, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp)
+    return dx, da, dwp.sum(0), dbp.sum(0)            # partials added in chunk order: deterministic
+
+
+def _layernorm_forward(version, x, w, b, eps):
+    _check_ln(x, w, b)
+    if x.size == 0:                                  # empty rows or C = 0: the oracle's own behaviour
+        return ops.layernorm_forward(x, w, b, eps)
+    return _run_forward(version, x, None, None, w, b, eps)
+
+
+def _layernorm_backward(dout, cache):
+    if len(cache) == 4:                              # the oracle's cache (empty input)
+        return ops.layernorm_backward(dout, cache)
+    dx, _, dw, db = _run_backward(dout, cache, False)
+    return dx, dw, db
+
+
+def _residual_forward(version, x, a, w, b, eps):
+    V.floats("residual_layernorm", x=x, a=a)
+    V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
+    _check_ln(x, w, b)
+    if x.size == 0:
+        return ops.residual_layernorm_forward(x, a, w, b, eps)
+    return _run_forward(version, x, a, None, w, b, eps)
+
+
+def _residual_backward(dout, cache):
+    if len(cache) == 1:
+        return ops.residual_layernorm_backward(dout, cache)
+    ds, _, dw, db = _run_backward(dout, cache, False)
+    return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, read-only use
+
+
+def _dropout_residual_forward(version, x, a, w, b, eps, p, rng, train):
+    V.floats("dropout_residual_layernorm", x=x, a=a)
+    V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
+    if x.size == 0:
+        return ops.dropout_residual_layernorm_forward(x, a, w, b, eps, p, rng, train)
+    drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
+    _check_ln(x, w, b)
+    return _run_forward(version, x, a, drop, w, b, eps)
+
+
+def _dropout_residual_backward(dout, cache):
+    if len(cache) == 2:
+        return ops.dropout_residual_layernorm_backward(dout, cache)
+    mask = cache[3]
+    dropped = mask is not None and mask[0] is not None
+    ds, da, dw, db = _run_backward(dout, cache, dropped)
+    return ds, (da if dropped else ds.copy()), dw, db   # eval / p = 0: da is a copy of ds, as dropout_backward
+
+
+def layernorm_forward_v1(x, w, b, eps=1e-12):
+    return _layernorm_forward(1, x, w, b, eps)
+
+
+def layernorm_forward_v2(x, w, b, eps=1e-12):
+    return _layernorm_forward(2, x, w, b, eps)
+
+
+def residual_layernorm_forward_v1(x, a, w, b, eps=1e-12):
+    return _residual_forward(1, x, a, w, b, eps)
+
+
+def residual_layernorm_forward_v2(x, a, w, b, eps=1e-12):
+    return _residual_forward(2, x, a, w, b, eps)
+
+
+def dropout_residual_layernorm_forward_v1(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_forward(1, x, a, w, b, eps, p, rng, train)
+
+
+def dropout_residual_layernorm_forward_v2(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_forward(2, x, a, w, b, eps, p, rng, train)
+
+
+# the cache names its version, so one backward serves every version of an op
+layernorm_backward_v1 = layernorm_backward_v2 = _layernorm_backward
+residual_layernorm_backward_v1 = residual_layernorm_backward_v2 = _residual_backward
+dropout_residual_layernorm_backward_v1 = dropout_residual_layernorm_backward_v2 = _dropout_residual_backward
+
+# the best versions
+layernorm_forward, layernorm_backward = layernorm_forward_v2, layernorm_backward_v2
+residual_layernorm_forward, residual_layernorm_backward = residual_layernorm_forward_v2, residual_layernorm_backward_v2
+dropout_residual_layernorm_forward = dropout_residual_layernorm_forward_v2
+dropout_residual_layernorm_backward = dropout_residual_layernorm_backward_v2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# specs: one per op
+
+def make_inputs(shape, dtype, seed):
+    """shape: dict(lead=tuple, C=int, kind in {"ln", "res", "drop"}, p, train)."""
+    r = np.random.default_rng(seed)
+    lead, C, kind = shape["lead"], shape["C"], shape.get("kind", "ln")
+    x = (r.standard_normal((*lead, C)) * 2 + 0.5).astype(dtype)
+    w, b = (1 + 0.1 * r.standard_normal(C)).astype(dtype), (0.1 * r.standard_normal(C)).astype(dtype)
+    if kind == "ln":
+        return dict(x=x, w=w, b=b), {}
+    a = r.standard_normal((*lead, C)).astype(dtype)
+    if kind == "res":
+        return dict(x=x, a=a, w=w, b=b), {}
+    return dict(x=x, a=a, w=w, b=b), dict(p=shape.get("p", 0.1), rng=DropoutRNG(3), train=shape.get("train", True))
+
+
+def _nbytes(inputs, kwargs):
+    # forward reads x (and a), writes out; backward reads dout, x (and a), writes dx (and da for dropout)
+    n = inputs["x"].nbytes
+    if "a" not in inputs:
+        return 5 * n
+    return (8 if kwargs.get("p", 0) > 0 and kwargs.get("train", True) else 7) * n
+
+
+def _torch_peer(inputs, kwargs):
+    import torch
+    F = torch.nn.functional
+    t = {k: torch.from_numpy(v).requires_grad_() for k, v in inputs.items()}
+    C = inputs["x"].shape[-1]
+    dout = torch.randn(inputs["x"].shape, dtype=t["x"].dtype)
+
+    def step():
+        s = t["x"]
+        if "a" in t:
+            s = s + (F.dropout(t["a"], kwargs["p"], training=kwargs["train"]) if kwargs else t["a"])
+        out = F.layer_norm(s, (C,), t["w"], t["b"], 1e-12)
+        torch.autograd.grad(out, list(t.values()), dout)
+    return step
+
+
+_TOL = {np.float64: (1e-12, 1e-11), np.float32: (1e-5, 1e-4)}
+_SHAPES = [dict(lead=(1,), C=1), dict(lead=(3,), C=37), dict(lead=(2, 5), C=52), dict(lead=(), C=9),
+           dict(lead=(1, 1), C=768), dict(lead=(67,), C=5), dict(lead=(130,), C=33)]
+_BENCH = dict(lead=(4 * 512,), C=768)
+
+
+def _spec(name, kind, versions, oracle, wrt, extra=()):
+    return KernelSpec(
+        name=name, oracle=oracle, versions=versions, make_inputs=make_inputs, wrt=wrt,
+        shapes=[dict(s, kind=kind) for s in _SHAPES] + list(extra), bench_shape=dict(_BENCH, kind=kind),
+        tol=_TOL, nbytes=_nbytes, torch_peer=_torch_peer,
+        notes={1: "one row per prange, 3 passes from the inputs, float64 sums",
+               2: "s kept in the output row (L1), SIMD dtype sums, Philox blocks, chunked rows"})
+
+
+SPEC = _spec("layernorm", "ln",
+             {1: (layernorm_forward_v1, layernorm_backward_v1), 2: (layernorm_forward_v2, layernorm_backward_v2)},
+             (ops.layernorm_forward, ops.layernorm_backward), ("x", "w", "b"))
+SPEC_RESIDUAL = _spec("residual_layernorm", "res",
+                      {1: (residual_layernorm_forward_v1, residual_layernorm_backward_v1),
+                       2: (residual_layernorm_forward_v2, residual_layernorm_backward_v2)},
+                      (ops.residual_layernorm_forward, ops.residual_layernorm_backward), ("x", "a", "w", "b"))
+SPEC_DROPOUT = _spec("dropout_residual_layernorm", "drop",
+                     {1: (dropout_residual_layernorm_forward_v1, dropout_residual_layernorm_backward_v1),
+                      2: (dropout_residual_layernorm_forward_v2, dropout_residual_layernorm_backward_v2)},
+                     (ops.dropout_residual_layernorm_forward, ops.dropout_residual_layernorm_backward),
+                     ("x", "a", "w", "b"),
+                     extra=[dict(lead=(3,), C=37, kind="drop", p=0.5), dict(lead=(2, 3), C=7, kind="drop", p=1.0),
+                            dict(lead=(3,), C=37, kind="drop", train=False), dict(lead=(2,), C=5, kind="drop", p=0.0)])
+
+if __name__ == "__main__":
+    for spec in (SPEC, SPEC_RESIDUAL, SPEC_DROPOUT):
+        main(spec)
