@@ -12,8 +12,9 @@ setup(
     python_requires=">=3.10",
     # kernels/ is installed as `refbert_kernels`: a top-level `kernels` is an unrelated PyPI package that
     # transformers imports, and must never be shadowed.
-    packages=["refbert", "refbert_kernels"],
+    packages=["refbert", "refbert_kernels", "refbert_kernels.cuda"],
     package_dir={"refbert": "refbert", "refbert_kernels": "kernels"},
+    package_data={"refbert_kernels": ["cuda/csrc/*.cu", "cuda/csrc/*.cuh"]},  # CUDA C, compiled at run time by CuPy
     install_requires=[
         "numpy>=1.24",
         "scipy>=1.10",  # scipy.special.erf for exact GELU; see README "Dependencies"

@@ -1,0 +1,407 @@
+/*
+Flash attention forward: out = dropout(softmax(q k^T / sqrt(hs) + mask)) v per head, keeping (m, 1/l) per row.
+Oracle: refbert.ops.attention_forward (Python launchers: kernels/cuda/cuda_c.py; Numba versions and the math:
+kernels/cuda/attention.py).
+
+q, k, v, out: (B, T, C) storage T (float / __half / __nv_bfloat16), head h = columns h*hs .. h*hs + hs - 1.
+mask: float32, indexed mask[b*sb + h*sh + i*si + j*sj] (a stride is 0 on a broadcast axis; nullptr = no mask).
+m, linv: (B, H, T) float32, the row max of s = scale q.k + mask and 1 / sum_j exp(s_ij - m_i) — what the
+backward needs to recompute p (not the logsumexp: finfo.min padding rows would lose their 1/T, see attention.py).
+Dropout keeps element e = ((b*H + h)*T + i)*T + j of (B, H, T, T) iff its Philox4x32-10 word (seed, stream)
+>= thresh (refbert/philox.py); kept probabilities are scaled by dscale = 1/(1-p); thresh = 0: no dropout.
+
+Versions:
+  1  scalar flash (any storage, hs in {32, 64, 128}): a block per (b, h, 64-query tile), a thread per query row
+     with q_i and its output accumulator in registers, 32-key K/V tiles in shared memory, online softmax
+     (running max m and sum l, rescaled by exp(m - m') when the max grows). The Numba version 2 in C.
+  2  tensor cores, FlashAttention-2 structure (fp16 / bf16, hs = 64): a CTA of 4 warps per (b, h, 64-query tile),
+     each warp owning 16 query rows; Q kept as mma A fragments in registers; 64-key K/V tiles double-buffered in
+     shared memory with cp.async (the next tile streams in while this one is used); S = Q K^T and O += P V by
+     mma.sync.m16n8k16 with fp32 accumulators; online softmax on the S fragments (row max / sum over the 4 threads
+     of a quad by shuffles); P re-packed from the S accumulators straight into A fragments (no shared memory);
+     the padding mask added to S; dropout from Philox on the fragments (one Philox call per pair of elements).
+
+Build and run standalone (validates every version against the CPU reference, then times them):
+    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_forward attention_forward.cu && ./attention_forward [T]
+Compile check only (what tests/test_cuda_nvcc.py does):  nvcc -arch=sm_90 -std=c++17 -c attention_forward.cu
+*/
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------------------------------------------
+// CPU code reference
+
+#ifdef HOST_CODE
+void attention_forward_cpu(const float* q, const float* k, const float* v, const float* mask, long long sb,
+                           long long sh, long long si, long long sj, int B, int T, int H, int hs, float scale,
+                           u64 seed, u64 stream, u64 thresh, float dscale, float* out, float* m, float* linv) {
+    int C = H * hs;
+    std::vector<float> s(T);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < T; i++) {
+                const float* qi = q + ((size_t)b * T + i) * C + h * hs;
+                float mx = -INFINITY;
+                for (int j = 0; j < T; j++) {                 // s_ij = scale q_i . k_j + mask_ij
+                    const float* kj = k + ((size_t)b * T + j) * C + h * hs;
+                    float a = 0.f;
+                    for (int d = 0; d < hs; d++) a += qi[d] * kj[d];
+                    s[j] = a * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
+                    mx = fmaxf(mx, s[j]);
+                }
+                float l = 0.f;
+                for (int j = 0; j < T; j++) { s[j] = expf(s[j] - mx); l += s[j]; }
+                float* o = out + ((size_t)b * T + i) * C + h * hs;
+                for (int d = 0; d < hs; d++) o[d] = 0.f;
+                for (int j = 0; j < T; j++) {                 // out_i = sum_j p_ij z_ij v_j
+                    u64 e = (((u64)b * H + h) * T + i) * T + j;
+                    float pz = s[j] / l * (thresh == 0 || philox_word_host(e, stream, seed) >= thresh ? dscale : 0.f);
+                    const float* vj = v + ((size_t)b * T + j) * C + h * hs;
+                    for (int d = 0; d < hs; d++) o[d] += pz * vj[d];
+                }
+                m[((size_t)b * H + h) * T + i] = mx;
+                linv[((size_t)b * H + h) * T + i] = 1.f / l;
+            }
+}
+#endif
+
+// ----------------------------------------------------------------------------------------------------------------
+// GPU kernels
+
+#define FWD_ARGS(T)                                                                                             \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const float *__restrict__ mask,   \
+        long long sb, long long sh, long long si, long long sj, int B, int Tn, int H, float scale, u64 seed,     \
+        u64 stream, u64 thresh, float dscale, T *__restrict__ out, float *__restrict__ m_out,                    \
+        float *__restrict__ linv_out
+
+// version 1: a thread per query row, K/V tiles in shared memory
+template <typename T, int HS>
+__device__ __forceinline__ void flash_fwd_scalar(FWD_ARGS(T)) {
+    constexpr int BQ = 64, BK = 32;
+    __shared__ T Ks[BK][HS];
+    __shared__ T Vs[BK][HS];
+    const int t = threadIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int C = H * HS, i = blockIdx.x * BQ + t;
+    const bool active = i < Tn;                               // tail threads still load tiles and sync
+    const size_t base = (size_t)b * Tn * C + h * HS;
+    float qr[HS], o[HS];
+#pragma unroll
+    for (int d = 0; d < HS; d++) { qr[d] = active ? to_f(q[base + (size_t)i * C + d]) : 0.f; o[d] = 0.f; }
+    float mi = -INFINITY, li = 0.f;
+    const u64 row = ((u64)bh * Tn + i) * Tn;                   // flat dropout index of (b, h, i, 0)
+    for (int j0 = 0; j0 < Tn; j0 += BK) {
+        const int nk = min(BK, Tn - j0);
+        __syncthreads();                                      // the previous tile is consumed
+        for (int x = t; x < nk * HS; x += BQ) {
+            int jj = x / HS, d = x % HS;
+            Ks[jj][d] = k[base + (size_t)(j0 + jj) * C + d];
+            Vs[jj][d] = v[base + (size_t)(j0 + jj) * C + d];
+        }
+        __syncthreads();
+        if (!active) continue;
+        float s[BK];
+        float mb = mi;
+        for (int jj = 0; jj < nk; jj++) {                     // s_ij of the tile and its max
+            float a = 0.f;
+#pragma unroll
+            for (int d = 0; d < HS; d++) a += qr[d] * to_f(Ks[jj][d]);
+            a = a * scale + (mask ? mask[b * sb + h * sh + i * si + (j0 + jj) * sj] : 0.f);
+            s[jj] = a;
+            mb = fmaxf(mb, a);
+        }
+        if (mb == -INFINITY) continue;                        // only -inf so far: nothing to add
+        float alpha = __expf(mi - mb);                        // rescale what was summed under mi (exp(-inf) = 0)
+        li *= alpha;
+#pragma unroll
+        for (int d = 0; d < HS; d++) o[d] *= alpha;
+        for (int jj = 0; jj < nk; jj++) {
+            float p = __expf(s[jj] - mb);                     // NaN scores stay NaN in l: the launcher raises
+            li += p;
+            if (thresh && (u64)philox_word(row + j0 + jj, stream, seed) < thresh) p = 0.f;
+#pragma unroll
+            for (int d = 0; d < HS; d++) o[d] += p * to_f(Vs[jj][d]);
+        }
+        mi = mb;
+    }
+    if (active) {
+        float inv = 1.f / li;
+#pragma unroll
+        for (int d = 0; d < HS; d++) out[base + (size_t)i * C + d] = from_f<T>(o[d] * (inv * dscale));
+        m_out[(size_t)bh * Tn + i] = mi;
+        linv_out[(size_t)bh * Tn + i] = inv;
+    }
+}
+
+// version 2: tensor cores (mma.sync m16n8k16), cp.async double-buffered K/V, FlashAttention-2 layout
+template <typename T>
+__device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
+    constexpr int HS = 64, BQ = 64, BK = 64, LD = HS + 8;    // rows padded by 16 bytes: no bank conflicts on
+    __shared__ __align__(16) T Qs[BQ * LD];                   // the fragment loads, rows stay 16-byte aligned
+    __shared__ __align__(16) T Ks[2][BK * LD];
+    __shared__ __align__(16) T Vs[2][BK * LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, q0 = blockIdx.x * BQ;
+    const int C = H * HS;
+    const T* qb = q + (size_t)b * Tn * C + h * HS;
+    const T* kb = k + (size_t)b * Tn * C + h * HS;
+    const T* vb = v + (size_t)b * Tn * C + h * HS;
+
+    // 64 rows x 128 bytes = 512 chunks of 16 bytes, 4 per thread; rows past T are zero-filled
+    auto load_tile = [&](T* dst, const T* src, int r0) {
+#pragma unroll
+        for (int c = tid; c < 64 * 8; c += 128) {
+            int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
+            bool ok = row < Tn;
+            cp_async16(dst + r * LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
+        }
+    };
+    load_tile(Qs, qb, q0);
+    load_tile(Ks[0], kb, 0);
+    load_tile(Vs[0], vb, 0);
+    cp_async_commit();
+
+    const int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;    // the two query rows of this thread's fragments
+    u32 qa[4][4];                                             // Q as A fragments, 4 k-steps over hs = 64
+    float o[8][4];                                            // O: 16 rows x 64 dims, 8 n-tiles of 8
+#pragma unroll
+    for (int n = 0; n < 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};   // l: this thread's partial sums
+    const int ntiles = (Tn + BK - 1) / BK;
+
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * BK;
+        if (it + 1 < ntiles) {                                // stream the next tile in while this one is used
+            load_tile(Ks[cur ^ 1], kb, j0 + BK);
+            load_tile(Vs[cur ^ 1], vb, j0 + BK);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();                                   // everything but the newest group has landed
+        __syncthreads();
+        if (it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const T* p0 = Qs + (warp * 16 + g) * LD + kk * 16 + t4 * 2;
+                qa[kk][0] = *reinterpret_cast<const u32*>(p0);
+                qa[kk][1] = *reinterpret_cast<const u32*>(p0 + 8 * LD);
+                qa[kk][2] = *reinterpret_cast<const u32*>(p0 + 8);
+                qa[kk][3] = *reinterpret_cast<const u32*>(p0 + 8 * LD + 8);
+            }
+        }
+        // S = Q K^T: 16 x 64 per warp (8 n-tiles of 8 keys)
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const T* kp = Ks[cur] + (n * 8 + g) * LD + kk * 16 + t4 * 2;
+                u32 bf[2] = {*reinterpret_cast<const u32*>(kp), *reinterpret_cast<const u32*>(kp + 8)};
+                mma16816(s[n], qa[kk], bf, T());
+            }
+        }
+        // scale, mask, keys past T; the tile's row max (over the quad: shuffles 1, 2)
+        float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int row = e < 2 ? r_lo : r_hi, col = j0 + n * 8 + t4 * 2 + (e & 1);
+                float x = s[n][e] * scale;
+                if (col >= Tn) x = -INFINITY;
+                else if (mask && row < Tn) x += mask[b * sb + h * sh + row * si + col * sj];
+                s[n][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];         // a row of only -inf so far: exp(-inf - 0) = 0
+            float alpha = __expf(mrow[r] - mu[r]);
+            lrow[r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
+            mrow[r] = mx[r];
+        }
+        // P = exp(S - m); l sums the undropped P; dropout zeroes P before P V
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = __expf(s[n][e] - mu[e >> 1]);
+                lrow[e >> 1] += p;
+                s[n][e] = p;
+            }
+        if (thresh) {
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int row = r ? r_hi : r_lo, col = j0 + n * 8 + t4 * 2;
+                    if (row >= Tn || col >= Tn) continue;
+                    const u64 e0 = ((u64)bh * Tn + row) * Tn + col;   // and e0 + 1 (col + 1 may be past T: p = 0)
+                    uint4 w = philox4x32_10(e0 >> 2, stream, seed);
+                    const u32 l0 = (u32)(e0 & 3);
+                    u32 w0 = l0 == 0 ? w.x : l0 == 1 ? w.y : l0 == 2 ? w.z : w.w;
+                    u32 w1 = l0 == 0 ? w.y : l0 == 1 ? w.z : l0 == 2 ? w.w : philox4x32_10((e0 >> 2) + 1, stream, seed).x;
+                    if ((u64)w0 < thresh) s[n][2 * r] = 0.f;
+                    if ((u64)w1 < thresh) s[n][2 * r + 1] = 0.f;
+                }
+        }
+        // O += P V: P's C fragments re-packed as A fragments (key k-step kk = n-tiles 2kk, 2kk+1)
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u32 pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1], T()), pack2(s[2 * kk][2], s[2 * kk][3], T()),
+                         pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T()), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T())};
+#pragma unroll
+            for (int n = 0; n < 8; n++) {                     // B[k][n] = V[key kk*16 + k][dim n*8 + n]
+                const unsigned short* vp =
+                    reinterpret_cast<const unsigned short*>(Vs[cur] + (kk * 16 + t4 * 2) * LD + n * 8 + g);
+                u32 bf[2] = {(u32)vp[0] | ((u32)vp[LD] << 16), (u32)vp[8 * LD] | ((u32)vp[9 * LD] << 16)};
+                mma16816(o[n], pa, bf, T());
+            }
+        }
+        __syncthreads();                                      // this tile's buffers may be refilled next
+    }
+    // finish: l over the quad, out = O / l * dscale, m and 1/l per row
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
+        const int row = r ? r_hi : r_lo;
+        if (row >= Tn) continue;
+        const float inv = 1.f / lrow[r], f = inv * dscale;
+        T* op = out + ((size_t)b * Tn + row) * C + h * HS + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            op[n * 8] = from_f<T>(o[n][2 * r] * f);
+            op[n * 8 + 1] = from_f<T>(o[n][2 * r + 1] * f);
+        }
+        if (t4 == 0) {
+            m_out[(size_t)bh * Tn + row] = mrow[r];
+            linv_out[(size_t)bh * Tn + row] = inv;
+        }
+    }
+}
+
+// the names cuda_c.py loads: attn_fwd_v1_<dtype>_hs<hs> (block 64), attn_fwd_v2_<dtype>_hs64 (block 128);
+// grid (ceil(T / 64), B * H)
+#define INST_V1(T, NAME, HS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(64) attn_fwd_v1_##NAME##_hs##HS(FWD_ARGS(T)) {                 \
+        flash_fwd_scalar<T, HS>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale,   \
+                                out, m_out, linv_out);                                                          \
+    }
+INST_V1(float, f32, 32)
+INST_V1(float, f32, 64)
+INST_V1(float, f32, 128)
+INST_V1(__half, f16, 32)
+INST_V1(__half, f16, 64)
+INST_V1(__half, f16, 128)
+INST_V1(__nv_bfloat16, bf16, 32)
+INST_V1(__nv_bfloat16, bf16, 64)
+INST_V1(__nv_bfloat16, bf16, 128)
+
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_v2_f16_hs64(FWD_ARGS(__half)) {
+    flash_fwd_tc<__half>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out, m_out,
+                         linv_out);
+}
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_v2_bf16_hs64(FWD_ARGS(__nv_bfloat16)) {
+    flash_fwd_tc<__nv_bfloat16>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out,
+                                m_out, linv_out);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// kernel launcher, version switch, main
+
+#ifdef HOST_CODE
+template <typename T>
+void attention_forward(int version, const T* q, const T* k, const T* v, const float* mask, long long sb,
+                       long long sh, long long si, long long sj, int B, int Tn, int H, float scale, u64 seed,
+                       u64 stream, u64 thresh, float dscale, T* out, float* m, float* linv);
+
+#define LAUNCH(T, NAME)                                                                                          \
+    template <>                                                                                                 \
+    void attention_forward<T>(int version, const T* q, const T* k, const T* v, const float* mask, long long sb,  \
+                              long long sh, long long si, long long sj, int B, int Tn, int H, float scale,       \
+                              u64 seed, u64 stream, u64 thresh, float dscale, T* out, float* m, float* linv) {   \
+        dim3 grid((Tn + 63) / 64, B * H);                                                                       \
+        if (version == 1)                                                                                       \
+            attn_fwd_v1_##NAME##_hs64<<<grid, 64>>>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed,       \
+                                                    stream, thresh, dscale, out, m, linv);                      \
+        else                                                                                                    \
+            LAUNCH_V2_##NAME;                                                                                   \
+        cudaCheck(cudaGetLastError());                                                                          \
+    }
+#define LAUNCH_V2_f32 (printf("version 2 has no float32 kernel\n"), exit(1))
+#define LAUNCH_V2_f16                                                                                            \
+    attn_fwd_v2_f16_hs64<<<grid, 128>>>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh,   \
+                                        dscale, out, m, linv)
+#define LAUNCH_V2_bf16                                                                                           \
+    attn_fwd_v2_bf16_hs64<<<grid, 128>>>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh,  \
+                                         dscale, out, m, linv)
+LAUNCH(float, f32)
+LAUNCH(__half, f16)
+LAUNCH(__nv_bfloat16, bf16)
+
+template <typename T>
+T* to_device(const float* h, size_t n) {
+    std::vector<T> c(n);
+    for (size_t i = 0; i < n; i++) c[i] = (T)h[i];
+    T* d;
+    cudaCheck(cudaMalloc(&d, n * sizeof(T)));
+    cudaCheck(cudaMemcpy(d, c.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <typename T>
+void run(const char* label, int version, int B, int Tn, int H, int hs, const float* q, const float* k,
+         const float* v, const float* mask, float scale, u64 seed, u64 stream, u64 thresh, float dscale,
+         const float* ref_out, float atol, float rtol) {
+    size_t n = (size_t)B * Tn * H * hs;
+    T *dq = to_device<T>(q, n), *dk = to_device<T>(k, n), *dv = to_device<T>(v, n), *dout;
+    float *dmask, *dm, *dl;
+    cudaCheck(cudaMalloc(&dout, n * sizeof(T)));
+    cudaCheck(cudaMalloc(&dmask, (size_t)B * Tn * sizeof(float)));
+    cudaCheck(cudaMemcpy(dmask, mask, (size_t)B * Tn * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc(&dm, (size_t)B * H * Tn * sizeof(float)));
+    cudaCheck(cudaMalloc(&dl, (size_t)B * H * Tn * sizeof(float)));
+    auto launch = [&]() {
+        attention_forward<T>(version, dq, dk, dv, dmask, Tn, 0, 0, 1, B, Tn, H, scale, seed, stream, thresh,
+                             dscale, dout, dm, dl);
+    };
+    launch();
+    cudaCheck(cudaDeviceSynchronize());
+    validate_result(dout, ref_out, label, n, atol, rtol);
+    float ms = benchmark_kernel(20, launch);
+    double flops = 4.0 * B * H * (double)Tn * Tn * hs;
+    printf("  %s: %.4f ms, %.1f TFLOP/s\n", label, ms, flops / ms / 1e9);
+    cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dmask); cudaFree(dm); cudaFree(dl);
+}
+
+int main(int argc, char** argv) {
+    int B = 4, H = 12, hs = 64, Tn = argc > 1 ? atoi(argv[1]) : 512;
+    float p = 0.1f;
+    u64 seed = 1234, stream = 7, thresh = (u64)llround(p * 4294967296.0);
+    float dscale = 1.f / (1.f - p), scale = 1.f / sqrtf((float)hs);
+    size_t n = (size_t)B * Tn * H * hs;
+    float *q = make_random_float(n, 1), *k = make_random_float(n, 2), *v = make_random_float(n, 3);
+    float* mask = (float*)malloc((size_t)B * Tn * sizeof(float));   // (B, 1, 1, T): right padding, HF style
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < Tn; j++) mask[b * Tn + j] = j < (b == B - 1 ? 1 : Tn - 37 * b) ? 0.f : -3.4028235e38f;
+    float *out = (float*)malloc(n * sizeof(float)), *m = (float*)malloc((size_t)B * H * Tn * sizeof(float));
+    float* linv = (float*)malloc((size_t)B * H * Tn * sizeof(float));
+    printf("attention forward B=%d T=%d H=%d hs=%d dropout %.2f: CPU reference...\n", B, Tn, H, hs, p);
+    attention_forward_cpu(q, k, v, mask, Tn, 0, 0, 1, B, Tn, H, hs, scale, seed, stream, thresh, dscale, out, m,
+                          linv);
+    // float32: summation order and __expf (2 ulp); fp16 / bf16: inputs and P rounded to 11 / 8 bits
+    run<float>("v1 f32", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 1e-5f, 1e-4f);
+    run<__half>("v1 f16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
+    run<__half>("v2 f16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
+    run<__nv_bfloat16>("v1 bf16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f);
+    run<__nv_bfloat16>("v2 bf16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f);
+    free(q); free(k); free(v); free(mask); free(out); free(m); free(linv);
+    return 0;
+}
+#endif

@@ -1,0 +1,201 @@
+// Shared by every kernels/cuda/csrc/*.cu: storage conversions, the Philox4x32-10 of refbert/philox.py, warp
+// reductions, mma.sync / cp.async wrappers, and (standalone builds only) host helpers for the validating mains.
+//
+// The .cu files compile two ways:
+//   standalone:  nvcc -O3 -arch=sm_90 -o x file.cu && ./x      (a main validates against a CPU reference, times)
+//   CuPy:        cupy.RawModule(code=..., options=("-I<csrc>", "-DNO_MAIN", "-std=c++17"))  (NVRTC; see cuda_c.py)
+// Under NVRTC (__CUDACC_RTC__) no host headers exist, so everything host-side sits behind HOST_CODE.
+#pragma once
+
+#if !defined(__CUDACC_RTC__) && !defined(NO_MAIN)
+#define HOST_CODE 1
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#endif
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef INFINITY                                          // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ----------------------------------------------------------------------------------------------------------------
+// storage <-> float32 (every sum and exp runs in float32; one rounding on the store)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// two floats -> one 32-bit register of two 16-bit values (low half = first), the A/B operand format of mma
+__device__ __forceinline__ u32 pack2(float lo, float hi, __half) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// Philox4x32-10, exactly refbert/philox.py: element e of dropout call (seed, stream) gets word e % 4 of
+//   philox(counter = (lo(e/4), hi(e/4), lo(stream), hi(stream)), key = (lo(seed), hi(seed)))
+// and is kept iff word >= thresh = round(p * 2^32) (thresh == 0: no dropout; thresh = 2^32: drop all).
+
+__device__ __forceinline__ uint4 philox4x32_10(u64 block, u64 stream, u64 seed) {
+    u32 c0 = (u32)block, c1 = (u32)(block >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+    }
+    return make_uint4(c0, c1, c2, c3);
+}
+
+__device__ __forceinline__ u32 philox_word(u64 e, u64 stream, u64 seed) {
+    uint4 w = philox4x32_10(e >> 2, stream, seed);
+    u32 lane = (u32)(e & 3);
+    return lane == 0 ? w.x : lane == 1 ? w.y : lane == 2 ? w.z : w.w;
+}
+
+// keep factor of element e: dscale when kept (or no dropout), else 0
+__device__ __forceinline__ float keep_z(u64 e, u64 seed, u64 stream, u64 thresh, float dscale) {
+    if (thresh == 0) return dscale;
+    return (u64)philox_word(e, stream, seed) >= thresh ? dscale : 0.0f;
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// warp reductions (butterfly: every lane gets the result)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// tensor cores (sm_80+): mma.sync m16n8k16, fp16 / bf16 inputs, fp32 accumulators.  Fragments, with
+// g = lane / 4 (groupID), t = lane % 4 (thread in group):
+//   A 16x16 row-major: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B 16x8 (k x n):    b0 = B[2t..2t+1][g],  b1 = B[2t+8..2t+9][g]        (each a pair along k)
+//   C 16x8 fp32:       c0, c1 = C[g][2t..2t+1],  c2, c3 = C[g+8][2t..2t+1]
+
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __half) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __nv_bfloat16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// cp.async: 16 bytes global -> shared, bypassing registers; src_bytes = 0 zero-fills (rows past T)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ----------------------------------------------------------------------------------------------------------------
+// host helpers for the standalone mains
+
+#ifdef HOST_CODE
+#define cudaCheck(err) cuda_check((err), __FILE__, __LINE__)
+inline void cuda_check(cudaError_t e, const char* file, int line) {
+    if (e != cudaSuccess) {
+        printf("[CUDA ERROR] at %s:%d\n%s\n", file, line, cudaGetErrorString(e));
+        exit(EXIT_FAILURE);
+    }
+}
+
+inline float* make_random_float(size_t n, unsigned seed) {   // uniform in [-1, 1), reproducible
+    float* a = (float*)malloc(n * sizeof(float));
+    unsigned s = seed * 2654435761u + 1u;
+    for (size_t i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        a[i] = (float)((s >> 8) & 0xFFFFFF) / 8388608.0f - 1.0f;
+    }
+    return a;
+}
+
+// host Philox (the same function, for the CPU references)
+inline u32 philox_word_host(u64 e, u64 stream, u64 seed) {
+    u64 block = e >> 2;
+    u32 c0 = (u32)block, c1 = (u32)(block >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        u64 p0 = (u64)0xD2511F53u * c0, p1 = (u64)0xCD9E8D57u * c2;
+        u32 n0 = (u32)(p1 >> 32) ^ c1 ^ k0, n2 = (u32)(p0 >> 32) ^ c3 ^ k1;
+        c0 = n0; c1 = (u32)p1; c2 = n2; c3 = (u32)p0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+    }
+    u32 w[4] = {c0, c1, c2, c3};
+    return w[e & 3];
+}
+
+// |got - ref| <= atol + rtol |ref| everywhere, else print the first few mismatches and exit (llm.c style)
+template <typename T>
+inline void validate_result(const T* d_got, const float* ref, const char* name, size_t n, float atol, float rtol) {
+    std::vector<T> h(n);
+    cudaCheck(cudaMemcpy(h.data(), d_got, n * sizeof(T), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        float g = (float)h[i];
+        double err = fabs((double)g - ref[i]) / (atol + rtol * fabs((double)ref[i]));
+        if (!(err <= 1.0)) {
+            if (bad < 5) printf("  %s mismatch at %zu: got %f, expected %f\n", name, i, g, ref[i]);
+            bad++;
+        }
+        if (err > worst || err != err) worst = err;
+    }
+    if (bad) {
+        printf("%s: %d of %zu entries outside atol %g + rtol %g\n", name, bad, n, atol, rtol);
+        exit(EXIT_FAILURE);
+    }
+    printf("  %s ok (worst err/tol %.3f)\n", name, worst);
+}
+
+template <class F>
+inline float benchmark_kernel(int repeats, F launch) {       // mean ms per launch, after one warm-up
+    cudaEvent_t a, b;
+    cudaCheck(cudaEventCreate(&a));
+    cudaCheck(cudaEventCreate(&b));
+    launch();
+    cudaCheck(cudaEventRecord(a));
+    for (int i = 0; i < repeats; i++) launch();
+    cudaCheck(cudaEventRecord(b));
+    cudaCheck(cudaEventSynchronize(b));
+    float ms = 0.f;
+    cudaCheck(cudaEventElapsedTime(&ms, a, b));
+    cudaCheck(cudaGetLastError());
+    return ms / repeats;
+}
+#endif
