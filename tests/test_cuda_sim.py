@@ -1,0 +1,191 @@
+"""The Numba CUDA kernels (refbert_kernels.cuda) against the oracle, in Numba's CUDA simulator (no GPU needed),
+and on a real GPU when one is present.
+
+The simulator must be switched on (NUMBA_ENABLE_CUDASIM=1) before numba.cuda is first imported, and it cannot be
+switched off in a process that has it, so every check runs in a subprocess with that environment: the pytest
+process itself never imports numba.cuda. The simulator runs one Python thread per GPU thread and its barriers
+poll, so the shapes are tiny (rows of 1-37, blocks of 32 threads, 2 warps per block for the warp versions) and the
+block / warp versions run their f64 / f16 / bf16 checks on the first shapes of each spec only (the thread-per-row
+versions, cheap, on all). What they still cover: T = 1, one row, odd sizes, warp and block tails (33 = 32 + 1,
+a tail warp without a row), a padded row with one real token, -inf masks, ignored rows, p = 0 / 0.5 / 1 / eval.
+"""
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, sim=True, timeout=600):
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"
+    prelude = "import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
+    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    return r
+
+
+def _check(r):
+    if r.returncode != 0:
+        pytest.fail(f"subprocess failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    return r.stdout
+
+
+_DRIVER = """
+import numpy as np
+from refbert_kernels.cuda import _common as C
+import importlib
+assert C.SIM == {sim}
+specs = importlib.import_module("refbert_kernels.cuda.{module}").SPECS
+for spec in specs:
+    for v in sorted(spec.versions):
+        for dt in C.dtypes():
+            shapes = spec.shapes if {sim} else spec.notes["gpu_shapes"]
+            if {sim} and v > 1 and np.dtype(dt) != np.float32:
+                shapes = shapes[:{few}]                      # barrier-heavy versions: fewer shapes in the simulator
+            worst = max(C.validate(spec, v, dt, s) for s in shapes)
+            print(f"{{spec.name}} v{{v}} {{np.dtype(dt).name}} {{worst:.3f}}", flush=True)
+            assert worst <= 1, (spec.name, v, np.dtype(dt).name, worst)
+"""
+
+MODULES = {"softmax": 2, "dropout": 7, "gelu": 2, "layernorm": 1, "cross_entropy": 2}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_sim_every_version_matches_oracle(module):
+    """Every version of every op of the module, fp64 / fp32 against the oracle in the same dtype, fp16 / bf16
+    against the float64 oracle on the same rounded inputs (tolerances: each module's docstring)."""
+    out = _check(_run(_DRIVER.format(sim=True, module=module, few=MODULES[module])))
+    assert "float16" in out and "bfloat16" in out and " v2 " in out
+
+
+def test_sim_dropout_masks_are_the_oracles():
+    """The kept elements of every dropout kernel (dropout, the dropout of dropout_residual_layernorm) are exactly
+    refbert.philox's keep_mask, and the backward regenerates the same mask."""
+    _check(_run("""
+        import numpy as np
+        from refbert.philox import DropoutRNG, keep_mask
+        from refbert_kernels.cuda import dropout as D, layernorm as L
+        x = np.random.default_rng(0).standard_normal((3, 13)).astype(np.float32) + 5   # no zeros in x
+        for f in (D.dropout_forward_v1, D.dropout_forward_v2):
+            rng = DropoutRNG(2 ** 40 + 3, calls=5)
+            out, cache = f(x, 0.3, rng)
+            want = keep_mask(2 ** 40 + 3, 5, x.shape, 0.3)
+            assert np.array_equal(out != 0, want) and rng.calls == 6
+            dx = D.dropout_backward_v1(np.ones_like(x), cache)
+            assert np.array_equal(dx != 0, want)
+        a = np.ones((3, 13), np.float32)
+        for f in (L.dropout_residual_layernorm_forward_v1, L.dropout_residual_layernorm_forward_v2):
+            out, cache = f(np.zeros_like(a), a, np.ones(13, np.float32), np.zeros(13, np.float32), p=0.4,
+                           rng=DropoutRNG(7))
+            ds, da, dw, db = L.dropout_residual_layernorm_backward_v1(np.ones_like(a), cache)
+            keep = keep_mask(7, 0, a.shape, 0.4)
+            assert np.array_equal(da == 0, ~keep | (ds == 0))
+    """))
+
+
+def test_sim_value_errors_are_the_oracles():
+    """Bad input raises the oracle's ValueError, word for word, before any launch (and bf16 / fp16 are accepted
+    where the oracle accepts float32 / float64)."""
+    _check(_run("""
+        import numpy as np
+        from refbert import ops
+        from refbert.philox import DropoutRNG
+        from refbert_kernels.cuda import softmax as S, layernorm as L, dropout as D, gelu as G, cross_entropy as X
+
+        def _msg(f, *a):
+            try:
+                f(*a)
+            except ValueError as e:
+                return e
+        f32 = np.zeros((2, 3), np.float32)
+        w3 = np.ones(3, np.float32)
+        cases = [
+            ("softmax", S.softmax_forward_v1, (np.zeros((2, 3), np.int64),), {}),
+            ("softmax", S.softmax_forward_v2, (f32,), dict(mask=np.zeros((2, 3), np.float64))),
+            ("softmax", S.softmax_forward_v3, (f32,), dict(mask=np.zeros((3, 3), np.float32))),
+            ("softmax", S.softmax_forward_v3, (np.full((1, 3), -np.inf, np.float32),), {}),
+            ("softmax", S.softmax_forward_v1, (np.array([[1.0, np.nan]], np.float32),), {}),
+            ("softmax", S.softmax_forward_v2, (np.zeros((), np.float32),), {}),
+            ("layernorm", L.layernorm_forward_v1, (f32, np.ones(4, np.float32), w3), {}),
+            ("layernorm", L.layernorm_forward_v2, (f32, w3, w3.astype(np.float64)), {}),
+            ("residual_layernorm", L.residual_layernorm_forward_v1, (f32, np.zeros((2, 4), np.float32), w3, w3), {}),
+            ("dropout_residual_layernorm", L.dropout_residual_layernorm_forward_v2, (f32, f32, w3, w3),
+             dict(p=1.5, rng=DropoutRNG(0))),
+            ("dropout_residual_layernorm", L.dropout_residual_layernorm_forward_v1, (f32, f32, w3, w3),
+             dict(p=0.5, rng=None)),
+            ("dropout", D.dropout_forward_v1, (f32, -0.1), {}),
+            ("dropout", D.dropout_forward_v2, (f32, 0.5), dict(rng=3)),
+            ("dropout", D.dropout_forward_v2, ([1.0], 0.5), {}),
+            ("gelu", G.gelu_forward_v1, (f32,), dict(approximate="erf")),
+            ("bias_gelu", G.bias_gelu_forward_v2, (f32, np.ones(2, np.float32)), {}),
+            ("bias_gelu", G.bias_gelu_forward_v1, (np.zeros((), np.float32), np.ones(1, np.float32)), {}),
+            ("cross_entropy", X.cross_entropy_forward_v1, (f32, np.array([0, 3])), {}),
+            ("cross_entropy", X.cross_entropy_forward_v2, (f32, np.array([0, 1, 2])), {}),
+            ("cross_entropy", X.cross_entropy_forward_v2, (np.array([[0.0, np.nan, 1.0]], np.float32),
+                                                           np.array([1])), {}),
+        ]
+        for op, f, args, kw in cases:
+            oracle = getattr(ops, op + "_forward")
+            with_rng = lambda kw: {k: (DropoutRNG(0) if isinstance(v, DropoutRNG) else v) for k, v in kw.items()}
+            try:
+                oracle(*args, **with_rng(kw))
+                raise SystemExit(f"oracle accepted {op} {args}")
+            except ValueError as e:
+                want = str(e)
+            try:
+                f(*args, **with_rng(kw))
+                raise SystemExit(f"{f.__name__} accepted what the oracle rejects: {want}")
+            except ValueError as e:
+                assert str(e) == want, (f.__name__, str(e), want)
+        # backward: dout of the wrong shape / dtype
+        p, cache = S.softmax_forward_v3(f32)
+        for bad in (np.zeros((2, 4), np.float32), np.zeros((2, 3), np.float64)):
+            try:
+                S.softmax_backward_v3(bad, cache)
+                raise SystemExit("softmax backward accepted a bad dout")
+            except ValueError as e:
+                assert str(e) == str(_msg(ops.softmax_backward, bad, ops.softmax_forward(f32)[1]))
+        print("ok")
+    """))
+
+
+def test_sim_storage_dtypes_returned():
+    """fp16 / bf16 in, the same storage dtype out (bf16 = ml_dtypes.bfloat16, handed to the kernels as uint16)."""
+    _check(_run("""
+        import numpy as np
+        from ml_dtypes import bfloat16
+        from refbert.philox import DropoutRNG
+        from refbert_kernels.cuda import softmax as S, layernorm as L, dropout as D, gelu as G, cross_entropy as X
+        for dt in (np.float16, bfloat16):
+            x = np.random.default_rng(0).standard_normal((2, 5)).astype(dt)
+            w = np.ones(5, dt)
+            assert S.softmax_forward_v1(x, 0.5)[0].dtype == dt
+            assert L.layernorm_forward_v1(x, w, w)[0].dtype == dt
+            assert D.dropout_forward_v2(x, 0.5, DropoutRNG(1))[0].dtype == dt
+            assert G.bias_gelu_forward_v1(x, w, "tanh")[0].dtype == dt
+            loss, cache = X.cross_entropy_forward_v1(x, np.array([1, -100]))
+            assert loss.dtype == dt and loss.ndim == 0 and X.cross_entropy_backward_v1(dt(1.0), cache).dtype == dt
+        print("ok")
+    """))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_present():
+    r = _run("from numba import cuda; print(cuda.is_available())", sim=False, timeout=120)
+    return r.returncode == 0 and r.stdout.strip().endswith("True")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_gpu_every_version_matches_oracle(module):
+    """The same checks on a real GPU at moderate shapes (each spec's notes["gpu_shapes"]); skipped without one."""
+    if not _gpu_present():
+        pytest.skip("no CUDA GPU (numba.cuda.is_available() is False outside the simulator)")
+    _check(_run(_DRIVER.format(sim=False, module=module, few=99)))
