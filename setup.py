@@ -25,9 +25,12 @@ setup(
         # tests, the training commands, and the peers that parity tests compare against; torch pinned to the CPU
         # build this project tests with
         "dev": ["pytest>=7", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors",
-                "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59"],
+                "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59",
+                # the CUDA kernels' tests run in Numba's CUDA simulator; bfloat16 arrays for the precision study
+                "numba-cuda", "ml_dtypes"],
         "kernels": ["numba>=0.59"],  # the fused CPU kernels: backend="numba", refbert bench
-        "cuda": ["numba-cuda", "cupy-cuda12x"],  # a prebuilt CuPy wheel, never the source package `cupy`
+        # a prebuilt CuPy wheel for CUDA 13, never the source package `cupy` (CUDA 12: install cupy-cuda12x instead)
+        "cuda": ["numba>=0.59", "numba-cuda", "cupy-cuda13x", "ml_dtypes"],
     },
     entry_points={"console_scripts": ["refbert=refbert.cli:main"]},
 )
