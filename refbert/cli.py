@@ -115,6 +115,9 @@ def build_parser():
     p.add_argument("--out", help=".npy file (default: print JSON)")
     p.add_argument("--max-seq-length", type=positive, default=512)
     _backend_arg(p)
+    from .bench import add_arguments as _bench_args
+    _bench_args(sub.add_parser("bench", help="validate, then time, the kernels and the pretraining step against "
+                                             "their peers; attention memory"))
     return ap
 
 
@@ -135,6 +138,9 @@ def run(args):
         from .tokenization import train_vocab
         print(train_vocab(args.corpus, args.out, vocab_size=args.vocab_size, lowercase=not args.cased))
         return 0
+    if c == "bench":
+        from . import bench
+        return bench.main(args)
     from . import inference, train
     if c == "pretrain":
         if not args.resume and not args.corpus and not args.init:

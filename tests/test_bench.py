@@ -1,0 +1,149 @@
+"""`refbert bench`: the tooling runs, writes its files, never times a version that fails validation, and its GEMM
+floor holds every matrix product of the pretraining step. Speed is never tested, only measured."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import refbert
+from refbert import bench, cli, ops
+
+# A kernel file built from refbert.ops itself: v1 is the oracle (passes), v2 is 1% off (fails the tolerance), v3
+# raises. The torch peer is a NumPy callable, so the test needs no torch.
+FAKE_KERNEL = '''
+import numpy as np
+from refbert import ops
+from refbert_kernels._harness import KernelSpec
+
+
+def forward_v1(x, scale=1.0, mask=None):
+    return ops.softmax_forward(x, scale, mask)
+
+
+def forward_v2(x, scale=1.0, mask=None):
+    out, cache = ops.softmax_forward(x, scale, mask)
+    return out * x.dtype.type(1.01), cache
+
+
+def forward_v3(x, scale=1.0, mask=None):
+    raise RuntimeError("boom")
+
+
+def make_inputs(shape, dtype, seed):
+    x = np.random.default_rng(seed).standard_normal((shape["B"], shape["T"])).astype(dtype)
+    return dict(x=x), dict(scale=0.5)
+
+
+def peer(inputs, kwargs):
+    return lambda: ops.softmax_backward(np.ones_like(inputs["x"]), ops.softmax_forward(inputs["x"], **kwargs)[1])
+
+
+SPEC = KernelSpec(name="fake_softmax", oracle=(ops.softmax_forward, ops.softmax_backward),
+                  versions={1: (forward_v1, ops.softmax_backward), 2: (forward_v2, ops.softmax_backward),
+                            3: (forward_v3, ops.softmax_backward)},
+                  make_inputs=make_inputs, wrt=("x",), shapes=[dict(B=1, T=1), dict(B=3, T=37)],
+                  bench_shape=dict(B=64, T=512), tol={np.float64: (1e-12, 1e-11), np.float32: (1e-6, 1e-5)},
+                  nbytes=lambda i, k: 5 * i["x"].nbytes, flops=lambda i, k: 10 * i["x"].size, torch_peer=peer,
+                  notes={1: "the oracle", 2: "1% off", 3: "raises"})
+'''
+
+
+@pytest.fixture
+def fake_kernels(tmp_path, monkeypatch):
+    (tmp_path / "fake_kernels.py").write_text(FAKE_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))  # subprocesses
+    import fake_kernels
+    monkeypatch.setattr(bench, "discover_specs", lambda: ([("fake_kernels", "SPEC", fake_kernels.SPEC)],
+                                                          [("refbert_kernels.missing", "ModuleNotFoundError: x")]))
+    return fake_kernels
+
+
+def test_bench_kernels_quick_writes_results_and_never_times_a_failing_version(fake_kernels, tmp_path, capsys):
+    out = tmp_path / "results"
+    rc = cli.main(["bench", "--quick", "--only", "kernels", "--out", str(out), "--no-plot"])
+    assert rc == 1                                            # a version failed validation
+    md = (out / "kernels.md").read_text()
+    data = json.loads((out / "kernels.json").read_text())
+    assert data["quick"] and data["command"].startswith("refbert bench") and data["machine"]["numpy"]
+    assert data["copy_bandwidth_Bps"] > 0
+    (k,) = data["kernels"]
+    status = {r["version"]: r["status"] for r in k["validation"]}
+    assert status == {1: "PASS", 2: "FAIL", 3: "FAIL"}
+    v1, v2, v3 = k["validation"]
+    assert v1["err_tol"]["float64"] <= 1 and v1["err_tol"]["float32"] <= 1
+    assert v2["err_tol"]["float32"] > 1 and v2["max_abs"]["float32"] > 0 and "MISMATCH" in v2["log"]
+    assert "boom" in v3["error"]
+    assert [r["impl"] for r in k["timing"]["rows"]] == ["numpy", "torch", "v1"]   # v2, v3 not timed
+    assert k["timing"]["shape"]["B"] < 64                     # --quick shrinks the bench shape
+    for r in k["timing"]["rows"]:
+        assert r["fwd_bwd_s"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0 and r["GFLOPs"] > 0
+        assert r["speedup_vs_numpy"] > 0 and r["speedup_vs_torch"] > 0
+    assert "Not timed (failed validation): v2, v3." in md and "| v2 |" in md and "FAIL" in md
+    assert "refbert_kernels.missing" in md                   # a missing kernel file is reported, not fatal
+    # compile time: a cold (empty NUMBA_CACHE_DIR) and a warm process, every version called once
+    c = data["compile"]["fake_kernels"]
+    assert isinstance(c["cold"]["calls"]["fake_softmax v1"], float) and c["warm"]["import_s"] >= 0
+    assert "boom" in c["cold"]["calls"]["fake_softmax v3"]
+    assert "fake_softmax" in capsys.readouterr().out
+
+
+def test_shrink_shape_keeps_kind_and_cuts_size():
+    assert bench.shrink_shape(dict(B=4, H=12, T=512, mask="pad"), 128, 2 ** 18) == dict(B=1, H=12, T=128,
+                                                                                        mask="pad")
+    s = bench.shrink_shape(dict(shape=(4, 12, 512, 512), p=0.1), 128, 2 ** 18)
+    assert len(s["shape"]) == 4 and np.prod(s["shape"]) <= 2 ** 18 and s["p"] == 0.1
+    assert np.prod(bench.shrink_shape(dict(shape=(2048, 3072)), 8, 512)["shape"]) <= 1024
+
+
+class _Counting:
+    """refbert.ops with the matmul-bearing ops recorded: (rows, in, out) of each linear, attention calls."""
+
+    def __init__(self):
+        self.fwd, self.bwd, self.attention = [], [], 0
+
+    def __getattr__(self, name):
+        return getattr(ops, name)
+
+    def linear_forward(self, x, w, b=None):
+        self.fwd.append((int(np.prod(x.shape[:-1])), w.shape[1], w.shape[0]))
+        return ops.linear_forward(x, w, b)
+
+    def linear_backward(self, dout, cache):
+        x, w, _ = cache
+        self.bwd.append((int(np.prod(x.shape[:-1])), w.shape[1], w.shape[0]))
+        return ops.linear_backward(dout, cache)
+
+    def attention_forward(self, *args, **kwargs):
+        self.attention += 1
+        return ops.attention_forward(*args, **kwargs)
+
+
+def test_gemm_floor_covers_every_matmul_of_the_step():
+    cfg = refbert.BertConfig.preset("tiny", vocab_size=100)  # L2 C128 I512 A2
+    B, T = 2, 8
+    x = bench.batch(B, T, cfg.vocab_size)
+    n = int((x["labels"] != -100).sum())
+    P = bench.gemm_products(cfg, B, T, n)
+    # hand count: per layer q, k, v, attention.output, intermediate, output = 6 linears x 3 products (forward,
+    # dx, dW) = 18, plus 6 attention products (q k^T, p v, dp, dv, dq, dk) = 24, x 2 layers = 48; pooler 3, NSP 3,
+    # MLM transform 3, decoder 3 (forward on all rows, dt and dE on the labelled rows) = 12; total 60
+    assert len(P) == 60 == 24 * cfg.num_hidden_layers + 12
+    # the products of one real step: every linear forward and backward, every attention call
+    model = refbert.BertForPreTraining(cfg, seed=0, dtype=np.float32)
+    model.ops = counting = _Counting()
+    model.forward(**x)
+    model.backward()
+    N, C, V = B * T, cfg.hidden_size, cfg.vocab_size
+    fwd = sorted((m, k, nn) for name, (b, m, k, nn), _, _ in P if name.split()[1] == "fwd")
+    step_fwd = list(counting.fwd)
+    step_fwd.remove((n, C, V))                                # "all" decodes the labelled rows a second time for
+    assert sorted(step_fwd) == fwd                            # the loss: not part of the floor
+    dx = sorted((m, nn, k) for name, (b, m, k, nn), _, _ in P if "bwd dx" in name or "bwd dt" in name)
+    assert sorted(counting.bwd) == dx                         # the decoder's backward: labelled rows only
+    assert sum("bwd dW" in name or "bwd dE" in name for name, *_ in P) == len(counting.bwd)
+    assert sum("attention " in name for name, *_ in P) == 6 * counting.attention == 6 * cfg.num_hidden_layers
+    # and the floor runs them all, with consistent shapes
+    bench.gemm_floor(P)()
+    assert bench.gemm_flops(P) > bench.gemm_flops(bench.gemm_products(cfg, B, T, n, decode="labelled"))
