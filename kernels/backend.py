@@ -28,10 +28,16 @@ KERNELS = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm":
 
 
 def specs():
-    """Every KernelSpec of every kernel file (each op's numbered versions and how to validate and time them)."""
+    """Every KernelSpec of every kernel file, in file order (each op's numbered versions and how to validate and
+    time them)."""
     import importlib
-    out = []
+
+    from ._harness import KernelSpec
+    out, seen = [], set()
     for module in dict.fromkeys(KERNELS.values()):
         m = importlib.import_module(f"refbert_kernels.{module}")
-        out += [v for k, v in vars(m).items() if k.endswith("SPEC") and hasattr(v, "versions")]
+        for v in vars(m).values():
+            if isinstance(v, KernelSpec) and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
     return out
