@@ -9,9 +9,13 @@
                                       "other" if b comes from another part of the library
     ner_{train,dev}.jsonl             {"tokens", "tags"}: BIO tags, NAME for a public name of the module the
                                       sentence documents, NUM for a number
-    qa_{train,dev}.jsonl              {"question", "context", "answer_text", "answer_start"}: the context lists a
-                                      few functions of one module as "name: summary."; the question is one summary;
-                                      the answer is that function's name (a character span of the context)
+    qa_{train,dev}.jsonl              {"question", "context", "answer_text", "answer_start"}: the context lists
+                                      4 neighbouring functions of one module as "name: summary."; the question is
+                                      one summary, the answer that function's name (a character span of the
+                                      context). Every function of a window is asked about (a row each), so each
+                                      name is the answer as often as it is a distractor and a model cannot score
+                                      by remembering which names are answers; a summary two functions share is
+                                      never asked.
 Train and dev are split by the documented object, so no sentence appears in both. The text is the Python
 Software Foundation's, under the PSF License Agreement, as shipped with every CPython; refbert ships none of it
 and generates it on the user's machine, so its exact contents follow the local Python version.
@@ -149,9 +153,12 @@ def write_demo_data(out_dir, seed=0):
             for name, summary in group:
                 starts.append(len(context))
                 context += f"{name}: {summary} "
-            j = int(rng.integers(len(group)))
-            rows[f"qa_{split}"].append({"question": group[j][1], "context": context.strip(),
-                                        "answer_text": group[j][0], "answer_start": starts[j]})
+            rng.integers(len(group))                    # (a draw the other files' order depends on)
+            for j, (name, summary) in enumerate(group):   # every function of the window is asked about
+                if context.count(summary) > 1:             # two functions share the summary: no single answer
+                    continue
+                rows[f"qa_{split}"].append({"question": summary, "context": context.strip(),
+                                            "answer_text": name, "answer_start": starts[j]})
     with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:
         f.write("\n\n".join("\n".join(sents) for _, _, sents, _ in docs) + "\n")
     for key, items in rows.items():

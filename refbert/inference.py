@@ -41,7 +41,7 @@ def _max_len(args, model):
 
 def predict(args):
     """Classification / pair: label and probabilities; ner: a tag per word; qa: the answer span."""
-    from .train import UserError
+    from .train import UserError, qa_context_mask
     model, tok = _load(args.model, "BertForSequenceClassification", args.backend)
     id2label = model.config.id2label
     name = type(model).__name__
@@ -51,7 +51,7 @@ def predict(args):
         enc = tok(args.question, args.context, truncation="longest_first", max_length=_max_len(args, model),
                   return_tensors="np", return_offsets_mapping=True)
         o = model(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"])
-        ctx = (enc["token_type_ids"] == 1) & (enc["attention_mask"] == 1)
+        ctx = qa_context_mask(enc)
         s, e, score = M.decode_qa_span(o.start_logits, o.end_logits, context_mask=ctx,
                                        null_score_diff_threshold=args.null_threshold)[0]
         off = enc["offset_mapping"][0]
@@ -94,7 +94,7 @@ def predict(args):
 
 def fill_mask(args):
     """The top-k tokens for each [MASK] of each text."""
-    from .train import UserError
+    from .train import UserError, qa_context_mask
     model, tok = _load(args.model, "BertForMaskedLM", args.backend)
     if type(model).__name__ not in ("BertForMaskedLM", "BertForPreTraining"):
         model = M.BertForMaskedLM.from_pretrained(args.model, backend=args.backend)

@@ -19,7 +19,9 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
+import string
 import tempfile
 import time
 
@@ -461,16 +463,25 @@ def encode_rows(rows, task, tokenizer, max_len, label2id):
     enc = tokenizer([r["question"] for r in rows], [r["context"] for r in rows], padding="max_length",
                     truncation="longest_first", max_length=max_len, return_tensors="np", return_offsets_mapping=True)
     starts, ends = np.zeros(len(rows), np.int64), np.zeros(len(rows), np.int64)
+    ctx = qa_context_mask(enc)
     for b, r in enumerate(rows):
         if not r["answer_text"]:
             continue                                    # unanswerable: both positions at [CLS]
         cs, ce = r["answer_start"], r["answer_start"] + len(r["answer_text"])
-        ctx = (enc["token_type_ids"][b] == 1) & (enc["attention_mask"][b] == 1)
-        toks = [t for t in np.flatnonzero(ctx) if enc["offset_mapping"][b][t][1] > cs and enc["offset_mapping"][b][t][0] < ce]
-        if toks:                                        # else the answer was truncated away: [CLS], as HF
+        off = enc["offset_mapping"][b]
+        toks = [t for t in np.flatnonzero(ctx[b]) if off[t][1] > cs and off[t][0] < ce]
+        # the answer must lie whole in the window; truncated away, even in part: [CLS], as HF's recipe
+        if toks and off[toks[0]][0] <= cs and off[toks[-1]][1] >= ce:
             starts[b], ends[b] = toks[0], toks[-1]
     return dict(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"],
-                start_positions=starts, end_positions=ends), dict(offsets=enc["offset_mapping"])
+                start_positions=starts, end_positions=ends), dict(offsets=enc["offset_mapping"], context_mask=ctx)
+
+
+def qa_context_mask(enc):
+    """(B, T) bool: the tokens an answer may lie in: the context's (segment 1, real), not its [SEP] (a special
+    token covers no character: its offsets are (0, 0))."""
+    off = np.asarray(enc["offset_mapping"])
+    return (enc["token_type_ids"] == 1) & (enc["attention_mask"] == 1) & (off[..., 1] > off[..., 0])
 
 
 def _entities(tags):
@@ -491,8 +502,22 @@ def _f1(pred, gold):
     return 2 * p * r / (p + r) if p + r else 0.0
 
 
+def _qa_normalize(text):
+    """SQuAD's normalize_answer: lower case, no punctuation, no articles (a, an, the), single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+_PUNCTUATION = set(string.punctuation)
+
+
+def _qa_em(pred, gold):
+    return float(_qa_normalize(pred) == _qa_normalize(gold))
+
+
 def _qa_f1(pred, gold):
-    p, g = pred.lower().split(), gold.lower().split()
+    """SQuAD's token F1 over normalised words."""
+    p, g = _qa_normalize(pred).split(), _qa_normalize(gold).split()
     common = sum(min(p.count(w), g.count(w)) for w in set(p))
     if not p or not g:
         return float(p == g)
@@ -522,7 +547,7 @@ def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
         return dict(f1=_f1(pred_spans, gold_spans), token_accuracy=correct / max(total, 1))
     start = np.concatenate([o.start_logits for o in outs])
     end = np.concatenate([o.end_logits for o in outs])
-    ctx = (arrays["token_type_ids"] == 1) & (arrays["attention_mask"] == 1)
+    ctx = extra["context_mask"]
     # the null answer competes only when the data has unanswerable questions (SQuAD 2.0 style)
     has_null = any(not r["answer_text"] for r in rows)
     spans = M.decode_qa_span(start, end, max_answer_length=30, context_mask=ctx,
@@ -531,7 +556,7 @@ def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
     for b, (s, e, _) in enumerate(spans):
         off = extra["offsets"][b]
         text = rows[b]["context"][off[s][0]:off[e][1]] if e >= s > 0 else ""  # (0, 0): the null answer
-        em += text.strip().lower() == rows[b]["answer_text"].strip().lower()
+        em += _qa_em(text, rows[b]["answer_text"])
         f1 += _qa_f1(text, rows[b]["answer_text"])
     return dict(exact_match=em / n, f1=f1 / n)
 
@@ -545,8 +570,9 @@ def baseline(task, train_rows, dev_rows):
         return dict(accuracy=float(np.mean([str(r["label"]) == major for r in dev_rows])))
     if task == "ner":
         return dict(f1=0.0)
-    em = np.mean([r["context"].split(":")[0] == r["answer_text"] for r in dev_rows])
-    return dict(exact_match=float(em))
+    first = [r["context"].split(":")[0] for r in dev_rows]
+    return dict(exact_match=float(np.mean([_qa_em(p, r["answer_text"]) for p, r in zip(first, dev_rows)])),
+                f1=float(np.mean([_qa_f1(p, r["answer_text"]) for p, r in zip(first, dev_rows)])))
 
 
 def finetune(args):
