@@ -8,7 +8,7 @@ from . import gradcheck, ops
 from .config import BertConfig
 from .model import (BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction, BertForPreTraining,
                     BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification, BertModel,
-                    decode_qa_span, get_backend, is_grad_enabled, no_grad)
+                    decode_qa_span, get_backend, is_grad_enabled, no_grad, to_numpy)
 from .philox import DropoutRNG
 from .tokenization import BertTokenizer
 
@@ -16,4 +16,4 @@ __version__ = "0.1.0"
 __all__ = ["gradcheck", "ops", "BertConfig", "BertModel", "BertForPreTraining", "BertForMaskedLM",
            "BertForNextSentencePrediction", "BertForSequenceClassification", "BertForTokenClassification",
            "BertForQuestionAnswering", "BertForMultipleChoice", "decode_qa_span", "BertTokenizer", "DropoutRNG",
-           "get_backend", "no_grad", "is_grad_enabled"]
+           "get_backend", "no_grad", "is_grad_enabled", "to_numpy"]

@@ -88,9 +88,12 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
         raise ValueError(f"{source}: expected every encoder weight, missing {len(encoder_missing)} "
                          f"(first: '{encoder_missing[0]}')")
     unexpected = sorted(k for k in tensors if k not in want)
+    to_device = getattr(model.ops, "to_device", None)      # a device backend ("cuda") keeps its parameters there
     for key in want:
         if key in tensors:
             want[key] = np.ascontiguousarray(tensors[key], dtype=model.dtype)
+            if to_device is not None:
+                want[key] = to_device(want[key])
     if missing:
         warnings.warn(f"{cls.__name__}.from_pretrained({path!r}): newly initialised (not in the checkpoint): {missing}")
     if unexpected:
@@ -106,7 +109,9 @@ def save_pretrained(model, path):
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     with folder(path) as target:
-        safetensors_io.save_file(dict(model.params), os.path.join(target, WEIGHTS), metadata={"format": "pt"})
+        to_host = getattr(model.ops, "to_host", None)       # a device backend's parameters, copied back first
+        params = dict(model.params) if to_host is None else {k: to_host(v) for k, v in model.params.items()}
+        safetensors_io.save_file(params, os.path.join(target, WEIGHTS), metadata={"format": "pt"})
         config.to_json_file(os.path.join(target, "config.json"))
 
 __all__ = ["load_pretrained", "save_pretrained"]

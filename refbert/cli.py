@@ -69,6 +69,10 @@ def build_parser():
     p = sub.add_parser("check", help="every op's and every head's backward against finite differences (float64), "
                                      "and every fused kernel against its op")
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the fused kernels' rows")
+    p.add_argument("--precision", action="store_true",
+                   help="also the reduced-precision study: fp16/bf16 storage against the float64 oracle, in ulps")
+    from .precision import add_arguments as _precision_args
+    _precision_args(p)                                  # --device cpu|cuda, --dtypes, --size, --ops, --json
     _backend_arg(sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with "
                                               "finite-difference checks"))
     p = sub.add_parser("demo-data", help="write an offline corpus and fine-tuning sets from the stdlib's docstrings")
@@ -125,7 +129,11 @@ def run(args):
     c = args.command
     if c == "check":
         from . import check
-        return check.main(args)
+        status = check.main(args)
+        if args.precision or args.device == "cuda":     # the GPU kernels in every precision, and the study
+            from . import precision
+            status = max(status, precision.main(args))
+        return status
     if c == "trace":
         from . import trace
         return trace.main(args)

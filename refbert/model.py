@@ -39,13 +39,16 @@ from . import validate as V
 from .config import BertConfig
 
 
-BACKENDS = ("numpy", "numba")
+BACKENDS = ("numpy", "numba", "cuda")
 
 
 def get_backend(name):
     """The module whose <op>_forward/<op>_backward the model calls: "numpy" is the oracle, refbert.ops; "numba" is
     refbert_kernels.backend, the fused CPU kernels with the same names, signatures and semantics (matmuls stay on
-    NumPy's BLAS), which needs the `kernels` extra."""
+    NumPy's BLAS), which needs the `kernels` extra; "cuda" is refbert_kernels.cuda.backend, the same on a GPU
+    (CuPy arrays, cuBLAS matmuls, Numba CUDA kernels; the `cuda` extra), or on NumPy under Numba's CUDA simulator
+    (NUMBA_ENABLE_CUDASIM=1). A backend may define to_device / to_host: the model then keeps its parameters
+    where to_device puts them, and its outputs stay there (refbert.model.to_numpy brings them back)."""
     if name == "numpy":
         return numpy_ops
     if name == "numba":
@@ -54,7 +57,40 @@ def get_backend(name):
         except ImportError as e:
             raise ValueError(f"backend: 'numba' needs numba (pip install 'refbert[kernels]'): {e}") from None
         return backend
+    if name == "cuda":
+        try:
+            from refbert_kernels.cuda import backend
+        except ImportError as e:
+            raise ValueError(f"backend: 'cuda' needs a CUDA GPU with CuPy and numba-cuda (pip install "
+                             f"'refbert[cuda]'), or Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 set before numba "
+                             f"is imported): {e}") from None
+        return backend
     raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+
+
+def to_device(ops, params):
+    """{name: array} moved to where the backend `ops` keeps its arrays (its to_device; the NumPy backends: as is)."""
+    move = getattr(ops, "to_device", None)
+    return params if move is None else {k: move(v) for k, v in params.items()}
+
+
+def to_numpy(x):
+    """NumPy copies of a device backend's arrays ("cuda": CuPy arrays), through dicts, tuples, lists and model
+    outputs; NumPy arrays and anything else come back as they are."""
+    if isinstance(x, dict):
+        return type(x)({k: to_numpy(v) for k, v in x.items()})
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_numpy(v) for v in x)
+    if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+        return x.get() if hasattr(x, "get") else x.copy_to_host()
+    return x
+
+
+def _shape_of(a):
+    """a for NumPy; a zero-byte NumPy stand-in with a's shape and dtype for a device array (for refbert.validate)."""
+    if isinstance(a, np.ndarray) or not hasattr(a, "__cuda_array_interface__"):
+        return a
+    return np.broadcast_to(np.zeros((), a.dtype), a.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -154,7 +190,7 @@ def _add_grads(grads, name, dw, db=None):
         if g is None:
             continue
         if key in grads:
-            np.add(grads[key], g, out=grads[key])       # in place: backwards return fresh arrays we own
+            grads[key] += g                             # in place: backwards return fresh arrays we own
         else:
             grads[key] = g
 
@@ -380,8 +416,8 @@ class BertPreTrainedModel:
         self.config, self.dtype, self.backend = config, dtype, backend
         self.ops = get_backend(backend)
         init_ss, dropout_ss = np.random.SeedSequence(seed).spawn(2)
-        self.params = init_parameters(config, parameter_shapes(config, type(self).__name__),
-                                      np.random.default_rng(init_ss), dtype)
+        self.params = to_device(self.ops, init_parameters(config, parameter_shapes(config, type(self).__name__),
+                                                          np.random.default_rng(init_ss), dtype))
         self.dropout_rng = DropoutRNG.from_seed_sequence(dropout_ss)  # counter-based: same masks on every backend
         self.training = True                                  # as a freshly built torch module
         self._cache = None
@@ -543,9 +579,9 @@ class BertModel(BertPreTrainedModel):
         if dpooler_output is not None and not self.add_pooling_layer:
             raise ValueError("BertModel.backward: argument 'dpooler_output' given, but the model has no pooler")
         if dlast_hidden_state is not None:
-            V.dout("BertModel.backward", dlast_hidden_state, shape, self.dtype)
+            V.dout("BertModel.backward", _shape_of(dlast_hidden_state), shape, self.dtype)
         if dpooler_output is not None:
-            V.dout("BertModel.backward", dpooler_output, (shape[0], shape[2]), self.dtype)
+            V.dout("BertModel.backward", _shape_of(dpooler_output), (shape[0], shape[2]), self.dtype)
         self._cache = None
         grads = {}
         self._encode_backward(ctx, dlast_hidden_state, dpooler_output, cache, grads)

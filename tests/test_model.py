@@ -160,8 +160,8 @@ def test_backward_misuse_and_bad_labels():
     e(input_ids=np.array([[1, 2]]))
     with pytest.raises(ValueError, match=r"'dout' expected an array of shape \(1, 2, 12\)"):
         e.backward(np.ones((1, 2, 11), np.float32))
-    with pytest.raises(ValueError, match="backend: expected one of 'numpy', 'numba', got 'cuda'"):
-        refbert.BertModel(cfg, backend="cuda")
+    with pytest.raises(ValueError, match="backend: expected one of 'numpy', 'numba', 'cuda', got 'tpu'"):
+        refbert.BertModel(cfg, backend="tpu")
 
 
 # --- the MLM decoder at the labelled positions; inference mode; outputs that are the user's --------------------

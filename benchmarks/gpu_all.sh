@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Everything refbert does on a GPU, in one go, for a lent H100 / H200 (CUDA 13, cupy-cuda13x, numba-cuda, PyTorch
+# and nvcc installed there; no network). Run from anywhere:
+#
+#     OUT=/some/dir bash benchmarks/gpu_all.sh        (OUT defaults to ./gpu_out)
+#
+# Steps, each under its own timeout (seconds; the whole run stays well under 8 minutes), each logged to
+# $OUT/<step>.log, one line per step in $OUT/summary.txt:
+#   nvidia-smi       the device, first
+#   install          pip install -e . --no-deps (offline); refbert_kernels is also put on PYTHONPATH through a
+#                    symlink, so the steps work even where the editable install does not
+#   env              versions of python, numpy, numba, numba-cuda, cupy, torch; the cuda backend's description
+#   tests            pytest on the CUDA test files, real-GPU variants only (-k gpu)
+#   check            refbert check --device cuda: every CUDA kernel version against the oracle in fp64 / fp32 /
+#                    fp16 / bf16, then the precision study (oracle and kernels, fp16 / bf16), JSON in $OUT
+#   bench            refbert bench --device cuda: validate, then time every kernel version, PyTorch peers,
+#                    probes (copy bandwidth, launch overhead), the pretraining step; md / JSON / PNG in $OUT/bench
+# A step that fails or times out is recorded and the next one still runs; the exit status is the number of steps
+# that failed (a failed install is not counted: PYTHONPATH serves instead). Overrides: PYTHON=..., SKIP_INSTALL=1,
+# T_INSTALL=... T_ENV=... T_TESTS=... T_CHECK=... T_BENCH=... (seconds), BENCH_ARGS="...".
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+T_INSTALL=${T_INSTALL:-60}
+T_ENV=${T_ENV:-45}
+T_TESTS=${T_TESTS:-150}
+T_CHECK=${T_CHECK:-90}
+T_BENCH=${T_BENCH:-200}
+BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step-T 128 512"}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+FAILED=0
+START=$(date +%s)
+
+step() {            # step NAME TIMEOUT COMMAND...
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    echo "== $name (timeout ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    local msg="$name: rc=$rc, $(( $(date +%s) - t0 )) s"
+    [ "$rc" = 124 ] && msg="$msg (TIMED OUT)"
+    echo "$msg" | tee -a "$SUMMARY"
+    tail -n 25 "$OUT/$name.log"
+    [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+    return 0
+}
+
+echo "== nvidia-smi"
+nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >> "$OUT/nvidia-smi.txt" 2>&1
+
+# refbert_kernels is the installed name of kernels/ (setup.py package_dir): a symlink makes it importable without
+# the install, and the repo root makes refbert importable
+mkdir -p "$OUT/.pkgs"
+ln -sfn "$ROOT/kernels" "$OUT/.pkgs/refbert_kernels"
+export PYTHONPATH="$ROOT:$OUT/.pkgs${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONWARNINGS=ignore
+unset NUMBA_ENABLE_CUDASIM
+
+if [ -z "${SKIP_INSTALL:-}" ]; then
+    step install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+    if ! grep -q "^install: rc=0" "$SUMMARY"; then     # not fatal: PYTHONPATH above serves instead
+        FAILED=$((FAILED - 1))
+        echo "install: failed, continuing with PYTHONPATH=$PYTHONPATH" | tee -a "$SUMMARY"
+    fi
+fi
+
+step env "$T_ENV" "$PY" -c '
+import importlib, sys
+from importlib import metadata
+print("python", sys.version.split()[0])
+for d in ("numpy", "scipy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "ml_dtypes", "torch", "transformers"):
+    try:
+        print(d, metadata.version(d))
+    except metadata.PackageNotFoundError:
+        print(d, "-")
+import cupy, torch
+print("cupy runtime", cupy.cuda.runtime.runtimeGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
+print("torch cuda", torch.version.cuda, torch.cuda.is_available())
+from refbert.model import get_backend
+print(get_backend("cuda").describe())
+'
+
+# the real-GPU variants of every CUDA test file (each skips itself without a GPU; -k gpu leaves the simulator ones)
+TESTS=$(ls tests/test_cuda*.py 2>/dev/null | tr '\n' ' ')
+step tests "$T_TESTS" "$PY" -m pytest -q -rs -k gpu -p no:cacheprovider $TESTS
+
+# refbert check --device cuda, through the CLI when it has the flag, else the module it dispatches to
+if "$PY" -m refbert check --help 2>/dev/null | grep -q -- "--device"; then
+    step check "$T_CHECK" "$PY" -m refbert check --device cuda --json "$OUT/precision.json"
+else
+    step check "$T_CHECK" "$PY" -c "import sys; from refbert import precision; \
+sys.exit(precision.main(['--device', 'cuda', '--json', '$OUT/precision.json']))"
+fi
+
+# refbert bench --device cuda
+# shellcheck disable=SC2086
+if "$PY" -m refbert bench --help 2>/dev/null | grep -q -- "--device"; then
+    step bench "$T_BENCH" "$PY" -m refbert bench --device cuda --out "$OUT/bench" $BENCH_ARGS
+else
+    step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$OUT/bench" $BENCH_ARGS
+fi
+
+echo "total: $(( $(date +%s) - START )) s, $FAILED step(s) failed" | tee -a "$SUMMARY"
+exit "$FAILED"

@@ -1,0 +1,748 @@
+"""`refbert bench --device cuda`: validate, then time, refbert's CUDA kernels and its pretraining step on a GPU,
+against PyTorch on the same GPU and the same inputs.
+
+    refbert bench --device cuda [--quick] [--only kernels step] [--out DIR] [--repeats N] [--kernels NAME ...]
+                               [--attention-T 512 2048] [--step-T 128 512] [--no-torch] [--no-plot]
+
+Sections, written as cuda_<name>.md / .json / .png under --out (default benchmarks/results/cuda-<device>), the
+device, the library versions and the command line in each header:
+
+probes   the device's copy bandwidth (a CuPy device-to-device copy of a 1 GiB buffer: 2 bytes moved per byte,
+         median of repeats), which every GB/s figure is a percentage of; the launch overhead, reported apart from
+         the kernels: an empty Numba CUDA kernel (no arguments, and with 4 CuPy array arguments, whose CUDA array
+         interface Numba reads at each launch) and an empty CuPy element-wise kernel, as wall-clock microseconds
+         per launch over back-to-back launches and as CUDA-event time of one launch.
+kernels  every KernelSpec of every refbert_kernels.cuda module (each module's SPECS): each numbered version is
+         validated against its oracle in refbert.ops first (refbert_kernels.cuda._common.validate on the spec's
+         GPU shapes, float32 and float16 by default; a version over tolerance is FAIL and never timed), then timed
+         at the spec's bench_shape on CuPy arrays (attention: B=4, H=12, hs=64 at each --attention-T): forward,
+         and backward on one cached forward, each the median of --repeats CUDA-event timings after 2 warm-up
+         calls, with the L2 cache flushed (a 256 MiB buffer written) before every timed call. GB/s = the spec's
+         napkin byte count of forward + backward / (forward + backward time), and % of the copy bandwidth;
+         attention also TFLOP/s: 4 B H T^2 hs forward, 2.5x that backward. The PyTorch peer runs on the same
+         inputs (zero-copy through DLPack): F.softmax, F.layer_norm (after the residual sum / dropout), F.gelu,
+         F.dropout, F.cross_entropy, and F.scaled_dot_product_attention with its flash and memory-efficient
+         backends selected explicitly (torch.nn.attention.sdpa_kernel; flash takes no mask and fp16/bf16 only, so
+         it runs without the padding mask, in float16).
+step     one BertForPreTraining forward + backward (MLM + NSP loss, dropout 0.1, HF's mlm decode "all") of
+         refbert with backend="cuda" (float32) against HF transformers + PyTorch eager on the GPU in float32 and
+         under bf16 autocast, same weights (an HF model with random weights saved to a temp dir, refbert loaded
+         from it) and batch, at B=4 T=128 and each longer --step-T. The eval-mode losses of refbert and HF fp32
+         are compared before any timing. No optimizer update in either (refbert.optim runs on NumPy arrays).
+
+Without a GPU (or without CuPy) main() prints why and returns 2; the pieces that need no GPU (argument parsing,
+the FLOP and byte formulas, the tables) are tested in tests/test_cuda_backend_sim.py.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+FLUSH_BYTES = 256 * 2 ** 20          # written between timed calls: larger than any GPU's L2 (H100 50 MB, H200 60)
+COPY_BYTES = 2 ** 30                 # the copy-bandwidth probe's buffer
+STEP_B = 4
+ATTENTION = dict(B=4, H=12, hs=64)
+MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# formulas and formatting (no GPU needed)
+
+def attention_flops(B, H, T, hs, backward=False):
+    """Matmul FLOPs of attention: forward q k^T and p v, 2 * 2 B H T^2 hs; the backward 2.5x that (dv, dp, dq, dk,
+    and the recomputation of the scores in a flash backward: FlashAttention-2's count)."""
+    f = 4.0 * B * H * T * T * hs
+    return 2.5 * f if backward else f
+
+
+def gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9 if seconds and seconds > 0 and nbytes else None
+
+
+def tflops(flops, seconds):
+    return flops / seconds / 1e12 if seconds and seconds > 0 and flops else None
+
+
+def pct(x, ref):
+    return 100.0 * x / ref if x is not None and ref else None
+
+
+def slug(name):
+    """A folder-safe device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", str(name).lower()).strip("-") or "gpu"
+
+
+def fmt(x, spec=".3g", none="—"):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, spec)
+
+
+def md_table(head, rows):
+    """Markdown table lines."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def shape_str(shape):
+    return ", ".join(f"{k}={v}" for k, v in shape.items() if k not in ("mask",)) if isinstance(shape, dict) \
+        else str(shape)
+
+
+def add_arguments(p):
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
+    p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, T=128 only")
+    p.add_argument("--only", nargs="+", choices=["kernels", "step"], help="run only these sections (probes always)")
+    p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
+    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
+    p.add_argument("--kernels", nargs="+", metavar="NAME", help="only the KernelSpecs with these names")
+    p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
+                   choices=["float64", "float32", "float16", "bfloat16"], help="dtypes each version is validated in")
+    p.add_argument("--attention-T", nargs="+", type=int, help="attention sequence lengths (default 512 1024 2048)")
+    p.add_argument("--step-T", nargs="+", type=int, help="pretraining-step sequence lengths at B=4 "
+                   "(default 128 512; --quick 128)")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers and HF's step")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    return p
+
+
+def parse(argv=None):
+    return add_arguments(argparse.ArgumentParser(prog="refbert bench --device cuda",
+                                                 description=__doc__.split("\n")[0])).parse_args(argv)
+
+
+def defaults(args):
+    """Fill the defaults that depend on --quick."""
+    if args.repeats is None:
+        args.repeats = 5 if args.quick else 20
+    if args.attention_T is None:
+        args.attention_T = [512] if args.quick else [512, 1024, 2048]
+    if args.step_T is None:
+        args.step_T = [128] if args.quick else [128, 512]
+    return args
+
+
+def command_line(args):
+    parts = ["refbert bench --device cuda"]
+    for key, value in sorted(vars(args).items()):
+        if key in ("command", "device") or value in (None, False) or (key == "validate_dtypes"
+                                                                      and value == ["float32", "float16"]):
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {' '.join(map(str, value))}" if isinstance(value, list)
+                     else f"{flag} {value}")
+    return " ".join(parts)
+
+
+def gpu_available():
+    """(True, device name) or (False, why)."""
+    try:
+        from numba.core import config
+        if config.ENABLE_CUDASIM:
+            return False, "NUMBA_ENABLE_CUDASIM=1 is set: the simulator cannot be timed"
+    except ImportError:
+        return False, "numba is not installed (pip install 'refbert[cuda]')"
+    try:
+        import cupy
+    except ImportError as e:
+        return False, f"CuPy is not installed (pip install 'refbert[cuda]'): {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no CUDA device ({type(e).__name__}: {e})"
+    if n < 1:
+        return False, "no CUDA device"
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return True, name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU timing
+
+class Timer:
+    """CUDA-event timings with the L2 flushed (FLUSH_BYTES written) before every timed call."""
+
+    def __init__(self, repeats, warmup=2):
+        import cupy
+        self.cp, self.repeats, self.warmup = cupy, repeats, warmup
+        self.flush_buf = cupy.empty(FLUSH_BYTES // 4, np.float32)
+
+    def flush(self):
+        self.flush_buf.fill(0)
+
+    def __call__(self, fn, repeats=None):
+        """Median seconds of fn() (device time between events recorded around the call: includes the host-side
+        work of the call, as a user sees it)."""
+        cp = self.cp
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(repeats or self.repeats):
+            self.flush()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer):
+    """Bytes per second of a device-to-device copy of COPY_BYTES (read + write: 2 bytes moved per byte)."""
+    cp = timer.cp
+    a = cp.ones(COPY_BYTES // 4, np.float32)
+    b = cp.empty_like(a)
+    t = timer(lambda: cp.copyto(b, a), repeats=max(5, timer.repeats // 2))
+    return 2 * COPY_BYTES / t                 # (a, b freed on return, back to CuPy's pool)
+
+
+def launch_overhead(n=2000):
+    """{what: (wall us per launch, event us of one launch)} of empty kernels."""
+    import cupy as cp
+    from numba import cuda
+
+    @cuda.jit
+    def empty():
+        pass
+
+    @cuda.jit
+    def empty4(a, b, c, d):
+        pass
+
+    arrays = [cp.zeros(16, np.float32) for _ in range(4)]
+    runs = {"numba empty kernel, no arguments": lambda: empty[1, 32](),
+            "numba empty kernel, 4 CuPy array arguments": lambda: empty4[1, 32](*arrays)}
+    try:                                   # CuPy's own launch path (NVRTC-compiled), for comparison
+        raw = cp.RawKernel('extern "C" __global__ void refbert_empty() {}', "refbert_empty")
+        raw((1,), (32,), ())
+        runs["cupy RawKernel, empty"] = lambda: raw((1,), (32,), ())
+    except Exception as e:                 # pragma: no cover - no NVRTC
+        print(f"  (cupy RawKernel probe skipped: {type(e).__name__}: {e})")
+    out = {}
+    for what, fn in runs.items():
+        for _ in range(10):
+            fn()
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        cp.cuda.Device().synchronize()
+        wall = (time.perf_counter() - t) / n * 1e6
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        ev = []
+        for _ in range(50):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ev.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+        out[what] = (wall, statistics.median(ev))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels
+
+def kernel_specs(names=None):
+    """[(module, spec)] of every refbert_kernels.cuda module, and [(module, error)] of those that fail to import."""
+    import importlib
+    found, errors = [], []
+    for m in MODULES:
+        try:
+            mod = importlib.import_module(f"refbert_kernels.cuda.{m}")
+        except Exception as e:
+            errors.append((m, f"{type(e).__name__}: {e}"))
+            continue
+        for spec in getattr(mod, "SPECS", []):
+            if names is None or spec.name in names:
+                found.append((m, spec))
+    return found, errors
+
+
+def with_cuda_c(spec):
+    """The spec with its CUDA C version added as version "C" (kernels/cuda/cuda_c.py: CuPy launchers of
+    csrc/*.cu with the oracle's names) when that module has the op, else the spec as it is."""
+    import dataclasses
+    import importlib
+    try:
+        cc = importlib.import_module("refbert_kernels.cuda.cuda_c")
+    except Exception:
+        return spec
+    names = (spec.oracle[0].__name__, spec.oracle[1].__name__)
+    if not all(hasattr(cc, n) for n in names) or "C" in spec.versions:
+        return spec
+    return dataclasses.replace(spec, versions={**spec.versions, "C": tuple(getattr(cc, n) for n in names)},
+                               notes={**spec.notes, "C": "CUDA C (csrc/, NVRTC via CuPy)"})
+
+
+def validate_on_device(spec, v, dtype, shape, seed=0):
+    """err/tol of version v run on CuPy copies of the inputs: float32 / float64 against the oracle in the same dtype
+    (spec.tol); float16 against the float64 oracle on the same rounded inputs (spec.tol, else 4 ulp of fp16, as
+    refbert_kernels.cuda._common.validate_lowp). For versions that take their fast path on CuPy arrays only."""
+    import cupy as cp
+    from refbert_kernels._harness import compare
+    from refbert_kernels.cuda import _common as C
+    low = np.dtype(dtype).itemsize < 4
+    atol, rtol = spec.tol.get(np.dtype(dtype).type) or C.lowp_tol(dtype)
+    inputs, kwargs = spec.make_inputs(shape, np.float32 if low else dtype, seed)
+    if low:                                       # the oracle in float64 on the inputs rounded to storage
+        with np.errstate(over="ignore"):
+            inputs = {k: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
+                      for k, a in inputs.items()}
+        ref_in = {k: (a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
+                  for k, a in inputs.items()}
+    else:
+        ref_in = inputs
+    ref_out, ref_cache = spec.oracle[0](**ref_in, **_fresh(kwargs))
+    d_in, d_kw = _on_gpu(inputs, kwargs, dtype)
+    out, cache = spec.versions[v][0](**d_in, **_fresh(d_kw))
+    if np.ndim(ref_out) == 0:
+        dout_h = np.float64(1.0)
+        dout = np.dtype(dtype).type(1.0)
+    else:
+        dout_h = np.random.default_rng(0).standard_normal(np.shape(ref_out)).astype(dtype)
+        dout = cp.asarray(dout_h)
+    ref_grads = spec.oracle[1](dout_h.astype(np.float64) if low else dout_h, ref_cache)
+    grads = spec.versions[v][1](dout, cache)
+    ref_grads = ref_grads if isinstance(ref_grads, tuple) else (ref_grads,)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    worst = 0.0
+    for label, g, r in [("out", out, ref_out), *zip((f"d{w}" for w in spec.wrt), grads, ref_grads)]:
+        g = g.get() if hasattr(g, "get") else np.asarray(g)
+        if low:
+            g, r = g.astype(np.float64), np.asarray(r, np.float64)
+        worst = max(worst, compare(f"{spec.name} v{v} {np.dtype(dtype).name} {label}", g, r, atol, rtol))
+    return worst
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+        return np.dtype(bfloat16)
+    return np.dtype(name)
+
+
+def validate_version(spec, v, dtypes):
+    """(worst err/tol over the spec's GPU shapes and dtypes, error text or None)."""
+    from refbert_kernels.cuda import _common as C
+    worst = 0.0
+    try:
+        for dt in dtypes:
+            for shape in spec.notes.get("gpu_shapes", spec.shapes):
+                if v == "C":                    # the CUDA C launchers take their fast path on CuPy arrays only
+                    if dt != "bfloat16":         # (CuPy has no bfloat16)
+                        worst = max(worst, validate_on_device(spec, v, _dtype(dt), shape))
+                else:
+                    worst = max(worst, C.validate(spec, v, _dtype(dt), shape))
+    except Exception as e:
+        return math.inf, _err(e, 300)
+    return worst, None
+
+
+def _on_gpu(inputs, kwargs, dtype):
+    """A spec's host inputs on the GPU (float arrays in dtype), kwargs' arrays too (masks, labels stay as given)."""
+    import cupy as cp
+    conv = lambda v: cp.asarray(v.astype(dtype) if v.dtype.kind == "f" else v) \
+        if isinstance(v, np.ndarray) else v  # noqa: E731
+    with np.errstate(over="ignore"):       # float32's most negative mask value is -inf in float16, as intended
+        return {k: conv(v) for k, v in inputs.items()}, \
+            {k: (conv(v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v) for k, v in kwargs.items()}
+
+
+def _err(e, n=160):
+    """One line of an exception, for a table cell."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:n]}"
+
+
+def _fresh(kwargs):
+    from refbert.philox import DropoutRNG
+    return {k: (DropoutRNG(1234) if k == "rng" else v) for k, v in kwargs.items()}
+
+
+def time_pair(timer, forward, backward, inputs, kwargs):
+    """(forward s, backward s) of one implementation on device inputs; backward on one cached forward."""
+    import cupy as cp
+    out, cache = forward(**inputs, **_fresh(kwargs))
+    scalar = np.ndim(out) == 0
+    dout = 1.0 if scalar else cp.asarray(np.random.default_rng(0).standard_normal(out.shape)).astype(out.dtype)
+    tf = timer(lambda: forward(**inputs, **_fresh(kwargs)))
+    tb = timer(lambda: backward(dout, cache))
+    return tf, tb
+
+
+def torch_peer(name, inputs, kwargs):
+    """(forward(), backward()) closures of PyTorch's version of a spec's op on the same device memory (DLPack), or
+    None where there is none. backward() differentiates one retained forward graph."""
+    import torch
+    import torch.nn.functional as F
+    t = {k: torch.from_dlpack(v) if hasattr(v, "__dlpack__") and not isinstance(v, np.ndarray) else v
+         for k, v in inputs.items()}
+    kw = dict(kwargs)
+    if name == "softmax":
+        mask = kw.get("mask", inputs.get("mask"))
+        mask = None if mask is None else torch.from_dlpack(mask) if not isinstance(mask, np.ndarray) \
+            else torch.as_tensor(mask, device="cuda")
+        x = t["x"].requires_grad_()
+        fn = lambda: F.softmax(x * kw.get("scale", 1.0) + (0 if mask is None else mask), -1)  # noqa: E731
+        wrt = [x]
+    elif name in ("layernorm", "residual_layernorm", "dropout_residual_layernorm"):
+        x, w, b = (t[k].requires_grad_() for k in ("x", "w", "b"))
+        a = t["a"].requires_grad_() if "a" in t else None
+        p = kw.get("p", 0.0) if kw.get("train", True) else 0.0
+        s = (lambda: x) if a is None else (lambda: x + F.dropout(a, p)) if p else (lambda: x + a)
+        fn = lambda: F.layer_norm(s(), (x.shape[-1],), w, b, kw.get("eps", 1e-12))  # noqa: E731
+        wrt = [x, w, b] + ([a] if a is not None else [])
+    elif name in ("gelu", "bias_gelu"):
+        x = t["x"].requires_grad_()
+        b = t["b"].requires_grad_() if "b" in t else None
+        approx = kw.get("approximate", "none")
+        fn = (lambda: F.gelu(x, approximate=approx)) if b is None else \
+            (lambda: F.gelu(x + b, approximate=approx))
+        wrt = [x] + ([b] if b is not None else [])
+    elif name == "dropout":
+        x = t["x"].requires_grad_()
+        fn = lambda: F.dropout(x, kw.get("p", 0.1), kw.get("train", True))  # noqa: E731
+        wrt = [x]
+    elif name == "cross_entropy":
+        z = t["logits"].requires_grad_()
+        lab = kw["labels"]
+        lab = torch.as_tensor(lab, device="cuda") if isinstance(lab, np.ndarray) else torch.from_dlpack(lab)
+        fn = lambda: F.cross_entropy(z.reshape(-1, z.shape[-1]), lab.reshape(-1), ignore_index=-100)  # noqa: E731
+        wrt = [z]
+    else:
+        return None
+    y = fn()
+    g = torch.randn_like(y) if y.ndim else torch.ones_like(y)
+    return fn, lambda: torch.autograd.grad(y, wrt, g, retain_graph=True, allow_unused=True)
+
+
+def sdpa_peers(B, T, H, hs, dtype, mask_host, p):
+    """{name: (forward, backward)} of F.scaled_dot_product_attention with one backend each, on (B, H, T, hs)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(dtype)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, hs, device="cuda", dtype=tdt, generator=g).requires_grad_() for _ in range(3))
+    mask = torch.as_tensor(mask_host, device="cuda", dtype=tdt) if mask_host is not None else None
+    peers = {}
+    for name, backend, m in (("torch sdpa flash (no mask)", SDPBackend.FLASH_ATTENTION, None),
+                             ("torch sdpa mem-efficient", SDPBackend.EFFICIENT_ATTENTION, mask)):
+        def fwd(backend=backend, m=m):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
+        try:
+            y = fwd()
+        except RuntimeError as e:                                  # this backend refuses this dtype / mask
+            peers[name] = _err(e)
+            continue
+        dy = torch.randn_like(y)
+        peers[name] = (fwd, lambda y=y, dy=dy: torch.autograd.grad(y, (q, k, v), dy, retain_graph=True))
+    return peers
+
+
+def run_kernels(args, timer, bw):
+    """Validate every version, then time it and its PyTorch peer. -> (rows, failed)"""
+    from refbert_kernels.cuda import _common as C   # noqa: F401  (imports the CUDA stack once, before timing)
+    found, errors = kernel_specs(args.kernels)
+    rows, failed = [], False
+    for m, err in errors:
+        print(f"  kernels: refbert_kernels.cuda.{m} failed to import: {err}", flush=True)
+        rows.append(dict(spec=m, version=None, status="IMPORT ERROR", error=err))
+        failed = True
+    for m, spec in found:
+        spec = with_cuda_c(spec)
+        passing = []
+        for v in sorted(spec.versions, key=str):
+            worst, err = validate_version(spec, v, args.validate_dtypes)
+            ok = err is None and worst <= 1
+            failed |= not ok
+            print(f"  validate {spec.name} v{v} ({', '.join(args.validate_dtypes)}): err/tol {fmt(worst)} "
+                  f"{'ok' if ok else 'FAIL'} {err or ''}", flush=True)
+            rows.append(dict(spec=spec.name, version=v, status="ok" if ok else "FAIL", err_tol=worst, error=err,
+                             note=spec.notes.get(v, "")))
+            if ok:
+                passing.append(v)
+        if spec.name == "attention":
+            shapes = [dict(spec.bench_shape, B=ATTENTION["B"], H=ATTENTION["H"], hs=ATTENTION["hs"], T=T)
+                      for T in args.attention_T]
+            dtypes = [np.float32, np.float16]
+        else:
+            shapes, dtypes = [spec.bench_shape], [np.float32]
+        for shape in shapes:
+            for dtype in dtypes:
+                rows += time_spec(args, timer, bw, spec, passing, shape, dtype)
+    return rows, failed
+
+
+def time_spec(args, timer, bw, spec, versions, shape, dtype):
+    """Timing rows of every passing version and the PyTorch peers at one shape and dtype."""
+    inputs_h, kwargs_h = spec.make_inputs(shape, np.float32, 0)
+    nbytes = spec.nbytes(inputs_h, kwargs_h) if spec.nbytes else None
+    if nbytes and np.dtype(dtype).itemsize != 4:
+        nbytes = nbytes * np.dtype(dtype).itemsize // 4
+    inputs, kwargs = _on_gpu(inputs_h, kwargs_h, dtype)
+    fl = None
+    if spec.name == "attention":
+        B, T, H, hs = shape["B"], shape["T"], shape["H"], shape["hs"]
+        fl = (attention_flops(B, H, T, hs), attention_flops(B, H, T, hs, backward=True))
+    base = dict(spec=spec.name, shape=shape_str(shape), dtype=np.dtype(dtype).name, bytes=nbytes)
+    rows = []
+
+    def add(impl, tf, tb, note=""):
+        r = dict(base, impl=impl, fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, note=note,
+                 gbps=gbps(nbytes, tf + tb), pct_copy=pct(gbps(nbytes, tf + tb), bw / 1e9))
+        if fl:
+            r.update(fwd_tflops=tflops(fl[0], tf), bwd_tflops=tflops(fl[1], tb))
+        rows.append(r)
+        print(f"  {spec.name:28s} {r['shape']:28s} {r['dtype']:8s} {impl:30s} fwd {fmt(r['fwd_ms'])} ms  "
+              f"bwd {fmt(r['bwd_ms'])} ms  {fmt(r['gbps'])} GB/s ({fmt(r['pct_copy'], '.0f')}% copy)"
+              + (f"  {fmt(r.get('fwd_tflops'))}/{fmt(r.get('bwd_tflops'))} TFLOP/s" if fl else ""), flush=True)
+
+    for v in versions:
+        if spec.name == "attention" and v == 1 and shape["T"] > 1024:
+            rows.append(dict(base, impl="v1", note="skipped: materialises (B, H, T, T) three times"))
+            continue
+        try:
+            tf, tb = time_pair(timer, *spec.versions[v], inputs, kwargs)
+            add(f"v{v}", tf, tb, spec.notes.get(v, ""))
+        except Exception as e:
+            rows.append(dict(base, impl=f"v{v}", note=_err(e)))
+            print(f"  {spec.name} v{v}: {_err(e, 1000)}", flush=True)
+    if args.no_torch:
+        return rows
+    try:
+        if spec.name == "attention":
+            mask = kwargs_h.get("mask", inputs_h.get("mask"))
+            peers = sdpa_peers(shape["B"], shape["T"], shape["H"], shape["hs"], dtype, mask,
+                               shape.get("p", 0.0) if shape.get("train", True) else 0.0)
+        else:
+            peer = torch_peer(spec.name, inputs, kwargs)
+            peers = {} if peer is None else {"torch": peer}
+        for name, pr in peers.items():
+            if isinstance(pr, str):
+                rows.append(dict(base, impl=name, note=pr))
+                continue
+            add(name, timer(pr[0]), timer(pr[1]))
+    except ImportError as e:
+        rows.append(dict(base, impl="torch", note=f"not installed: {e}"))
+    except Exception as e:
+        rows.append(dict(base, impl="torch", note=_err(e)))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pretraining step
+
+def run_step(args, timer):
+    """refbert (cuda backend, fp32) vs HF + PyTorch eager fp32 and bf16 autocast: forward + backward. -> (rows, failed)"""
+    import cupy as cp
+    import refbert
+    from refbert.bench import batch
+    from refbert.config import BertConfig
+    cfg = BertConfig.preset("base")
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as path:
+        hf = None
+        if not args.no_torch:
+            try:
+                import torch
+                from refbert.bench import hf_model
+                hf = hf_model(cfg, path).cuda()
+            except Exception as e:
+                rows.append(dict(impl="HF + PyTorch", note=_err(e)))
+        if hf is None:
+            ours = refbert.BertForPreTraining(cfg, seed=0, backend="cuda")
+        else:
+            ours = refbert.BertForPreTraining.from_pretrained(path, backend="cuda")
+        for T in args.step_T:
+            x = batch(STEP_B, T, cfg.vocab_size, seed=T)
+            shape = f"B={STEP_B} T={T}"
+            if hf is not None:                          # same loss before any timing (eval: no dropout)
+                ours.eval()
+                hf.eval()
+                tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
+                with torch.no_grad():
+                    l_hf = float(hf(**tx).loss)
+                l_ours = float(ours(**x).loss)
+                rel = abs(l_ours - l_hf) / max(abs(l_hf), 1e-30)
+                ok = rel <= 1e-4
+                failed |= not ok
+                rows.append(dict(impl="check", shape=shape, note=f"eval loss refbert {l_ours:.6f} vs HF fp32 "
+                                 f"{l_hf:.6f}: rel diff {rel:.1e} {'ok' if ok else 'FAIL'}"))
+                print(f"  step {shape}: {rows[-1]['note']}", flush=True)
+            ours.train()
+
+            def step_ours():
+                ours(**x)
+                ours.backward()
+            t = timer(step_ours, repeats=max(3, args.repeats // 2))
+            rows.append(dict(impl="refbert cuda fp32", shape=shape, ms=t * 1e3,
+                             tokens_per_s=STEP_B * T / t))
+            print(f"  step {shape} refbert cuda fp32: {t * 1e3:.2f} ms", flush=True)
+            if hf is None:
+                continue
+            hf.train()
+            for label, autocast in (("HF eager fp32", False), ("HF eager bf16 autocast", True)):
+                def step_hf(autocast=autocast):
+                    hf.zero_grad(set_to_none=True)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                        loss = hf(**tx).loss
+                    loss.backward()
+                t = timer(step_hf, repeats=max(3, args.repeats // 2))
+                rows.append(dict(impl=label, shape=shape, ms=t * 1e3, tokens_per_s=STEP_B * T / t))
+                print(f"  step {shape} {label}: {t * 1e3:.2f} ms", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows, failed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reports
+
+def versions_info():
+    from importlib import metadata
+    out = {"python": sys.version.split()[0]}
+    for dist in ("numpy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "torch", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def kernels_md(rows, bw):
+    lines = [f"Copy bandwidth (device-to-device copy of {COPY_BYTES >> 20} MiB): {bw / 1e9:.0f} GB/s.", "",
+             "Validation (err/tol <= 1 passes):", ""]
+    lines += md_table(("kernel", "version", "status", "err/tol", "idea"),
+                      [(r["spec"], f"v{r['version']}" if r.get("version") else "—", r["status"],
+                        fmt(r.get("err_tol")), r.get("error") or r.get("note", ""))
+                       for r in rows if "status" in r])
+    lines += ["", "Timings (median CUDA-event ms, L2 flushed before each call; GB/s of forward + backward):", ""]
+    lines += md_table(("kernel", "shape", "dtype", "impl", "fwd ms", "bwd ms", "GB/s", "% copy", "fwd TFLOP/s",
+                       "bwd TFLOP/s", "note"),
+                      [(r["spec"], r["shape"], r["dtype"], r["impl"], fmt(r.get("fwd_ms")), fmt(r.get("bwd_ms")),
+                        fmt(r.get("gbps")), fmt(r.get("pct_copy"), ".0f"), fmt(r.get("fwd_tflops")),
+                        fmt(r.get("bwd_tflops")), r.get("note", "")) for r in rows if "impl" in r])
+    return lines
+
+
+def step_md(rows):
+    return md_table(("impl", "shape", "ms (fwd + bwd)", "tokens/s", "note"),
+                    [(r["impl"], r.get("shape", ""), fmt(r.get("ms")), fmt(r.get("tokens_per_s"), ".0f"),
+                      r.get("note", "")) for r in rows])
+
+
+def probes_md(bw, launch):
+    lines = [f"Copy bandwidth: {bw / 1e9:.0f} GB/s (device-to-device, {COPY_BYTES >> 20} MiB).", "",
+             "Launch overhead (reported apart from every kernel time):", ""]
+    lines += md_table(("kernel", "wall us / launch (back to back)", "event us (one launch)"),
+                      [(k, fmt(w), fmt(e)) for k, (w, e) in launch.items()])
+    return lines
+
+
+def plot_kernels(rows, path, device):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    timed = [r for r in rows if r.get("pct_copy") is not None and r["spec"] != "attention"]
+    att = [r for r in rows if r.get("fwd_tflops") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    if timed:
+        labels = [f"{r['spec']} {r['impl']}" for r in timed]
+        axes[0].barh(labels, [r["pct_copy"] for r in timed])
+        axes[0].set_xlabel("% of copy bandwidth (forward + backward)")
+    for impl in dict.fromkeys(r["impl"] for r in att):
+        for dt in ("float32", "float16"):
+            pts = [r for r in att if r["impl"] == impl and r["dtype"] == dt]
+            if pts:
+                axes[1].plot([int(re.search(r"T=(\d+)", p["shape"]).group(1)) for p in pts],
+                             [p["fwd_tflops"] for p in pts], "o-", label=f"{impl} {dt}")
+    axes[1].set_xlabel("T")
+    axes[1].set_ylabel("forward TFLOP/s")
+    axes[1].set_xscale("log", base=2)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"refbert CUDA kernels on {device}")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write(out, name, title, header, md_lines, data, plot=None):
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{name}.md"), os.path.join(out, f"{name}.json")]
+    with open(paths[0], "w") as f:
+        f.write("\n".join([f"# {title}", "", *header, "", *md_lines]) + "\n")
+    with open(paths[1], "w") as f:
+        json.dump(data, f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        f.write("\n")
+    if plot is not None:
+        try:
+            plot(os.path.join(out, f"{name}.png"))
+            paths.append(os.path.join(out, f"{name}.png"))
+        except ImportError:
+            pass
+    return paths
+
+
+def main(args=None):
+    """args: a Namespace from refbert's CLI, or argv (a list), or None (sys.argv). Returns 0, 1 (a validation or
+    step check failed; every file is still written) or 2 (no GPU: nothing run)."""
+    if args is None or isinstance(args, (list, tuple)):
+        args = parse(args)
+    for key, default in (("quick", False), ("only", None), ("out", None), ("repeats", None), ("kernels", None),
+                         ("validate_dtypes", ["float32", "float16"]), ("attention_T", None), ("step_T", None),
+                         ("no_torch", False), ("no_plot", False)):
+        if not hasattr(args, key):
+            setattr(args, key, default)
+    args = defaults(args)
+    ok, device = gpu_available()
+    if not ok:
+        print(f"refbert bench --device cuda: SKIPPED, no GPU to run on: {device}")
+        return 2
+    out = args.out or os.path.join(DEFAULT_OUT, f"cuda-{slug(device)}")
+    command = command_line(args)
+    info = dict(device=device, **versions_info())
+    header = ["Command:", "", f"    {command}", "",
+              f"Device: {device}; " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "device")
+              + f". Date: {time.strftime('%Y-%m-%d %H:%M %Z')}."]
+    if args.quick:
+        header += ["", "**--quick: a tooling check with few repeats and small shapes; not results.**"]
+    timer = Timer(args.repeats)
+    print(f"== probes on {device}", flush=True)
+    bw = copy_bandwidth(timer)
+    launch = launch_overhead()
+    print(f"  copy bandwidth {bw / 1e9:.0f} GB/s; " + "; ".join(f"{k}: {w:.1f} us" for k, (w, _) in launch.items()))
+    paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
+                  dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
+    failed = False
+    sections = args.only or ["kernels", "step"]
+    if "kernels" in sections:
+        print("== kernels", flush=True)
+        rows, bad = run_kernels(args, timer, bw)
+        failed |= bad
+        paths += write(out, "cuda_kernels", f"refbert CUDA kernels on {device}", header, kernels_md(rows, bw),
+                       dict(command=command, info=info, copy_bandwidth=bw, rows=rows),
+                       None if args.no_plot else lambda p: plot_kernels(rows, p, device))
+    if "step" in sections:
+        print("== step", flush=True)
+        rows, bad = run_step(args, timer)
+        failed |= bad
+        paths += write(out, "cuda_step", f"refbert pretraining step on {device}", header, step_md(rows),
+                       dict(command=command, info=info, rows=rows))
+    for p in paths:
+        print(f"wrote {p}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":          # pragma: no cover
+    raise SystemExit(main())
