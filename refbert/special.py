@@ -32,7 +32,7 @@ chunks when it holds most values; the other values are gathered into a batch per
 own formula. Chunks of 65536 values keep Python's per-call cost small, and the working arrays are allocated once per
 call (temporaries of 64 kB and more, allocated and freed thousands of times, make glibc hand pages back to the system
 and fault them in again: 5-10x slower). On standard-normal inputs this matches scipy's compiled ndtr in float64 and
-beats it in float32; on wider inputs (most values beyond |x| = 1.8, regions 3 and 4) float64 takes up to 1.4x as
+beats it in float32; on wider inputs (most values beyond |x| = 1.8, regions 3 and 4) float64 takes about 1.5x as
 long: those formulas pay for their accuracy with about 90 array passes.
 
 expit(x) = 1 / (1 + exp(-x)), as exp(-|x|) / (1 + exp(-|x|)) for x < 0 so that nothing overflows.
