@@ -16,16 +16,15 @@ setup(
     package_dir={"refbert": "refbert", "refbert_kernels": "kernels"},
     package_data={"refbert_kernels": ["cuda/csrc/*.cu", "cuda/csrc/*.cuh"]},  # CUDA C, compiled at run time by CuPy
     install_requires=[
-        "numpy>=1.24",
-        "scipy>=1.10",  # scipy.special.erf for exact GELU; see README "Dependencies"
+        "numpy>=1.24",  # alone: refbert.special computes the normal CDF of the exact GELU; README "Dependencies"
     ],
     extras_require={
         # the training commands (refbert vocab/pretrain/finetune): WordPiece trainer, progress bars, loss plots
         "train": ["tokenizers>=0.15", "tqdm", "matplotlib"],
         # tests, the training commands, and the peers that parity tests compare against; torch pinned to the CPU
-        # build this project tests with
+        # build this project tests with; scipy and mpmath: oracles for refbert.special
         "dev": ["pytest>=7", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors",
-                "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59",
+                "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59", "scipy>=1.10", "mpmath",
                 # the CUDA kernels' tests run in Numba's CUDA simulator; bfloat16 arrays for the precision study
                 "numba-cuda", "ml_dtypes"],
         "kernels": ["numba>=0.59"],  # the fused CPU kernels: backend="numba", refbert bench

@@ -3,12 +3,13 @@
 Loading is all-or-nothing: every file is read and every key and shape checked before a model is returned, so a
 corrupt file, a shape mismatch or a missing encoder weight raises a ValueError naming the file and the key, and never
 yields a half-loaded model. As in HF, head weights the file does not have (a classifier on a pretrained encoder) are
-freshly initialised and listed, and keys the class does not use are listed; both land in `model.loading_info`.
+freshly initialised and keys the class does not use are ignored; each list is printed as one line on stderr, as
+transformers' logger does, and both land in `model.loading_info`.
 """
 import copy
 import json
 import os
-import warnings
+import sys
 
 import numpy as np
 
@@ -67,6 +68,9 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
     replaces the checkpoint's labels, as for a classifier head about to be fine-tuned (HF's num_labels= / id2label=)."""
     if not os.path.isdir(path):
         raise ValueError(f"{cls.__name__}.from_pretrained: argument 'path' expected a checkpoint folder, got {path!r}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{os.path.join(path, 'config.json')}: expected the checkpoint's config, found no such file "
+                         f"(the folder holds {sorted(os.listdir(path))})")
     config = BertConfig.from_pretrained(path)
     if id2label is not None:
         config.id2label = {int(i): str(n) for i, n in id2label.items()}
@@ -94,10 +98,13 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
             want[key] = np.ascontiguousarray(tensors[key], dtype=model.dtype)
             if to_device is not None:
                 want[key] = to_device(want[key])
+    # one line each on stderr, in the words of transformers' (4.x) logger, rather than warnings with file paths
     if missing:
-        warnings.warn(f"{cls.__name__}.from_pretrained({path!r}): newly initialised (not in the checkpoint): {missing}")
+        print(f"Some weights of {cls.__name__} were not initialized from the model checkpoint at {path} and are "
+              f"newly initialized: {missing}", file=sys.stderr)
     if unexpected:
-        warnings.warn(f"{cls.__name__}.from_pretrained({path!r}): unused keys in the checkpoint: {unexpected}")
+        print(f"Some weights of the model checkpoint at {path} were not used when initializing {cls.__name__}: "
+              f"{unexpected}", file=sys.stderr)
     model.loading_info = {"missing_keys": missing, "unexpected_keys": unexpected}
     return model.eval()
 

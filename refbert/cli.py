@@ -14,6 +14,8 @@ import os
 import sys
 import warnings
 
+from .defaults import PRETRAIN
+
 
 def positive(text):
     """argparse type: an integer >= 1."""
@@ -30,37 +32,44 @@ def _backend_arg(p):
 
 
 def _pretrain_args(p):
+    """`refbert pretrain`'s options. Their defaults are refbert.defaults.PRETRAIN (train.py fills them in): the
+    parser leaves an option that was not given out of the arguments, so that --resume can tell changes apart."""
     p.add_argument("--corpus", help="text file: one sentence per line, a blank line between documents")
     p.add_argument("--out", required=True, help="run folder (must be new, unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--allow-changed-schedule", action="store_true",
+                   help="with --resume: let --steps, --save-every, --eval-every, --stop-after differ from the run's")
     p.add_argument("--overwrite", action="store_true", help="allow a non-empty --out (its files may be replaced)")
-    p.add_argument("--preset", default="tiny", help="tiny, mini, small, medium, base, large (default tiny)")
+    p.add_argument("--preset", help="tiny, mini, small, medium, base, large")
     p.add_argument("--config", help="a config.json instead of a preset")
     p.add_argument("--init", help="an HF BERT folder to continue pretraining from (its vocab and weights)")
     p.add_argument("--vocab", help="a vocab.txt (default: train one on the corpus)")
-    p.add_argument("--vocab-size", type=positive, default=8000)
+    p.add_argument("--vocab-size", type=positive)
     p.add_argument("--cased", action="store_true", help="keep case (default: lower-case, as bert-base-uncased)")
-    p.add_argument("--objective", choices=["nsp", "sop"], default="nsp",
+    p.add_argument("--objective", choices=["nsp", "sop"],
                    help="the sentence task beside MLM: next-sentence (BERT) or sentence-order (ALBERT)")
-    p.add_argument("--max-seq-length", type=positive, default=128)
-    p.add_argument("--short-seq-prob", type=float, default=0.1)
-    p.add_argument("--mlm-prob", type=float, default=0.15)
-    p.add_argument("--max-predictions", type=positive, default=20)
+    p.add_argument("--max-seq-length", type=positive)
+    p.add_argument("--short-seq-prob", type=float)
+    p.add_argument("--mlm-prob", type=float)
+    p.add_argument("--max-predictions", type=positive)
     p.add_argument("--whole-word", action="store_true", help="mask whole words")
-    p.add_argument("--ngram", type=positive, default=1, help="n-gram (span) masking up to n (ALBERT uses 3)")
+    p.add_argument("--ngram", type=positive, help="n-gram (span) masking up to n (ALBERT uses 3)")
     p.add_argument("--static-masking", action="store_true", help="google's dupe_factor copies instead of dynamic")
-    p.add_argument("--dupe-factor", type=positive, default=10)
-    p.add_argument("--batch-size", type=positive, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=float, default=0.1, help="warm-up steps, or a fraction of all steps if < 1")
+    p.add_argument("--dupe-factor", type=positive)
+    p.add_argument("--batch-size", type=positive)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup", type=float, help="warm-up steps, or a fraction of all steps if < 1")
     p.add_argument("--no-bias-correction", action="store_true", help="the original BERT's uncorrected Adam")
-    p.add_argument("--steps", type=int, default=0, help="total optimizer steps (default: --epochs over the data)")
-    p.add_argument("--epochs", type=positive, default=1)
-    p.add_argument("--eval-every", type=positive, default=100)
-    p.add_argument("--save-every", type=positive, default=200)
-    p.add_argument("--stop-after", type=int, default=0, help="stop after this step as if interrupted (resume later)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, help="total optimizer steps (0: --epochs over the data)")
+    p.add_argument("--epochs", type=positive)
+    p.add_argument("--eval-every", type=positive)
+    p.add_argument("--save-every", type=positive)
+    p.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (resume later)")
+    p.add_argument("--seed", type=int)
     _backend_arg(p)
+    for action in p._actions:                       # show the defaults that live in refbert.defaults
+        if PRETRAIN.get(action.dest) not in (None, False) and action.dest != "backend":
+            action.help = f"{action.help + ' ' if action.help else ''}(default {PRETRAIN[action.dest]})"
 
 
 def build_parser():
@@ -82,7 +91,8 @@ def build_parser():
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=positive, default=8000)
     p.add_argument("--cased", action="store_true")
-    _pretrain_args(sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining"))
+    _pretrain_args(sub.add_parser("pretrain", help="masked-LM + next-sentence pretraining",
+                                  argument_default=argparse.SUPPRESS))
     p = sub.add_parser("finetune", help="fine-tune a pretrained model on a task")
     p.add_argument("--task", required=True, help="classification, pair, ner or qa")
     p.add_argument("--train", required=True, help=".jsonl (or .csv for classification/pair); schema in the README")
@@ -151,8 +161,6 @@ def run(args):
         return bench.main(args)
     from . import inference, train
     if c == "pretrain":
-        if not args.resume and not args.corpus and not args.init:
-            raise train.UserError("pretrain: expected --corpus (or --resume)")
         return train.pretrain(args)
     if c == "finetune":
         return train.finetune(args)
@@ -166,7 +174,15 @@ def main(argv=None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            return run(args)
+            code = run(args)
+        sys.stdout.flush()                              # a closed pipe shows here, inside the handler below
+        return code
+    except BrokenPipeError:
+        # the reader went away (`refbert ... | head`): stop quietly, as Python's documentation advises (signal
+        # module, "Note on SIGPIPE"): point stdout at devnull so that the exit's own flush has nowhere to fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ValueError, OSError) as e:  # user errors (bad values, missing or unwritable files): no traceback
         if os.environ.get("REFBERT_DEBUG"):
             raise

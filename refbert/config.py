@@ -258,6 +258,44 @@ BertConfig.num_labels = property(BertConfig._get_num_labels, BertConfig._set_num
                                  doc="Number of classifier outputs: len(id2label). Setting k resets the label "
                                      "maps to LABEL_0..LABEL_{k-1} unless k is already the count.")
 
+_dataclass_init = BertConfig.__init__
+_FIELDS = frozenset(f.name for f in fields(BertConfig))
+
+
+def _init(self, **kwargs):
+    """BertConfig(**fields) as transformers.BertConfig takes them, so that BertConfig(**config.to_dict()) works:
+    model_type (which must be "bert") is accepted, and a key that is no field is kept in `extra` (read back as an
+    attribute, written back by to_dict), as HF keeps unknown keys; the known fields are validated."""
+    model_type = kwargs.pop("model_type", "bert")
+    if model_type != "bert":
+        _fail("model_type", "'bert'", model_type)
+    unknown = {k: kwargs.pop(k) for k in list(kwargs) if k not in _FIELDS and k != "num_labels"}
+    if unknown:
+        extra = kwargs.get("extra")
+        kwargs["extra"] = {**extra, **unknown} if isinstance(extra, dict) else unknown if extra is None else extra
+    _dataclass_init(self, **kwargs)
+
+
+def _getattr(self, name):
+    """An unknown key of the config (in `extra`) reads as an attribute, as in transformers."""
+    extra = self.__dict__.get("extra")
+    if isinstance(extra, dict) and name in extra:
+        return extra[name]
+    raise AttributeError(f"'BertConfig' object has no attribute '{name}'")
+
+
+def _setattr(self, name, value):
+    """Setting an attribute that is no field (nor a property) stores it in `extra`, so that to_dict writes it."""
+    if name.startswith("_") or name in _FIELDS or hasattr(type(self), name) or "extra" not in self.__dict__:
+        object.__setattr__(self, name, value)
+    else:
+        self.extra[name] = value
+
+
+BertConfig.__init__ = _init
+BertConfig.__getattr__ = _getattr
+BertConfig.__setattr__ = _setattr
+
 
 def _jsonable(value):
     try:

@@ -9,6 +9,7 @@ import numpy as np
 from . import model as M
 from . import ops
 from .config import BertConfig
+from .errors import UserError
 
 
 def _probs(z):
@@ -18,7 +19,6 @@ def _probs(z):
 
 def _load(path, default_head, backend="numpy"):
     from .tokenization import BertTokenizer
-    from .train import UserError
     if not os.path.isdir(path):
         raise UserError(f"model: expected a model folder (config.json, model.safetensors, vocab.txt), got {path!r}")
     config = BertConfig.from_pretrained(path)
@@ -30,7 +30,6 @@ def _load(path, default_head, backend="numpy"):
 
 def _require(model, prefix, path, what):
     """Refuse to answer with weights from_pretrained had to initialise at random."""
-    from .train import UserError
     if any(k.startswith(prefix) for k in model.loading_info["missing_keys"]):
         raise UserError(f"{path}: expected {what}; its weights are not in this checkpoint")
 
@@ -41,7 +40,7 @@ def _max_len(args, model):
 
 def predict(args):
     """Classification / pair: label and probabilities; ner: a tag per word; qa: the answer span."""
-    from .train import UserError, qa_context_mask
+    from .train import qa_context_mask
     model, tok = _load(args.model, "BertForSequenceClassification", args.backend)
     id2label = model.config.id2label
     name = type(model).__name__
@@ -94,7 +93,7 @@ def predict(args):
 
 def fill_mask(args):
     """The top-k tokens for each [MASK] of each text."""
-    from .train import UserError, qa_context_mask
+    from .train import qa_context_mask
     model, tok = _load(args.model, "BertForMaskedLM", args.backend)
     if type(model).__name__ not in ("BertForMaskedLM", "BertForPreTraining"):
         model = M.BertForMaskedLM.from_pretrained(args.model, backend=args.backend)
@@ -102,9 +101,10 @@ def fill_mask(args):
     for text in args.text:
         enc = tok(text, return_tensors="np", truncation=True, max_length=_max_len(args, model))
         ids = enc["input_ids"][0]
-        where = np.flatnonzero(ids == tok.mask_token_id)
+        where = np.flatnonzero(ids == tok.mask_token_id) if tok.mask_token is not None else np.zeros(0, int)
         if not where.size:
-            raise UserError(f"fill-mask: expected a {tok.mask_token} in the text, got {text!r}")
+            raise UserError(f"fill-mask: expected a {tok.mask_token or 'mask token (this tokenizer has none)'} in the "
+                            f"text, got {text!r}")
         o = model(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"])
         logits = o["prediction_logits"] if "prediction_logits" in o else o["logits"]
         res = []
@@ -118,7 +118,6 @@ def fill_mask(args):
 
 def embed(args):
     """Sentence embeddings (mean of the last hidden states over real tokens, or the pooler output), saved as .npy."""
-    from .train import UserError
     from .tokenization import BertTokenizer
     tok = BertTokenizer.from_pretrained(args.model)
     model = M.BertModel.from_pretrained(args.model, backend=args.backend)

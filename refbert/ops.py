@@ -19,7 +19,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from scipy.special import expit, ndtr  # Cephes' normal CDF (~1 ulp) and a stable sigmoid; see README "Dependencies"
+from .special import expit, ndtr  # NumPy-only normal CDF (<= 2 ulp) and stable sigmoid; README "Dependencies"
 
 from . import validate as V
 from .philox import DropoutRNG, keep_mask
@@ -188,7 +188,7 @@ def gelu_forward(x, approximate="none"):
     """GELU(x) = x * Phi(x); approximate="none" is exact (HF "gelu"), "tanh" is HF "gelu_new" (torch's names).
 
     x: (...)   ->   out: (...)
-    exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2, the normal CDF (scipy's ndtr, which goes through erfc for x < 0,
+    exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2, the normal CDF (refbert.special.ndtr, via erfc for x < 0,
             so the left tail keeps its relative accuracy where 1 + erf would cancel to 0),
             phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
             dx = dout * (Phi(x) + x * phi(x))

@@ -286,8 +286,13 @@ class BertTokenizer:
 
     vocab_file: path of a vocab.txt (one token per line, id = line number), or a mapping token -> id (ids 0..n-1).
     do_lower_case, never_split, tokenize_chinese_chars, strip_accents: as in `BasicTokenizer`.
-    unk_token, sep_token, pad_token, cls_token, mask_token: must be in the vocabulary; they are matched whole in the
-    raw text (so "[MASK]" in a sentence is the mask token, "[mask]" is not), as HF's special tokens are.
+    unk_token, sep_token, pad_token, cls_token, mask_token: matched whole in the raw text (so "[MASK]" in a sentence
+    is the mask token, "[mask]" is not), as HF's special tokens are. As in transformers, a vocabulary need not hold
+    them: the ones it lacks are added after it (ids len(vocab), len(vocab) + 1, ... in the order unk, sep, pad, cls,
+    mask; `len(tok)` counts them, `vocab_size` does not), and pad_token and mask_token may be None (then padding
+    raises, as in transformers). Only an operation that needs a missing token fails: a word with no word pieces
+    when the vocabulary lacks unk_token (transformers: "WordPiece error: Missing [UNK] token"), and the pretraining
+    data, which needs every special token inside the model's vocabulary (refbert.data).
     model_max_length: the length `truncation=True` and `padding="max_length"` use when max_length is None.
     clean_up_tokenization_spaces: the default of `decode`'s argument (False, as transformers 5 for BERT)."""
 
@@ -310,15 +315,20 @@ class BertTokenizer:
         self.vocab_file = where
         self.ids_to_tokens = collections.OrderedDict((index, token) for token, index in self.vocab.items())
 
+        # transformers' order of the special tokens (SPECIAL_TOKENS_ATTRIBUTES), which is also the order in which
+        # it adds those a vocabulary lacks
         specials = {"unk_token": unk_token, "sep_token": sep_token, "pad_token": pad_token,
                     "cls_token": cls_token, "mask_token": mask_token}
         for name, token in specials.items():
-            if not isinstance(token, str) or not token:
-                raise ValueError(f"BertTokenizer: argument '{name}' expected a non-empty str, got {token!r}")
-        missing = [f"{name}={token!r}" for name, token in specials.items() if token not in self.vocab]
-        if missing:
-            raise ValueError(f"BertTokenizer: vocabulary '{where}' lacks the special tokens {', '.join(missing)}; "
-                             f"add them to the vocabulary or pass the tokens it uses")
+            optional = name in ("pad_token", "mask_token")
+            if not (isinstance(token, str) and token) and not (optional and token is None):
+                raise ValueError(f"BertTokenizer: argument '{name}' expected a non-empty str"
+                                 f"{' or None' if optional else ''}, got {token!r}")
+        self.added_tokens = collections.OrderedDict()    # special tokens the vocabulary lacks -> ids after it
+        for token in specials.values():
+            if token is not None and token not in self.vocab and token not in self.added_tokens:
+                self.added_tokens[token] = len(self.vocab) + len(self.added_tokens)
+        self.ids_to_tokens.update((index, token) for token, index in self.added_tokens.items())
         self.unk_token, self.sep_token, self.pad_token = unk_token, sep_token, pad_token
         self.cls_token, self.mask_token = cls_token, mask_token
 
@@ -337,19 +347,25 @@ class BertTokenizer:
                                               strip_accents=strip_accents)
         self.wordpiece_tokenizer = WordpieceTokenizer(vocab=self.vocab, unk_token=unk_token)
         # matched longest first where two start at the same place
-        self._special_by_length = sorted(set(specials.values()), key=len, reverse=True)
+        self._special_by_length = sorted({t for t in specials.values() if t is not None}, key=len, reverse=True)
 
     # -- vocabulary ------------------------------------------------------------------------------------------------
 
     def __len__(self):
-        return len(self.vocab)
+        """The number of ids: the vocabulary and the special tokens added after it (transformers' len)."""
+        return len(self.vocab) + len(self.added_tokens)
 
     @property
     def vocab_size(self):
+        """The vocabulary's size, without added tokens (transformers' vocab_size)."""
         return len(self.vocab)
 
     def get_vocab(self):
-        return dict(self.vocab)
+        """token -> id for every id, added tokens included (transformers' get_vocab)."""
+        return {**self.vocab, **self.added_tokens}
+
+    def get_added_vocab(self):
+        return dict(self.added_tokens)
 
     @property
     def never_split(self):
@@ -357,37 +373,47 @@ class BertTokenizer:
 
     @property
     def all_special_tokens(self):
-        return [self.cls_token, self.sep_token, self.pad_token, self.unk_token, self.mask_token]
+        """The special tokens that are set, in transformers' order."""
+        return [t for t in (self.unk_token, self.sep_token, self.pad_token, self.cls_token, self.mask_token)
+                if t is not None]
 
     @property
     def all_special_ids(self):
-        return [self.vocab[t] for t in self.all_special_tokens]
+        return [self._token_id(t) for t in self.all_special_tokens]
+
+    def _token_id(self, token):
+        """The id of a token of the vocabulary or of the added ones; None for None or a token that is neither."""
+        index = self.vocab.get(token)
+        return self.added_tokens.get(token) if index is None else index
 
     @property
     def unk_token_id(self):
-        return self.vocab[self.unk_token]
+        return self._token_id(self.unk_token)
 
     @property
     def sep_token_id(self):
-        return self.vocab[self.sep_token]
+        return self._token_id(self.sep_token)
 
     @property
     def pad_token_id(self):
-        return self.vocab[self.pad_token]
+        """None when pad_token is None, as in transformers."""
+        return self._token_id(self.pad_token)
 
     @property
     def cls_token_id(self):
-        return self.vocab[self.cls_token]
+        return self._token_id(self.cls_token)
 
     @property
     def mask_token_id(self):
-        return self.vocab[self.mask_token]
+        """None when mask_token is None, as in transformers."""
+        return self._token_id(self.mask_token)
 
     def convert_tokens_to_ids(self, tokens):
         """The id of a token (a str), or the list of ids of a list of tokens; unknown tokens give unk_token_id."""
         if isinstance(tokens, str):
-            return self.vocab.get(tokens, self.unk_token_id)
-        return [self.vocab.get(t, self.unk_token_id) for t in tokens]
+            index = self._token_id(tokens)
+            return self.unk_token_id if index is None else index
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
         """The token of an id (an int), or the list of tokens of a sequence of ids, without the special tokens
@@ -416,7 +442,7 @@ class BertTokenizer:
         token = self.ids_to_tokens.get(index)
         if token is None:
             raise ValueError(f"BertTokenizer: argument '{name}' expected ids of this vocabulary "
-                             f"(0..{len(self._lines) - 1}), got {index}")
+                             f"(0..{len(self) - 1}), got {index}")
         return token
 
     # -- tokenizing ------------------------------------------------------------------------------------------------
@@ -458,7 +484,15 @@ class BertTokenizer:
                 if chars in self.basic_tokenizer.never_split:       # kept whole, as HF's Python tokenizer does
                     spans = [(chars, 0, len(word))]
                 else:
-                    spans = self.wordpiece_tokenizer.word_spans(chars) or [(self.unk_token, 0, len(word))]
+                    spans = self.wordpiece_tokenizer.word_spans(chars)
+                    if spans is None:
+                        if self.unk_token not in self.vocab:
+                            raise ValueError(
+                                f"BertTokenizer: argument '{name}' expected words this vocabulary can split into "
+                                f"word pieces (it lacks the unknown token {self.unk_token!r}), got {chars!r} "
+                                f"(transformers fails here too: 'WordPiece error: Missing {self.unk_token} token "
+                                f"from the vocabulary')")
+                        spans = [(self.unk_token, 0, len(word))]
                 for piece, a, b in spans:
                     tokens.append(piece)
                     offsets.append((start + word[a][1], start + word[b - 1][1] + 1))
@@ -601,6 +635,10 @@ class BertTokenizer:
                 offsets = off0 + (off1 or [])
             rows.append([ids, types, [1] * len(ids), offsets])
 
+        if pad is not None and self.pad_token is None:
+            raise ValueError(f"BertTokenizer: argument 'padding' = {padding!r} needs a pad token, and this tokenizer "
+                             f"has pad_token=None (transformers: 'Asking to pad but the tokenizer does not have a "
+                             f"padding token')")
         if pad is not None and rows:
             if pad == "longest":
                 target = max(len(r[0]) for r in rows)

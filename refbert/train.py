@@ -29,21 +29,20 @@ import numpy as np
 
 from . import model as M
 from . import ops, safetensors_io
-from .config import BertConfig
+from .config import PRESETS, BertConfig
+from .defaults import CONTROL, PRETRAIN, SCHEDULE
+from .errors import UserError
 from .fileio import write_text
 from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
 from .philox import DropoutRNG
 
 
-class UserError(ValueError):
-    """A problem with what the user asked for (a file, a folder, an argument): reported without a traceback."""
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # run folders, checkpoints, logs
 
-def prepare_out(out, resume, overwrite=False, resumable=True):
-    """The run folder: new, or resumed. An existing non-empty folder is never written over by accident."""
+def check_out(out, resume, overwrite=False, resumable=True):
+    """Refuse a run folder that cannot be used, writing nothing: a resumed run needs its latest.json; a new one a
+    new or empty folder (any folder with overwrite)."""
     if resume:
         if not os.path.isfile(os.path.join(out, "latest.json")):
             raise UserError(f"--resume: expected a run folder with latest.json, got {out!r} without one")
@@ -53,7 +52,13 @@ def prepare_out(out, resume, overwrite=False, resumable=True):
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise UserError(f"--out: {out!r} exists and is not empty; choose a new folder"
                         f"{', or pass --resume to continue that run' if resumable else ''} (nothing in it was touched)")
-    os.makedirs(out, exist_ok=True)
+
+
+def prepare_out(out, resume, overwrite=False, resumable=True):
+    """The run folder: new, or resumed. An existing non-empty folder is never written over by accident."""
+    check_out(out, resume, overwrite, resumable)
+    if not resume:
+        os.makedirs(out, exist_ok=True)
 
 
 def _write_json(path, obj):
@@ -210,46 +215,108 @@ def unigram_baseline(data, tokenizer, batch_size):
     return float(-(p[nz] * np.log(p[nz])).sum())
 
 
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _check_pretrain_args(a, given):
+    """Every mistake in the arguments of a new pretraining run, found before anything is written."""
+    if not a["corpus"]:
+        raise UserError("--corpus: expected a text file to pretrain on (one sentence per line, a blank line between "
+                        "documents), got none")
+    for name, want in (("corpus", os.path.isfile), ("vocab", os.path.isfile), ("config", os.path.isfile),
+                       ("init", os.path.isdir)):
+        if a[name] and not want(a[name]):
+            raise UserError(f"{_flag(name)}: expected an existing {'folder' if name == 'init' else 'file'}, "
+                            f"got {a[name]!r}")
+    if a["init"]:
+        clash = [_flag(k) for k in ("vocab", "config", "preset") if k in given]
+        if clash:
+            raise UserError(f"--init: the folder brings its own vocabulary and config; drop {', '.join(clash)}")
+        if not os.path.isfile(os.path.join(a["init"], "config.json")):
+            raise UserError(f"--init: expected an HF BERT folder with config.json, got {a['init']!r} without one")
+    elif not a["config"] and a["preset"] not in PRESETS:
+        raise UserError(f"--preset: expected one of {', '.join(PRESETS)}, got {a['preset']!r}")
+    for name, ok, want in (("short_seq_prob", 0 <= a["short_seq_prob"] <= 1, "a probability in [0, 1]"),
+                           ("mlm_prob", 0 < a["mlm_prob"] <= 1, "a probability in (0, 1]"),
+                           ("lr", 0 < a["lr"] < math.inf, "a positive finite learning rate"),
+                           ("warmup", 0 <= a["warmup"] < math.inf, "a number of steps (or a fraction) >= 0"),
+                           ("steps", a["steps"] >= 0, "an integer >= 0 (0: --epochs over the data)"),
+                           ("stop_after", a["stop_after"] >= 0, "an integer >= 0 (0: never)"),
+                           ("seed", a["seed"] >= 0, "an integer >= 0")):
+        if not ok:
+            raise UserError(f"{_flag(name)}: expected {want}, got {a[name]}")
+
+
+def _resumed_args(saved, given, step):
+    """The arguments of a resumed run: the run's own. A given argument that differs from the run's is refused (the
+    run would no longer be the one it was), except the schedule's with --allow-changed-schedule."""
+    a = {**PRETRAIN, **saved}
+    if given.get("steps") and given["steps"] < step:
+        raise UserError(f"--steps: expected at least {step} (the checkpoint's step) to resume, got {given['steps']}")
+
+    def same(k, v):
+        if k in ("corpus", "config", "init", "vocab") and v and a[k]:
+            return os.path.abspath(v) == os.path.abspath(a[k])
+        return v == a[k]
+    changed = {k: v for k, v in given.items() if k not in CONTROL and not same(k, v)}
+    allowed = given.get("allow_changed_schedule", False)
+    refused = {k: v for k, v in changed.items() if not (allowed and k in SCHEDULE)}
+    if refused:
+        hint = (" (--allow-changed-schedule lets --steps, --save-every, --eval-every and --stop-after change)"
+                if any(k in SCHEDULE for k in refused) and not allowed else "")
+        raise UserError("--resume: the run was started with other arguments; refusing to change " +
+                        ", ".join(f"{_flag(k)} from {a[k]!r} to {v!r}" for k, v in refused.items()) +
+                        f"; a resumed run continues exactly as it started{hint}")
+    a.update(changed)
+    a.update({k: given[k] for k in CONTROL if k in given})
+    if "stop_after" not in given:
+        a["stop_after"] = 0                          # the interruption was that invocation's: now run to the end
+    return a
+
+
 def pretrain(args):
     from .data import PretrainingData, read_documents
-    from .tokenization import BertTokenizer, train_vocab
+    from .tokenization import BertTokenizer
 
-    out = args.out
-    prepare_out(out, args.resume, args.overwrite)
-    if args.resume:
-        folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining, backend=args.backend)
-        a = state["args"]
-        if args.steps and args.steps < state["step"]:
-            raise UserError(f"--steps: expected at least {state['step']} (the checkpoint's step) to resume, "
-                            f"got {args.steps}")
-        a.update(steps=args.steps or a["steps"])      # a resumed run may be extended, never reshaped
-        changed = [k for k in ("corpus", "batch_size", "max_seq_length", "lr", "seed")
-                   if getattr(args, k) != a[k] and getattr(args, k) != build_default(k)]
-        if changed:
-            print(f"--resume: keeping the run's own {', '.join('--' + k.replace('_', '-') for k in changed)} "
-                  f"(a resumed run continues exactly as it started)")
-        tokenizer = BertTokenizer.from_pretrained(folder)
-    else:
-        a = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-        tokenizer = _pretrain_tokenizer(args, out, BertTokenizer, train_vocab)
-    docs = read_documents(a["corpus"])
-    rng = np.random.default_rng(a["seed"])
-    order = rng.permutation(len(docs))
-    n_eval = min(max(1, len(docs) // 20), len(docs) - 1) if len(docs) > 1 else 0
-    eval_docs = [docs[i] for i in order[:n_eval]]
-    train_docs = [docs[i] for i in order[n_eval:]] or docs
-    data_kw = dict(max_seq_length=a["max_seq_length"], short_seq_prob=a["short_seq_prob"],
-                   next_sentence=a["objective"], masked_lm_prob=a["mlm_prob"],
-                   max_predictions_per_seq=a["max_predictions"], whole_word=a["whole_word"], ngram=a["ngram"],
-                   dynamic=not a["static_masking"], dupe_factor=a["dupe_factor"])
-    data = PretrainingData(train_docs, tokenizer, seed=a["seed"], **data_kw)
-    eval_data = PretrainingData(eval_docs, tokenizer, seed=a["seed"] + 1, **data_kw) if eval_docs else None
+    given = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    out, resume = given["out"], given.get("resume", False)
+    # every check comes before the first write: a mistake leaves --out as it was (or absent)
+    check_out(out, resume, given.get("overwrite", False))
+    vocab_tmp = None
+    try:
+        if resume:
+            folder, model, opt_state, state = load_checkpoint(out, M.BertForPreTraining,
+                                                              backend=given.get("backend", "numpy"))
+            a = _resumed_args(state["args"], given, state["step"])
+            tokenizer = BertTokenizer.from_pretrained(folder)
+        else:
+            a = {**PRETRAIN, **given}
+            _check_pretrain_args(a, given)
+            tokenizer, vocab_tmp = _pretrain_tokenizer(a, BertTokenizer)
+        docs = read_documents(a["corpus"])
+        rng = np.random.default_rng(a["seed"])
+        order = rng.permutation(len(docs))
+        n_eval = min(max(1, len(docs) // 20), len(docs) - 1) if len(docs) > 1 else 0
+        eval_docs = [docs[i] for i in order[:n_eval]]
+        train_docs = [docs[i] for i in order[n_eval:]] or docs
+        data_kw = dict(max_seq_length=a["max_seq_length"], short_seq_prob=a["short_seq_prob"],
+                       next_sentence=a["objective"], masked_lm_prob=a["mlm_prob"],
+                       max_predictions_per_seq=a["max_predictions"], whole_word=a["whole_word"], ngram=a["ngram"],
+                       dynamic=not a["static_masking"], dupe_factor=a["dupe_factor"])
+        data = PretrainingData(train_docs, tokenizer, seed=a["seed"], **data_kw)
+        eval_data = PretrainingData(eval_docs, tokenizer, seed=a["seed"] + 1, **data_kw) if eval_docs else None
+        if not resume:
+            model = _pretrain_model(a, tokenizer, a["backend"])
+            opt_state, state = None, dict(step=0, epoch=0, batch=0)
+        prepare_out(out, resume, a["overwrite"])
+        if vocab_tmp is not None:                       # the vocabulary trained on the corpus joins the run
+            shutil.move(os.path.join(vocab_tmp, "tokenizer"), os.path.join(out, "tokenizer"))
+    finally:
+        if vocab_tmp is not None:
+            shutil.rmtree(vocab_tmp, ignore_errors=True)
     steps_per_epoch = max(1, math.ceil(len(data) / a["batch_size"]))
     total = a["steps"] or a["epochs"] * steps_per_epoch
-
-    if not args.resume:
-        model = _pretrain_model(a, tokenizer, args.backend)
-        opt_state, state = None, dict(step=0, epoch=0, batch=0)
     model.mlm_decode = "labelled"                       # decode the masked positions alone, as the original BERT
     opt = AdamW(model.parameters(), lr=a["lr"], weight_decay=0.01, correct_bias=not a["no_bias_correction"])
     if opt_state is not None:
@@ -258,14 +325,14 @@ def pretrain(args):
     sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
     baseline = unigram_baseline(data, tokenizer, a["batch_size"])
     fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
-    log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if args.resume else None)
+    log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if resume else None)
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
-                  state["step"] if args.resume else None)
+                  state["step"] if resume else None)
     print(f"pretraining {model.num_parameters():,} parameters on {len(data)} sequences "
           f"({len(train_docs)} documents; {n_eval} held out), {total} steps of {a['batch_size']}; "
           f"unigram baseline for the MLM loss: {baseline:.3f} nats")
     step, epoch, skip = state["step"], state["epoch"], state["batch"]
-    stop = min(total, args.stop_after) if args.stop_after else total
+    stop = min(total, a["stop_after"]) if a["stop_after"] else total
     bar = _progress(total, step, "pretrain")
     t0 = time.perf_counter()
     while step < stop:
@@ -327,14 +394,22 @@ def evaluate_pretraining(model, data, batch_size):
     return {k: tot[k] / n for k in ("mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc")}
 
 
-def _pretrain_tokenizer(args, out, BertTokenizer, train_vocab):
-    if args.init:
-        return BertTokenizer.from_pretrained(args.init)
-    if args.vocab:
-        return BertTokenizer(args.vocab, do_lower_case=not args.cased)
-    folder = os.path.join(out, "tokenizer")
-    train_vocab([args.corpus], folder, vocab_size=args.vocab_size, lowercase=not args.cased)
-    return BertTokenizer.from_pretrained(folder)
+def _pretrain_tokenizer(a, BertTokenizer):
+    """(tokenizer, None), or (tokenizer, a temporary folder holding tokenizer/) when one is trained on the corpus:
+    it moves into the run folder once every check has passed."""
+    if a["init"]:
+        return BertTokenizer.from_pretrained(a["init"]), None
+    if a["vocab"]:
+        return BertTokenizer(a["vocab"], do_lower_case=not a["cased"]), None
+    from .tokenization import train_vocab
+    tmp = tempfile.mkdtemp(prefix="refbert-vocab-")
+    try:
+        train_vocab([a["corpus"]], os.path.join(tmp, "tokenizer"), vocab_size=a["vocab_size"],
+                    lowercase=not a["cased"])
+        return BertTokenizer.from_pretrained(os.path.join(tmp, "tokenizer")), tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _pretrain_model(a, tokenizer, backend="numpy"):
@@ -587,7 +662,7 @@ def finetune(args):
     if args.max_seq_length > max_pos:
         raise UserError(f"--max-seq-length: expected at most {max_pos} (the model's max_position_embeddings), "
                         f"got {args.max_seq_length}")
-    prepare_out(out, False, args.overwrite, resumable=False)
+    check_out(out, False, args.overwrite, resumable=False)
     labels = label_set(train_rows, task)
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
@@ -606,6 +681,7 @@ def finetune(args):
     base = baseline(task, train_rows, dev_rows)
     print(f"fine-tuning {TASKS[task][0]} on {n} rows ({args.epochs} epochs, {total} steps); dev {len(dev_rows)} rows; "
           f"baseline {base}")
+    prepare_out(out, False, args.overwrite, resumable=False)       # every check done: the first write
     log = CsvLog(os.path.join(out, "log.csv"), ["step", "epoch", "lr", "loss"])
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "epoch", "loss", *sorted(evaluate_keys(task))])
     rng = np.random.default_rng(args.seed or 0)
@@ -643,9 +719,3 @@ def finetune(args):
 def evaluate_keys(task):
     return {"classification": ["accuracy"], "pair": ["accuracy"], "ner": ["f1", "token_accuracy"],
             "qa": ["exact_match", "f1"]}[task]
-
-
-def build_default(name):
-    """The command line's default for a pretrain option (to tell a user's choice from an untouched default)."""
-    from .cli import build_parser
-    return build_parser().parse_args(["pretrain", "--out", "x"]).__dict__[name]

@@ -70,3 +70,19 @@ def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
 def test_readme_python_examples_run():
     for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S):
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_output_piped_into_head_ends_quietly():
+    # `refbert ... | head -n 1`: the reader goes away; the command must stop without "Broken pipe" or a traceback.
+    # A command stand-in prints far more than a pipe holds, so that a write fails once head has gone.
+    script = ("import sys\nfrom refbert import cli\n"
+              "cli.run = lambda args: [print('row', i) for i in range(200_000)] and 0\n"
+              "sys.exit(cli.main(['check']))\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.readline()
+    p.stdout.close()                                   # what head does after its line
+    err = p.stderr.read().decode()
+    code = p.wait(timeout=120)
+    p.stderr.close()
+    assert first == b"row 0\n"
+    assert err == "" and code == 1, err                # 1, as Python's own recipe exits on EPIPE

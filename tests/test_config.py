@@ -1,15 +1,14 @@
 """BertConfig against transformers.BertConfig (defaults, config.json both ways) and count_parameters against the
-parameters of the real Hugging Face classes, built on torch's meta device (shapes only, no memory, fast)."""
+parameters of the real Hugging Face classes, built on torch's meta device (shapes only, no memory, fast). The tests
+that need no peer (presets, parameter counts against the paper, bad values) run without torch and transformers."""
 import dataclasses
 import json
 import os
 
 import pytest
 
+from peers import peer
 from refbert.config import HEADS, PRESETS, BertConfig, count_parameters
-
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
 
 # Fields that HF's BertConfig defines and refbert keeps in `extra` (it has no use for them, but writes them back).
 HF_ONLY = {"use_cache", "is_decoder", "add_cross_attention", "bos_token_id", "eos_token_id", "tie_word_embeddings"}
@@ -20,7 +19,7 @@ def to_hf(cfg):
     """The transformers.BertConfig with the same fields (and extras) as `cfg`."""
     d = cfg.to_dict()
     del d["model_type"]
-    return transformers.BertConfig(**d)
+    return peer("transformers").BertConfig(**d)
 
 
 def assert_same_fields(ours, hf):
@@ -29,6 +28,7 @@ def assert_same_fields(ours, hf):
 
 
 def hf_count(cfg, head):
+    torch, transformers = peer("torch"), peer("transformers")
     with torch.device("meta"):
         model = getattr(transformers, head)(to_hf(cfg))
     return sum(p.numel() for _, p in model.named_parameters())
@@ -36,17 +36,17 @@ def hf_count(cfg, head):
 
 # ---- defaults -------------------------------------------------------------------------------------------------------
 
-def test_defaults_equal_hf():
+def test_defaults_equal_hf(transformers):
     assert_same_fields(BertConfig(), transformers.BertConfig())
 
 
-def test_every_hf_bert_field_is_ours_or_extra():
+def test_every_hf_bert_field_is_ours_or_extra(transformers):
     # If HF adds a BERT field, this fails, and we decide whether refbert needs it.
     assert set(transformers.BertConfig.__annotations__) <= set(OURS) | HF_ONLY
 
 
 def test_gelu_names_follow_hf():
-    from transformers.activations import ACT2CLS
+    ACT2CLS = peer("transformers.activations").ACT2CLS
     assert BertConfig().gelu_approximate == "none"
     assert BertConfig(hidden_act="gelu_new").gelu_approximate == "tanh"
     assert BertConfig(hidden_act="gelu_pytorch_tanh").gelu_approximate == "tanh"
@@ -58,7 +58,7 @@ def test_gelu_names_follow_hf():
 
 # ---- labels ---------------------------------------------------------------------------------------------------------
 
-def test_num_labels_like_hf():
+def test_num_labels_like_hf(transformers):
     for k in (1, 2, 3, 7):
         ours, hf = BertConfig(num_labels=k), transformers.BertConfig(num_labels=k)
         assert ours.num_labels == k
@@ -145,7 +145,7 @@ def custom():
 
 
 @pytest.mark.parametrize("make", [BertConfig, lambda: BertConfig(num_labels=3), custom])
-def test_hf_reads_ours(tmp_path, make):
+def test_hf_reads_ours(tmp_path, make, transformers):
     ours = make()
     written = ours.to_json_file(tmp_path)
     assert written == os.path.join(tmp_path, "config.json")
@@ -159,7 +159,7 @@ def test_hf_reads_ours(tmp_path, make):
                                     {"id2label": {0: "neg", 1: "pos", 2: "neu"}, "label2id": {"neg": 0, "pos": 1,
                                      "neu": 2}, "hidden_act": "gelu_pytorch_tanh", "type_vocab_size": 1,
                                      "architectures": ["BertForMaskedLM"], "problem_type": "regression"}])
-def test_ours_reads_hf(tmp_path, kwargs):
+def test_ours_reads_hf(tmp_path, kwargs, transformers):
     hf = transformers.BertConfig(**kwargs)
     hf.save_pretrained(tmp_path / "hf")
     ours = BertConfig.from_pretrained(tmp_path / "hf")
@@ -261,3 +261,37 @@ def test_file_errors_name_the_file(tmp_path):
     bad.write_text('{"hidden_act": "swish"}')
     with pytest.raises(ValueError, match="field 'hidden_act'.*config.json"):
         BertConfig.from_pretrained(bad)
+
+
+# ---- the constructor takes what to_dict gives, as HF's does ---------------------------------------------------------
+
+def test_constructor_takes_its_own_to_dict():
+    # transformers.BertConfig(**config.to_dict()) works (model_type included, unknown keys kept as attributes); so
+    # does refbert's, and the known fields are still checked
+    for cfg in (BertConfig(), custom(), BertConfig(num_labels=3, extra={"zzz": [1, 2]})):
+        assert BertConfig(**cfg.to_dict()) == cfg
+    cfg = BertConfig(num_labels=3, foo=1, extra={"zzz": 2})
+    assert cfg.foo == 1 and cfg.zzz == 2 and cfg.extra == {"zzz": 2, "foo": 1} and cfg.to_dict()["foo"] == 1
+    cfg.bar = [3]                                       # a new attribute is a key of the config, as in HF
+    assert cfg.to_dict()["bar"] == [3] and BertConfig(**cfg.to_dict()).bar == [3]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cfg.nope
+    with pytest.raises(ValueError, match="field 'model_type' expected 'bert', got 'roberta'"):
+        BertConfig(model_type="roberta")
+    with pytest.raises(ValueError, match="field 'hidden_size' expected a positive int, got 0"):
+        BertConfig(hidden_size=0, foo=1)
+    with pytest.raises(ValueError, match="field 'is_decoder' expected False"):
+        BertConfig(is_decoder=True)
+    with pytest.raises(ValueError, match=r"field 'extra\['f'\]' expected a JSON-serialisable value"):
+        BertConfig(f=object())
+
+
+def test_constructor_takes_hf_to_dict_both_ways(transformers):
+    hf = transformers.BertConfig(num_labels=3, hidden_act="gelu_new", foo=1)
+    ours = BertConfig(**hf.to_dict())                   # model_type, transformers_version, use_cache, ... kept
+    assert_same_fields(ours, hf)
+    assert ours.foo == hf.foo == 1 and ours.extra["use_cache"] is True
+    back = transformers.BertConfig(**ours.to_dict())
+    assert_same_fields(ours, back) and back.foo == 1
+    assert {k: v for k, v in back.to_dict().items() if k != "transformers_version"} == \
+        {k: v for k, v in hf.to_dict().items() if k != "transformers_version"}

@@ -1,6 +1,8 @@
 """The whole model: finite differences for every parameter of every head, semantics, memory, bad input."""
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import refbert
 from refbert import model as M
@@ -248,3 +250,23 @@ def test_outputs_do_not_share_memory_with_what_the_backward_reads():
         grads.append(model.backward())
     for k in grads[0]:
         np.testing.assert_array_equal(grads[1][k], grads[0][k], err_msg=k)
+
+
+@settings(max_examples=8)                  # each example checks every parameter tensor: kept to a few
+@given(B=st.integers(1, 3), T=st.integers(1, 5), H=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+@example(B=1, T=1, H=1, seed=0)            # one sequence of one token through one head
+@example(B=2, T=1, H=2, seed=1)
+def test_every_parameter_on_drawn_shapes(B, T, H, seed):
+    cfg = tiny(num_hidden_layers=1, num_attention_heads=H, hidden_size=4 * H, intermediate_size=7,
+               max_position_embeddings=8)
+    model = refbert.BertForSequenceClassification(cfg, seed=1, dtype=np.float64).train(True)
+    r = np.random.default_rng(seed)
+    for p in model.parameters().values():
+        p += r.standard_normal(p.shape) * 0.05
+    am = (np.arange(T) < r.integers(1, T + 1, (B, 1))).astype(np.int64)    # >= 1 real token per row
+    am[-1] = np.arange(T) < 1                                                # and a row with exactly one
+    x = dict(input_ids=r.integers(1, cfg.vocab_size, (B, T)), attention_mask=am,
+             token_type_ids=(np.arange(T) >= T // 2).astype(np.int64)[None].repeat(B, 0),
+             labels=r.integers(0, cfg.num_labels, B))
+    errs = check_model(model, x, n_dirs=1)
+    assert max(errs.values()) <= TOLERANCE, errs

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from refbert import ops
@@ -80,6 +80,7 @@ def test_layernorm(lead, C, scale, seed):
 
 @given(B=dims, T=dims, scale=st.sampled_from([1.0, 0.125]), big=st.booleans(),
        fill=st.sampled_from([-np.inf, np.finfo(np.float64).min, -1e4]), seed=seeds)
+@example(B=1, T=1, scale=1.0, big=False, fill=-np.inf, seed=0)           # a single position: p = 1, dx = 0
 def test_softmax_with_mask(B, T, scale, big, fill, seed):
     r = np.random.default_rng(seed)
     x = r.standard_normal((B, 3, T)) + (1e4 if big else 0.0)
@@ -116,6 +117,8 @@ def test_add(shape, seed):
 
 @given(B=st.integers(1, 2), T=st.integers(1, 5), H=st.integers(1, 8), hs=st.integers(1, 3),
        p=st.sampled_from([0.0, 0.3]), fill=st.sampled_from([-np.inf, np.finfo(np.float64).min]), seed=seeds)
+@example(B=1, T=1, H=1, hs=1, p=0.0, fill=-np.inf, seed=0)              # one sequence of one token, one head
+@example(B=1, T=1, H=1, hs=3, p=0.3, fill=np.finfo(np.float64).min, seed=1)
 def test_attention(B, T, H, hs, p, fill, seed):
     r = np.random.default_rng(seed)
     q, k, v = (r.standard_normal((B, T, H * hs)) for _ in range(3))
@@ -241,17 +244,6 @@ def test_cross_entropy_matches_definition():
     assert ops.cross_entropy_forward(z, y)[0] == pytest.approx(expect, rel=1e-14)
 
 
-def test_ndtr_accuracy_documented():
-    # scipy's normal CDF against the C library's erfc (Phi(x) = erfc(-x / sqrt 2) / 2) on a dense grid: the exact
-    # GELU relies on <= 1e-15 absolute; relative, in the left tail where Phi is tiny, 1e-13 (the reference's own
-    # rounding of x / sqrt 2 moves Phi(x) by about x^2 * eps relative: 1e-14 at x = -10)
-    from scipy.special import ndtr
-    xs = np.linspace(-10, 10, 40001)
-    ref = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in xs])
-    assert np.max(np.abs(ndtr(xs) - ref)) <= 1e-15
-    assert np.max(np.abs(ndtr(xs) - ref) / ref) <= 1e-13
-
-
 # --- dropout semantics -------------------------------------------------------------------------------------------
 
 def test_dropout_rate_and_reproducibility():
@@ -303,3 +295,89 @@ F = np.zeros
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- the zero-row shortcut of linear_backward, under finite differences ------------------------------------------
+
+def _rows_masked(nonzero, N=10):
+    """linear with rows of its upstream gradient zeroed: out * m, m = 1 on `nonzero` of the N rows, 0 elsewhere.
+    L = sum(out * m * dout), so finite differences see exactly the gradients linear_backward gets from dout * m."""
+    m = np.zeros((2, N // 2, 1))
+    m.reshape(-1)[:nonzero] = 1
+    m = np.random.default_rng(nonzero).permutation(m.reshape(-1)).reshape(m.shape)    # scattered over the rows
+
+    def forward(x, w, b):
+        out, cache = ops.linear_forward(x, w, b)
+        return out * m, cache
+
+    def backward(dout, cache):
+        return ops.linear_backward(dout * m, cache)
+    return forward, backward
+
+
+@pytest.mark.parametrize("nonzero", [0, 1, 4, 5, 6, 10])
+def test_linear_backward_zero_row_shortcut_against_finite_differences(nonzero):
+    # linear_backward skips the rows of dout that are all zero when fewer than half (0.5 N) carry a gradient, and
+    # runs the plain GEMMs otherwise: 0, 1, 4 of 10 rows take the shortcut, 5 (the threshold), 6 and 10 do not
+    N = 10
+    r = np.random.default_rng(nonzero + 100)
+    x, w, b = r.standard_normal((2, N // 2, 7)), r.standard_normal((3, 7)), r.standard_normal(3)
+    forward, backward = _rows_masked(nonzero, N)
+    rows = np.count_nonzero(forward(x, w, b)[0].reshape(N, 3).any(1))      # rows of dout * m that can be nonzero
+    assert rows == nonzero and (rows < 0.5 * N) == (nonzero in (0, 1, 4))  # which branch linear_backward takes
+    assert_grads(forward, backward, dict(x=x, w=w, b=b), ("x", "w", "b"))
+    # and both branches give the same numbers: the shortcut only leaves out terms that are exactly zero
+    out, cache = ops.linear_forward(x, w, b)
+    d = r.standard_normal(out.shape) * _rows_masked(nonzero, N)[0](x, w, b)[0].astype(bool)
+    dense = (d.reshape(-1, 3) @ w).reshape(x.shape), d.reshape(-1, 3).T @ x.reshape(-1, 7), d.reshape(-1, 3).sum(0)
+    for got, want in zip(ops.linear_backward(d, cache), dense):
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)   # float64 sums in another grouping
+
+
+# --- layernorm where its rows (nearly) do not vary --------------------------------------------------------------
+
+@pytest.mark.parametrize("C", [1, 2, 3, 8])
+@pytest.mark.parametrize("spread", [1e-3, 2e-6])
+def test_layernorm_nearly_constant_rows(C, spread):
+    # rows c + spread * noise: 1e-3 of c (eps = 1e-12 negligible beside the variance), and 2e-6 (variance ~ eps,
+    # where eps shapes dx). The step follows the spread (layernorm is scale-invariant in x), so that finite
+    # differences resolve dx, of order 1/spread.
+    r = np.random.default_rng(C)
+    x = 0.5 + r.random((3, 1)) + spread * r.standard_normal((3, C))
+    w, b = r.standard_normal(C), r.standard_normal(C)
+    out, cache = ops.layernorm_forward(x, w, b)
+    dout = r.standard_normal(x.shape)
+    dx = ops.layernorm_backward(dout, cache)[0]
+    if C == 1:                                            # out = b whatever x is: dx is exactly 0
+        assert not dx.any()
+    if C == 2:
+        # two values, d = x1 - x2: xhat1 = -xhat2 = d / sqrt(d^2 + 4 eps), so from the formula
+        # dx1 = -dx2 = (dout1 w1 - dout2 w2) * 4 eps / (d^2 + 4 eps)^(3/2). At spread 1e-3 this is ~4e-3, below
+        # what differences can see through the forward's own rounding of x - mean (1e-13 / 2h ~ 5e-6 here):
+        # the formula is the proof there. rtol: the backward's (wdy - (xhat c1 + c2)) cancels to 4 eps / d^2 of
+        # its terms, ~1e-10 relative rounding at spread 1e-3
+        d = x[:, 0] - x[:, 1]
+        dx1 = (dout[:, 0] * w[0] - dout[:, 1] * w[1]) * 4e-12 / (d * d + 4e-12) ** 1.5
+        np.testing.assert_allclose(dx, np.stack([dx1, -dx1], 1), rtol=1e-7, atol=0)
+        if spread > 1e-4:
+            return
+    assert_grads(ops.layernorm_forward, ops.layernorm_backward, dict(x=x, w=w, b=b), ("x", "w", "b"),
+                 h=1e-5 * spread)
+    if C > 2:
+        assert np.abs(dx).max() > 0.1 / spread            # far from the 0 that any code would pass with
+
+
+# --- GELU's small-|x| branch ------------------------------------------------------------------------------------
+
+@given(shape=st.lists(dims, min_size=1, max_size=2), approximate=st.sampled_from(["none", "tanh"]), seed=seeds)
+@example(shape=[4, 3], approximate="none", seed=0)
+def test_gelu_small_x_branch(shape, approximate, seed):
+    # |x| < 1e-6: the exact backward reads Phi(x) as 1/2 + x phi(0) instead of out / x (0 / 0 at x = 0); x = 0
+    # itself is among the values
+    x = 1e-7 * np.random.default_rng(seed).standard_normal(shape)
+    x.reshape(-1)[0] = 0.0
+    assert np.abs(x).max() < 1e-6
+    assert_grads(lambda x: ops.gelu_forward(x, approximate), ops.gelu_backward, dict(x=x), ("x",))
+    dx = ops.gelu_backward(np.ones_like(x), ops.gelu_forward(x, approximate)[1])
+    # GELU'(x) = Phi(x) + x phi(x) = 1/2 + 2 x phi(0) + O(x^3), for the tanh form too (tanh'(0) = 1)
+    np.testing.assert_allclose(dx, 0.5 + x * math.sqrt(2 / math.pi), rtol=1e-12)

@@ -596,11 +596,73 @@ def _hand():
 
 
 def test_missing_special_tokens(tmp_path):
+    # a vocabulary without [SEP] and [MASK] is accepted: they get the ids after it, in transformers' order
     (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\nthe\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"vocab\.txt.*lacks.*sep_token='\[SEP\]'.*mask_token='\[MASK\]'"):
-        BertTokenizer(tmp_path / "vocab.txt")
-    with pytest.raises(ValueError, match=r"lacks.*unk_token='<unk>'"):
-        BertTokenizer({t: i for i, t in enumerate(SPECIALS)}, unk_token="<unk>")
+    tok = BertTokenizer(tmp_path / "vocab.txt")
+    assert (tok.sep_token_id, tok.mask_token_id, len(tok), tok.vocab_size) == (4, 5, 6, 4)
+    assert tok("the [MASK]")["input_ids"] == [2, 3, 5, 4]
+    assert tok.decode([2, 3, 5, 4], skip_special_tokens=True) == "the"
+    # only what needs a missing token fails: a word without word pieces when [UNK] is missing, padding without a
+    # pad token
+    no_unk = BertTokenizer({"[CLS]": 0, "[SEP]": 1, "the": 2})
+    assert no_unk.unk_token_id == 3 and no_unk("the the")["input_ids"] == [0, 2, 2, 1]
+    with pytest.raises(ValueError, match=r"argument 'text' expected words .* lacks the unknown token '\[UNK\]'\), "
+                                         r"got 'cat'"):
+        no_unk("the cat")
+    no_pad = BertTokenizer({t: i for i, t in enumerate(SPECIALS + ["the"])}, pad_token=None, mask_token=None)
+    assert no_pad.pad_token_id is None and no_pad.mask_token_id is None and len(no_pad) == 6
+    assert no_pad.all_special_tokens == ["[UNK]", "[SEP]", "[CLS]"]
+    assert no_pad("[MASK]")["input_ids"] == [2, 1, 1, 1, 3]       # not special: "[", "mask", "]" are unknown
+    with pytest.raises(ValueError, match=r"argument 'padding' = True needs a pad token, .* pad_token=None"):
+        no_pad(["the", "the the"], padding=True)
+    for name in ("unk_token", "sep_token", "cls_token"):
+        with pytest.raises(ValueError, match=rf"argument '{name}' expected a non-empty str, got None"):
+            BertTokenizer({"the": 0}, **{name: None})
+    with pytest.raises(ValueError, match=r"argument 'pad_token' expected a non-empty str or None, got ''"):
+        BertTokenizer({"the": 0}, pad_token="")
+
+
+# google-research/bert's tokenization_test.py vocabulary: no [PAD], no [MASK]
+GOOGLE_VOCAB = ["[UNK]", "[CLS]", "[SEP]", "want", "##want", "##ed", "wa", "un", "runn", "##ing", ",", "low",
+                "lowest"]
+
+
+@pytest.mark.parametrize("lines, kw", [
+    (GOOGLE_VOCAB, {}),
+    (GOOGLE_VOCAB, {"pad_token": None, "mask_token": None}),
+    (GOOGLE_VOCAB + ["[MASK]"], {"pad_token": "<pad>"}),
+    (["[CLS]", "[SEP]", "want", "##ed", "low"], {}),               # no [UNK] either
+    (["want", "low", ","], {}),                                    # no special token at all
+])
+def test_vocabulary_without_special_tokens_as_transformers(tmp_path, lines, kw):
+    fast_cls, _ = hf_classes()
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+    ours, theirs = BertTokenizer(tmp_path / "vocab.txt", **kw), fast_cls(str(tmp_path / "vocab.txt"), **kw)
+    names = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    assert [(getattr(ours, n), getattr(ours, n + "_id")) for n in names] == \
+        [(getattr(theirs, n), getattr(theirs, n + "_id")) for n in names]
+    assert (len(ours), ours.vocab_size, ours.get_vocab()) == (len(theirs), theirs.vocab_size, theirs.get_vocab())
+    assert ours.all_special_tokens == theirs.all_special_tokens and ours.all_special_ids == theirs.all_special_ids
+    for text, pair in (("wanted low", None), ("low, want", "lowest"), ("want [MASK] [PAD] low", None),
+                       ("unwanted running", None), ("want zzz", None)):
+        try:
+            want = theirs(text, pair)
+        except Exception:                              # WordPiece without [UNK]: fails in both
+            with pytest.raises(ValueError):
+                ours(text, pair)
+            continue
+        assert dict(ours(text, pair)) == dict(want), (text, pair)
+    batch = ["low", "want, low lowest"]
+    try:
+        want = theirs(batch, padding=True)
+    except Exception:                                  # no pad token, or a word without [UNK]: fails in both
+        with pytest.raises(ValueError):
+            ours(batch, padding=True)
+    else:
+        assert dict(ours(batch, padding=True)) == dict(want)
+    every = list(range(len(theirs)))
+    for skip in (False, True):
+        assert ours.decode(every, skip_special_tokens=skip) == theirs.decode(every, skip_special_tokens=skip)
 
 
 def test_missing_vocab_file(tmp_path):

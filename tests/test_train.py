@@ -99,8 +99,8 @@ def test_a_killed_run_keeps_its_latest_checkpoint(demo, tmp_path):
     latest = json.load(open(out / "latest.json"))["checkpoint"]
     import refbert
     refbert.BertForPreTraining.from_pretrained(str(out / latest))  # complete and loadable
-    assert cli.main(pretrain_args(demo, out, "--resume", "--steps", "400", "--stop-after",
-                                  str(int(latest.split("-")[1]) + 1))) == 0
+    assert cli.main(pretrain_args(demo, out, "--resume", "--steps", "400", "--save-every", "1", "--stop-after",
+                                  str(int(latest.split("-")[1]) + 1), "--allow-changed-schedule")) == 0
 
 
 @pytest.mark.parametrize("task, metric", [("classification", "accuracy"), ("pair", "accuracy"), ("ner", "f1"),
@@ -257,3 +257,53 @@ def test_best_is_swapped_atomically(tmp_path):
         want = refbert.BertModel(cfg, seed=seed).parameters()
         assert all(np.array_equal(again.parameters()[k], want[k]) for k in want)
     assert os.path.islink(out / "best") and sorted(os.listdir(out)) == ["best", "best-0003"]
+
+
+def test_argument_errors_come_before_anything_is_written(demo, tmp_path, fails):
+    y = tmp_path / "y"
+    init = tmp_path / "init"
+    init.mkdir()
+    BertConfig.from_json_file(demo / "config.json").to_json_file(init)
+    cfg300 = tmp_path / "c300.json"
+    cfg300.write_text(json.dumps({**json.loads((demo / "config.json").read_text()), "vocab_size": 300}))
+    small = str(demo / "small.txt")
+    cases = [
+        (["pretrain", "--init", str(init), "--out", str(y)], "--corpus: expected a text file to pretrain on"),
+        (["pretrain", "--corpus", str(tmp_path / "none.txt"), "--out", str(y)], "--corpus: expected an existing file"),
+        (pretrain_args(demo, y, "--vocab", str(tmp_path / "v.txt")), "--vocab: expected an existing file"),
+        (["pretrain", "--corpus", small, "--init", str(init), "--vocab", str(demo / "tok" / "vocab.txt"),
+          "--out", str(y)], "--init: the folder brings its own vocabulary and config; drop --vocab"),
+        (["pretrain", "--corpus", small, "--init", str(demo / "tok"), "--out", str(y)], "with config.json"),
+        (["pretrain", "--corpus", small, "--preset", "huge", "--out", str(y)], "--preset: expected one of tiny"),
+        (pretrain_args(demo, y, "--mlm-prob", "1.5"), "--mlm-prob: expected a probability in (0, 1], got 1.5"),
+        (pretrain_args(demo, y, "--lr", "-1"), "--lr: expected a positive finite learning rate"),
+        (pretrain_args(demo, y, "--max-seq-length", "65"), "--max-seq-length: expected at most 64"),
+        (pretrain_args(demo, y, "--config", str(cfg300)), "--config: vocab_size 300 does not match"),
+        # a vocabulary trained on the corpus first, then refused: it is trained outside --out and removed
+        (["pretrain", "--corpus", small, "--config", str(cfg300), "--vocab-size", "400", "--max-seq-length", "32",
+          "--out", str(y)], "--config: vocab_size 300 does not match"),
+    ]
+    for argv, match in cases:
+        fails(argv, match)
+        assert not y.exists(), argv
+
+
+def test_resume_refuses_changed_arguments(demo, tmp_path, fails):
+    cut = tmp_path / "cut"
+    assert cli.main(pretrain_args(demo, cut, "--steps", "4", "--save-every", "2", "--stop-after", "2")) == 0
+    before = {p: (cut / p).read_bytes() for p in ("log.csv", "latest.json")}
+    fails(pretrain_args(demo, cut, "--resume", "--lr", "1e-3", "--batch-size", "4", "--steps", "4",
+                        "--save-every", "2"),
+          "refusing to change --batch-size from 8 to 4, --lr from 0.003 to 0.001; a resumed run continues exactly "
+          "as it started")
+    fails(["pretrain", "--out", str(cut), "--resume", "--steps", "6"],
+          "refusing to change --steps from 4 to 6; a resumed run continues exactly as it started "
+          "(--allow-changed-schedule lets --steps")
+    fails(["pretrain", "--out", str(cut), "--resume", "--seed", "1", "--allow-changed-schedule"],
+          "refusing to change --seed from 0 to 1")
+    assert before == {p: (cut / p).read_bytes() for p in before}          # refused: nothing written
+    # the schedule may change when asked for: the run goes on to 6 steps, the same first 4 as before
+    assert cli.main(["pretrain", "--out", str(cut), "--resume", "--steps", "6", "--allow-changed-schedule"]) == 0
+    assert [int(r["step"]) for r in rows(cut / "log.csv")] == [1, 2, 3, 4, 5, 6]
+    state = json.load(open(cut / json.load(open(cut / "latest.json"))["checkpoint"] / "trainer_state.json"))
+    assert state["step"] == 6 and state["args"]["steps"] == 6 and state["args"]["lr"] == 3e-3

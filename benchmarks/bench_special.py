@@ -1,0 +1,48 @@
+"""refbert.special.ndtr (NumPy) against scipy.special.ndtr (C, Cephes) on a (4096, 3072) array, the size of BERT-base's
+intermediate activations for 4096 tokens, in float64 and float32.
+
+    python benchmarks/bench_special.py                  # N(0, 1) and N(0, 3) inputs, 7 repeats
+    python benchmarks/bench_special.py --sd 1 --repeats 11
+
+Method: the two alternate, so that drift in the machine's speed hits both alike; one warm-up call each is excluded;
+the median and the minimum of the repeats are printed, one line per measurement. The results are compared before
+anything is timed. The cost depends on the inputs (refbert's formula for |x| > 1.19 costs 2-4x its central one), so
+each spread is its own line. Needs scipy (the dev extra).
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sd", type=float, nargs="+", default=[1.0, 3.0], help="standard deviations of the inputs")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    from scipy.special import ndtr as scipy_ndtr
+
+    from refbert.special import ndtr
+    r = np.random.default_rng(0)
+    for sd in args.sd:
+        x64 = r.standard_normal((4096, 3072)) * sd
+        for x in (x64, x64.astype(np.float32)):
+            ours, theirs = ndtr(x), scipy_ndtr(x)                  # warm-up, and the comparison
+            assert ours.dtype == theirs.dtype == x.dtype
+            ok = x > -0.6                                          # where Cephes is itself within 2 ulp
+            np.testing.assert_allclose(ours[ok], theirs[ok], rtol=4 * np.finfo(x.dtype).eps, atol=0)
+            times = {"refbert": [], "scipy": []}
+            for _ in range(args.repeats):
+                for name, f in (("refbert", ndtr), ("scipy", scipy_ndtr)):
+                    t = time.perf_counter()
+                    f(x)
+                    times[name].append(time.perf_counter() - t)
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            low = {k: min(v) * 1e3 for k, v in times.items()}
+            print(f"ndtr N(0, {sd:g}) {x.dtype}: refbert {med['refbert']:.0f} ms (min {low['refbert']:.0f}), "
+                  f"scipy {med['scipy']:.0f} ms (min {low['scipy']:.0f}), ratio {med['refbert'] / med['scipy']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
