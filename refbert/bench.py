@@ -74,7 +74,8 @@ def add_arguments(p):
     p.add_argument("--no-compile", action="store_true", help="skip the kernels' compile-time measurement")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: the CUDA kernels and the step on a GPU against PyTorch there (refbert/bench_cuda.py)")
+                   help="cuda: the CUDA kernels and the step on a GPU against PyTorch there (refbert/bench_cuda.py, "
+                        "dispatched by refbert/cli.py)")
     p.add_argument("--attention-T", nargs="+", type=int, help="--device cuda: attention sequence lengths")
     p.add_argument("--step-T", nargs="+", type=int, help="--device cuda: pretraining-step sequence lengths at B=4")
     p.add_argument("--no-torch", action="store_true", help="--device cuda: skip the PyTorch peers")
@@ -1078,9 +1079,6 @@ def main(args=None, argv=None):
     if args is None:
         args = add_arguments(argparse.ArgumentParser(prog="refbert bench",
                                                      description=__doc__.split("\n")[0])).parse_args(argv)
-    if getattr(args, "device", "cpu") == "cuda":
-        from . import bench_cuda
-        return bench_cuda.main(args)
     if args.out is None:
         args.out = os.path.join(DEFAULT_OUT, "quick") if args.quick else DEFAULT_OUT
     command = _command(args)

@@ -25,9 +25,12 @@ def positive(text):
     return value
 
 
-def _backend_arg(p):
-    p.add_argument("--backend", choices=["numpy", "numba"], default="numpy",
-                   help="numpy: the oracle (default); numba: the fused CPU kernels (pip install 'refbert[kernels]')")
+def _backend_arg(p, cuda=False):
+    """--backend; cuda=True adds "cuda" (the commands whose outputs are brought back to NumPy: pretrain, finetune)."""
+    p.add_argument("--backend", choices=["numpy", "numba", "cuda"] if cuda else ["numpy", "numba"], default="numpy",
+                   help="numpy: the oracle (default); numba: the fused CPU kernels (pip install 'refbert[kernels]')"
+                        + ("; cuda: a GPU through CuPy and Numba CUDA kernels (pip install 'refbert[cuda]'; or "
+                           "Numba's CPU simulator with NUMBA_ENABLE_CUDASIM=1, tiny models only)" if cuda else ""))
     return p
 
 
@@ -66,7 +69,7 @@ def _pretrain_args(p):
     p.add_argument("--save-every", type=positive)
     p.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (resume later)")
     p.add_argument("--seed", type=int)
-    _backend_arg(p)
+    _backend_arg(p, cuda=True)
     for action in p._actions:                       # show the defaults that live in refbert.defaults
         if PRETRAIN.get(action.dest) not in (None, False) and action.dest != "backend":
             action.help = f"{action.help + ' ' if action.help else ''}(default {PRETRAIN[action.dest]})"
@@ -105,7 +108,7 @@ def build_parser():
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-seq-length", type=positive, default=128)
     p.add_argument("--seed", type=int, default=0)
-    _backend_arg(p)
+    _backend_arg(p, cuda=True)
     p = sub.add_parser("predict", help="classify, tag or answer with a fine-tuned model")
     p.add_argument("model")
     p.add_argument("--text", action="append")
@@ -157,6 +160,9 @@ def run(args):
         print(train_vocab(args.corpus, args.out, vocab_size=args.vocab_size, lowercase=not args.cased))
         return 0
     if c == "bench":
+        if args.device == "cuda":
+            from . import bench_cuda
+            return bench_cuda.main(args)
         from . import bench
         return bench.main(args)
     from . import inference, train

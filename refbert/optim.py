@@ -17,13 +17,23 @@ AdamW in place of its AdamWeightDecayOptimizer; `AdamW(..., correct_bias=False)`
 References: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (arXiv:1711.05101); Kingma & Ba, "Adam"
 (arXiv:1412.6980); torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ (PyTorch 2.13);
 google-research/bert optimization.py.
+
+Arrays: NumPy's, or a device library's whose arrays take NumPy's functions (`np.sqrt(a)`, `np.sum(a)`, ... dispatched
+through __array_ufunc__ / __array_function__) and expose __cuda_array_interface__: CuPy's, as the "cuda" backend's
+parameters and gradients are. The arithmetic is the same calls on either; on a device it stays there, except for
+the checks' few numbers (each gradient's largest magnitude, each one's sum of squares), which come to the host in one
+copy per call. state_dict() hands out NumPy copies (a checkpoint writes them as they are); load_state_dict() takes
+NumPy (or the parameters' library's) arrays and puts its copies beside the parameters, on their device.
 """
+import contextlib
+import importlib
 import math
 import numbers
 
 import numpy as np
 
-from .validate import FLOATS, _desc
+from .validate import FLOATS
+from .validate import _desc as _desc_numpy
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -57,19 +67,93 @@ def _names(keys, limit=5):
     return repr(keys[:limit]) + more
 
 
-def _finite(who, arg, key, g):
-    """Every value of g is finite, and so is its square (the second moment must not overflow to inf)."""
-    bad = ~np.isfinite(g)
-    if bad.any():
+# ----------------------------------------------------------------------------------------------------------------
+# arrays of any library: NumPy's, or a device's (CuPy) that takes NumPy's functions
+
+def _is_device(x):
+    """An array of another library that lives on a GPU (__cuda_array_interface__) and takes NumPy's functions
+    (__array_ufunc__, __array_function__): CuPy's."""
+    return (not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__")
+            and hasattr(type(x), "__array_ufunc__") and hasattr(type(x), "__array_function__")
+            and hasattr(x, "dtype") and hasattr(x, "shape"))
+
+
+def _is_array(x):
+    return isinstance(x, np.ndarray) or _is_device(x)
+
+
+def _lib(x):
+    """The top-level module of x's type: "numpy", "cupy"."""
+    return type(x).__module__.split(".")[0]
+
+
+def _same_lib(a, p):
+    """a is an array of p's library (a NumPy array for a NumPy parameter)."""
+    return isinstance(a, np.ndarray) if isinstance(p, np.ndarray) else _is_device(a) and _lib(a) == _lib(p)
+
+
+def _where(p):
+    """Where a device parameter lives, for messages ("" for NumPy's)."""
+    return "" if isinstance(p, np.ndarray) else f", a {_lib(p)} array"
+
+
+def _desc(x):
+    if _is_device(x):
+        return f"{_lib(x)} array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return _desc_numpy(x)
+
+
+def _host(a):
+    """A NumPy copy of a (a NumPy array: a.copy())."""
+    if isinstance(a, np.ndarray):
+        return a.copy()
+    return np.asarray(a.get() if hasattr(a, "get") else a.copy_to_host())
+
+
+def _copy_like(a, p):
+    """A copy of a (NumPy's or p's library's) in p's library, on p's device."""
+    if isinstance(p, np.ndarray):
+        return np.array(a, copy=True)
+    ns = getattr(p, "__array_namespace__", None)
+    xp = ns() if ns is not None else importlib.import_module(_lib(p))
+    device = getattr(p, "device", None)
+    with device if hasattr(device, "__enter__") else contextlib.nullcontext():   # CuPy: p's GPU current
+        return xp.array(a, copy=True)
+
+
+def _host_floats(values):
+    """Python floats of a list of scalars / 0-d arrays: NumPy's read as they are, a device's brought over together
+    in one copy (one synchronisation instead of one per value)."""
+    out = [None] * len(values)
+    groups = {}
+    for i, v in enumerate(values):
+        if _is_device(v):
+            groups.setdefault(_lib(v), []).append(i)
+        else:
+            out[i] = float(v)
+    for idx in groups.values():
+        for i, x in zip(idx, _host(np.stack([values[i] for i in idx])).tolist()):
+            out[i] = float(x)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# argument checks on arrays
+
+def _finite(who, arg, key, g, peak):
+    """Every value of g is finite, and so is its square (the second moment must not overflow to inf). `peak` is
+    float(np.max(np.abs(g))) (NaN if g holds a NaN, inf if an inf)."""
+    if not math.isfinite(peak):
+        bad = ~np.isfinite(g)
         i = tuple(int(j) for j in np.argwhere(bad)[0])
         raise ValueError(f"{who}: argument '{arg}' key {key!r} expected finite values, got {g[i]} at index {i}")
-    if g.size and float(np.max(np.abs(g))) > math.sqrt(float(np.finfo(g.dtype).max)):
+    if peak > math.sqrt(float(np.finfo(g.dtype).max)):
         raise ValueError(f"{who}: argument '{arg}' key {key!r} expected values whose square is finite in "
-                         f"{g.dtype}, got a largest magnitude of {float(np.max(np.abs(g)))}")
+                         f"{g.dtype}, got a largest magnitude of {peak}")
 
 
 def _float_array(who, arg, key, x):
-    if not isinstance(x, np.ndarray) or x.dtype.type not in FLOATS:
+    if not _is_array(x) or np.dtype(x.dtype).type not in FLOATS:
         raise ValueError(f"{who}: argument '{arg}' key {key!r} expected a float32 or float64 numpy array, "
                          f"got {_desc(x)}")
 
@@ -78,7 +162,8 @@ def _float_array(who, arg, key, x):
 # AdamW
 
 class AdamW:
-    """Adam with decoupled weight decay, updating a dict of live NumPy arrays in place.
+    """Adam with decoupled weight decay, updating a dict of live NumPy arrays in place (or CuPy arrays: the "cuda"
+    backend's parameters; the moments are then kept on their device too, see the module docstring).
 
     `params` is `model.parameters()`: name -> the model's own float32/float64 array. `step(grads)` takes a dict
     with exactly the same keys, shapes and dtypes (`model.backward()`) and overwrites the arrays, so the model sees
@@ -141,7 +226,7 @@ class AdamW:
             if not isinstance(name, str):
                 raise ValueError(f"{who}: argument 'params' expected str keys, got {type(name).__name__} {name!r}")
             _float_array(who, "params", name, p)
-            if not p.flags.writeable:
+            if not getattr(getattr(p, "flags", None), "writeable", True):      # (CuPy's arrays are always)
                 raise ValueError(f"{who}: argument 'params' key {name!r} expected a writeable array "
                                  f"(it is updated in place), got a read-only one")
             if id(p) in seen:
@@ -182,10 +267,13 @@ class AdamW:
                              f"{len(missing)} missing {_names(missing)} and {len(extra)} unexpected {_names(extra)}")
         for name, p in self.params.items():
             g = grads[name]
-            if not isinstance(g, np.ndarray) or g.shape != p.shape or g.dtype != p.dtype:
+            if not _same_lib(g, p) or g.shape != p.shape or g.dtype != p.dtype:
                 raise ValueError(f"{who}: argument 'grads' key {name!r} expected an array of shape {p.shape} and "
-                                 f"dtype {p.dtype} (the parameter's), got {_desc(g)}")
-            _finite(who, "grads", name, g)
+                                 f"dtype {p.dtype} (the parameter's{_where(p)}), got {_desc(g)}")
+        names = [name for name, g in grads.items() if g.size]
+        peaks = _host_floats([np.max(np.abs(grads[name])) for name in names])
+        for name, peak in zip(names, peaks):
+            _finite(who, "grads", name, grads[name], peak)
 
     def step(self, grads, lr=None):
         """One update of every parameter in place (the formulas in the class docstring). `lr` overrides the
@@ -222,8 +310,8 @@ class AdamW:
         """Everything needed to continue bit-exactly, as a plain dict of copies: the step count, m and v per name,
         and the hyperparameters. The parameters themselves are the model's: save them beside this."""
         return {"step_count": self.step_count,
-                "m": {k: a.copy() for k, a in self.m.items()},
-                "v": {k: a.copy() for k, a in self.v.items()},
+                "m": {k: _host(a) for k, a in self.m.items()},
+                "v": {k: _host(a) for k, a in self.v.items()},
                 "lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
                 "correct_bias": self.correct_bias, "no_decay": self.no_decay}
 
@@ -247,7 +335,7 @@ class AdamW:
                 raise ValueError(f"{who}: argument '{arg}' expected exactly the parameters' keys, got {got}")
             for name, p in self.params.items():
                 a = d[name]
-                if not isinstance(a, np.ndarray) or a.shape != p.shape or a.dtype != p.dtype:
+                if not (isinstance(a, np.ndarray) or _same_lib(a, p)) or a.shape != p.shape or a.dtype != p.dtype:
                     raise ValueError(f"{who}: argument '{arg}' key {name!r} expected an array of shape {p.shape} "
                                      f"and dtype {p.dtype} (the parameter's), got {_desc(a)}")
                 if not np.isfinite(a).all() or (which == "v" and (a < 0).any()):
@@ -256,8 +344,8 @@ class AdamW:
         self._set_hyper(who, state["lr"], state["betas"], state["eps"], state["weight_decay"],   # all-or-nothing
                         state["correct_bias"], state["no_decay"])
         self.step_count = step_count
-        self.m = {k: np.array(a, copy=True) for k, a in state["m"].items()}
-        self.v = {k: np.array(a, copy=True) for k, a in state["v"].items()}
+        self.m = {k: _copy_like(a, self.params[k]) for k, a in state["m"].items()}
+        self.v = {k: _copy_like(a, self.params[k]) for k, a in state["v"].items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,21 +414,26 @@ def clip_grad_norm(grads, max_norm=1.0):
     torch sums a float32 set in float32; here the norm is always summed in float64, then the factor applied in
     each gradient's own dtype.
 
-    `grads` is a dict name -> float32/float64 array (model.backward()); a non-finite value raises a ValueError
-    naming the key, before anything is scaled. Returns the pre-clip norm as a Python float.
+    `grads` is a dict name -> float32/float64 array (model.backward(): NumPy's, or CuPy's on the "cuda" backend,
+    scaled where they are); a non-finite value raises a ValueError naming the key, before anything is scaled.
+    Returns the pre-clip norm as a Python float.
     """
     who = "clip_grad_norm"
     max_norm = _number(who, "max_norm", max_norm, 0.0, low_open=True)
     if not isinstance(grads, dict):
         raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient, got {type(grads).__name__}")
-    total = 0.0
     for name, g in grads.items():
         _float_array(who, "grads", name, g)
-        bad = ~np.isfinite(g)
-        if bad.any():
-            i = tuple(int(j) for j in np.argwhere(bad)[0])
-            raise ValueError(f"{who}: argument 'grads' key {name!r} expected finite values, got {g[i]} at index {i}")
-        total += float(np.sum(np.square(g, dtype=np.float64)))
+    sums = _host_floats([np.sum(np.square(g, dtype=np.float64)) for g in grads.values()])
+    total = 0.0
+    for (name, g), s in zip(grads.items(), sums):
+        if not math.isfinite(s):                        # a NaN or inf in g (or float64 squares that overflow)
+            bad = ~np.isfinite(g)
+            if bad.any():
+                i = tuple(int(j) for j in np.argwhere(bad)[0])
+                raise ValueError(f"{who}: argument 'grads' key {name!r} expected finite values, got {g[i]} at "
+                                 f"index {i}")
+        total += s
     norm = math.sqrt(total)
     if not math.isfinite(norm):
         raise ValueError(f"{who}: argument 'grads' expected a global norm finite in float64, got one that overflows")

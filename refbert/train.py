@@ -86,7 +86,7 @@ def save_checkpoint(out, name, model, tokenizer, opt=None, state=None, keep=2):
         os.rmdir(os.path.join(tmp, "m"))
         tokenizer.save_pretrained(tmp)
         if opt is not None:
-            sd = opt.state_dict()
+            sd = opt.state_dict()                     # NumPy copies, whatever device the moments live on
             arrays = {f"{k}.{n}": a for k in ("m", "v") for n, a in sd[k].items()}
             safetensors_io.save_file(arrays, os.path.join(tmp, "optimizer.safetensors"))
             state = {**state, "optimizer": {k: v for k, v in sd.items() if k not in ("m", "v")}}
@@ -120,7 +120,9 @@ def _next_version(out, name):
 
 
 def load_checkpoint(out, model_cls, dtype=np.float32, backend="numpy"):
-    """(folder, model, optimizer state dict, trainer state) of the checkpoint latest.json points at."""
+    """(folder, model, optimizer state dict, trainer state) of the checkpoint latest.json points at. The model is
+    on `backend` (its parameters on the device for "cuda"); the state dict's moments are NumPy arrays, which
+    AdamW.load_state_dict copies to the parameters' device."""
     with open(os.path.join(out, "latest.json")) as f:
         folder = os.path.join(out, json.load(f)["checkpoint"])
     model = model_cls.from_pretrained(folder, dtype=dtype, backend=backend)
@@ -190,7 +192,9 @@ def _progress(total, initial, desc):
 
 def pretraining_metrics(out, batch):
     """MLM and NSP loss and accuracy from the logits of BertForPreTraining (the loss is their sum); the MLM logits
-    are every position's (prediction_logits) or the labelled positions' alone (mlm_decode="labelled")."""
+    are every position's (prediction_logits) or the labelled positions' alone (mlm_decode="labelled"). A device
+    backend's outputs ("cuda": CuPy arrays) are brought to the host first; the metrics are NumPy's on either."""
+    out = M.to_numpy(out)
     labels, nsp = batch["labels"], batch["next_sentence_label"]
     kept = labels != -100
     if out.prediction_logits is not None:
@@ -605,7 +609,8 @@ def evaluate(model, task, rows, arrays, extra, batch_size, id2label):
     model.eval()
     n = len(rows)
     with M.no_grad():                                   # no backward follows: keep no activations
-        outs = [model(**{k: v[i:i + batch_size] for k, v in arrays.items()}) for i in range(0, n, batch_size)]
+        outs = [M.to_numpy(model(**{k: v[i:i + batch_size] for k, v in arrays.items()}))   # ("cuda": to the host)
+                for i in range(0, n, batch_size)]
     if task in ("classification", "pair"):
         pred = np.concatenate([o.logits.argmax(-1) for o in outs])
         return dict(accuracy=float((pred == arrays["labels"]).mean()))

@@ -420,3 +420,188 @@ def test_default_no_decay_exempts_the_same_tensors_as_google_on_every_head():
         google = {k: not any(re.search(r, k) for r in ["LayerNorm", "layer_norm", "bias"]) for k in P}
         assert ours == google, head
         assert any(ours.values()) and not all(ours.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# another array library's arrays (the "cuda" backend's CuPy arrays), through a NumPy-backed stand-in
+
+class DevArray(np.lib.mixins.NDArrayOperatorsMixin):
+    """A stand-in for a CuPy array, NumPy inside: NumPy's functions reach it through __array_ufunc__ /
+    __array_function__ and answer with DevArrays (reductions with 0-d ones, as CuPy's), it has the CUDA array
+    interface and .get(), no `flags.writeable`, and refuses to become a NumPy array implicitly (np.asarray raises,
+    as for CuPy), so any host round trip the optimizer forgot shows up here."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    __cuda_array_interface__ = property(lambda self: {"shape": self.shape, "typestr": self.dtype.str,
+                                                      "data": (0, False), "version": 3})
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("DevArray: implicit conversion to a NumPy array is not allowed (use .get())")
+
+    def __array_namespace__(self):
+        return _DEV
+
+    def get(self):
+        return self._a.copy()
+
+    def copy(self):
+        return DevArray(self._a.copy())
+
+    def astype(self, dtype):
+        return DevArray(self._a.astype(dtype))
+
+    def any(self):
+        return DevArray(self._a.any())
+
+    def all(self):
+        return DevArray(self._a.all())
+
+    def __getitem__(self, i):
+        return _wrap(self._a[_unwrap(i)])
+
+    def __iter__(self):
+        return (DevArray(x) for x in self._a)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __float__(self):
+        return float(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __index__(self):
+        return self._a.__index__()
+
+    def __format__(self, spec):
+        return format(self._a, spec)
+
+    def __repr__(self):
+        return f"DevArray({self._a!r})"
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        if out is not None:
+            kw["out"] = tuple(_unwrap(o) for o in out)
+        r = getattr(ufunc, method)(*_unwrap(inputs), **kw)
+        return (out[0] if len(out) == 1 else out) if out is not None else _wrap(r)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+
+
+def _unwrap(x):
+    if isinstance(x, DevArray):
+        return x._a
+    if isinstance(x, (tuple, list)):
+        return type(x)(_unwrap(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v) for k, v in x.items()}
+    return x
+
+
+def _wrap(x):
+    if isinstance(x, (np.ndarray, np.generic)):
+        return DevArray(x)
+    if isinstance(x, tuple):
+        return tuple(_wrap(v) for v in x)
+    return x
+
+
+class _DevNamespace:
+    @staticmethod
+    def array(a, copy=True):
+        return DevArray(np.array(a.get() if isinstance(a, DevArray) else a, copy=copy))
+
+
+_DEV = _DevNamespace()
+
+
+def dev(d):
+    return {k: DevArray(v.copy()) for k, v in d.items()}
+
+
+def host(d):
+    return {k: v.get() for k, v in d.items()}
+
+
+@pytest.mark.parametrize("correct_bias", [True, False])
+def test_device_arrays_step_clip_and_resume_exactly_as_numpy(correct_bias):
+    """AdamW and clip_grad_norm on a device library's arrays (the stand-in: NumPy's arithmetic by dispatch) give
+    NumPy's results bit for bit, updating the device arrays in place; state_dict() hands out NumPy copies and
+    load_state_dict() puts them back on the device."""
+    rng = np.random.default_rng(13)
+    P = make_params(rng, np.float32)
+    grads = [make_grads(rng, P, norm=n) for n in (0.5, 3.0, 0.2, 8.0, 1.0, 0.7)]
+    D = dev(P)
+    ids = {k: id(v) for k, v in D.items()}
+    kw = dict(lr=1e-2, weight_decay=0.05, correct_bias=correct_bias)
+    opt, dopt = AdamW(P, **kw), AdamW(D, **kw)
+    assert all(isinstance(a, DevArray) for a in (*dopt.m.values(), *dopt.v.values()))
+    for s in range(3):
+        g, dg = copy(grads[s]), dev(grads[s])
+        assert clip_grad_norm(dg, 1.0) == clip_grad_norm(g, 1.0)
+        for k in g:
+            np.testing.assert_array_equal(dg[k].get(), g[k])
+        opt.step(g, lr=1e-2 * (s + 1) / 3)
+        dopt.step(dg, lr=1e-2 * (s + 1) / 3)
+    assert {k: id(v) for k, v in D.items()} == ids                 # the same device arrays, changed in place
+    for k in P:
+        np.testing.assert_array_equal(D[k].get(), P[k])
+    state = dopt.state_dict()
+    assert all(type(a) is np.ndarray for w in ("m", "v") for a in state[w].values())
+    for w in ("m", "v"):
+        for k in P:
+            np.testing.assert_array_equal(state[w][k], opt.state_dict()[w][k])
+    D2 = dev(P)
+    dopt2 = AdamW(D2, lr=1.0, correct_bias=not correct_bias)
+    dopt2.load_state_dict(state)                                   # NumPy moments in, device moments kept
+    assert all(isinstance(a, DevArray) for a in (*dopt2.m.values(), *dopt2.v.values()))
+    for s in range(3, 6):
+        g, dg = copy(grads[s]), dev(grads[s])
+        clip_grad_norm(g, 1.0)
+        clip_grad_norm(dg, 1.0)
+        opt.step(g, lr=1e-2)
+        dopt2.step(dg, lr=1e-2)
+    for k in P:
+        np.testing.assert_array_equal(D2[k].get(), P[k])
+        np.testing.assert_array_equal(dopt2.m[k].get(), opt.m[k])
+        np.testing.assert_array_equal(dopt2.v[k].get(), opt.v[k])
+
+
+def test_device_arrays_keep_the_checks_and_messages():
+    D = dev(make_params(np.random.default_rng(14), np.float32))
+    opt = AdamW(D)
+    opt.step(dev(make_grads(np.random.default_rng(15), D)))
+    before, state = host(D), opt.state_dict()
+    g = make_grads(np.random.default_rng(16), D)
+    g["cls.predictions.bias"][3] = np.nan
+    with pytest.raises(ValueError, match=r"AdamW.step: argument 'grads' key 'cls.predictions.bias' expected "
+                                         r"finite values, got nan at index \(3,\)"):
+        opt.step(dev(g))
+    g["cls.predictions.bias"][3] = 1e30
+    with pytest.raises(ValueError, match="cls.predictions.bias.*square"):
+        opt.step(dev(g))
+    g["cls.predictions.bias"][3] = 0.5
+    with pytest.raises(ValueError, match=r"key 'cls.predictions.bias' expected an array of shape \(7,\) and dtype "
+                                         r"float32 \(the parameter's, a \w+ array\), got array of shape"):
+        opt.step({**dev(g), "cls.predictions.bias": g["cls.predictions.bias"]})     # a host array for a device one
+    assert all(np.array_equal(D[k].get(), before[k]) for k in D) and opt.step_count == 1
+    assert all(np.array_equal(opt.m[k].get(), state["m"][k]) for k in D)
+    with pytest.raises(ValueError, match=r"clip_grad_norm: argument 'grads' key 'b' expected finite values, got inf"):
+        clip_grad_norm({"a": DevArray(np.ones(3)), "b": DevArray(np.array([1.0, np.inf]))})
+    with pytest.raises(ValueError, match=r"argument 'grads' key 'a' expected a float32 or float64 numpy array, got "
+                                         r"\w+ array of shape \(3,\) and dtype int64"):
+        clip_grad_norm({"a": DevArray(np.arange(3))})
+    bad = dict(state, m={**state["m"], "cls.predictions.bias": np.zeros(8, np.float32)})
+    with pytest.raises(ValueError, match=r"'state\['m'\]' key 'cls.predictions.bias' expected an array of shape"):
+        opt.load_state_dict(bad)
