@@ -266,6 +266,18 @@ def split_batch(tensors, head, config, source):
     return batch, upstream, used
 
 
+def read_batch(path, head, config):
+    """(batch, upstream) from a .npz/.safetensors file: a dump's input/* and upstream/* tensors, or the same names
+    without the prefix; default_batch when path is None."""
+    if path is None:
+        return default_batch(config, head)
+    tensors, _ = read_dump(path)
+    if not any(k.startswith("input/") for k in tensors):           # bare names: input_ids, labels, ...
+        tensors = {(k if "/" in k else ("upstream/" if k in UPSTREAM else "input/") + k): v for k, v in tensors.items()}
+    batch, upstream, _ = split_batch(tensors, head, config, f"batch '{os.fspath(path)}'")
+    return batch, upstream
+
+
 def reference(model, batch, upstream):
     """What the dump must hold, computed by `model` (in its dtype): {key: array} in the order outputs (loss last),
     hidden_states/0..L, grad/<name> in parameters() order. No gradients when there is no loss (no labels; BertModel
@@ -459,11 +471,7 @@ def verify_self(folder, head=None, batch_path=None, log=lambda line: print(line,
     head = resolve_head(folder, head)
     t0 = time.perf_counter()
     model = load(folder, head, np.float64, need_head=False)
-    if batch_path is None:
-        batch, upstream = default_batch(model.config, head)
-    else:
-        tensors, _ = read_dump(batch_path)
-        batch, upstream, _ = split_batch(tensors, head, model.config, f"batch '{os.fspath(batch_path)}'")
+    batch, upstream = read_batch(batch_path, head, model.config)
     if head != "BertModel" and not all(n in batch for n in LABELS[head]):
         raise ValueError(f"verify: the batch expected {head}'s labels ({', '.join(LABELS[head])}) to have a loss "
                          f"to differentiate, got none")
@@ -578,11 +586,7 @@ def dump(folder, out, head=None, batch_path=None, dtype="float64"):
         raise ValueError(f"dump: argument 'dtype' expected float64 or float32, got {dtype!r}")
     head = resolve_head(folder, head)
     model = load(folder, head, np.dtype(dtype))
-    if batch_path is None:
-        batch, upstream = default_batch(model.config, head)
-    else:
-        tensors, _ = read_dump(batch_path)
-        batch, upstream, _ = split_batch(tensors, head, model.config, f"batch '{os.fspath(batch_path)}'")
+    batch, upstream = read_batch(batch_path, head, model.config)
     try:
         ref = reference(model, batch, upstream)
     except ValueError as e:

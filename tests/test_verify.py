@@ -16,7 +16,6 @@ import pytest
 
 import refbert
 from refbert import cli, safetensors_io, verify
-from refbert import model as M
 from refbert.check import tiny_config
 from refbert.config import HEADS
 
@@ -127,6 +126,29 @@ def test_16_bit_torch_dump_passes_at_its_tolerance(hf_dump, dtype, code):
     assert rep["dtype"] == dtype and rep["failed"] == 0, [r for r in rep["rows"] if not r["ok"]]
 
 
+def test_dump_batch_default_and_given(tmp_path, capsys):
+    """The default batch has padding, two segments and -100 labels; --batch takes bare names (input_ids, ...) or a
+    dump's input/* keys, and the dump carries exactly that batch."""
+    ckpt = refbert_ckpt(tmp_path / "ckpt")
+    t = verify.dump(ckpt, tmp_path / "default.safetensors")
+    am, tt, lab = t["input/attention_mask"], t["input/token_type_ids"], t["input/labels"]
+    assert t["input/input_ids"].shape == (2, 16) and 0 < am.sum() < am.size
+    assert set(np.unique(tt)) == {0, 1} and (lab == -100).any() and (lab != -100).any()
+    assert (t["input/input_ids"][am == 0] == 0).all()                 # the pad id, only on padding
+    ids = np.arange(20).reshape(2, 10) % 23
+    labels = np.full_like(ids, -100)
+    labels[1, 3] = 7                    # one MLM target: with none, HF's loss is NaN (a mean over nothing), refbert's 0
+    np.savez(tmp_path / "batch.npz", input_ids=ids, attention_mask=np.ones_like(ids), labels=labels,
+             next_sentence_label=np.array([1, 1]))
+    code, out, err = cli_run(capsys, "dump", ckpt, "--out", tmp_path / "given.npz", "--batch", tmp_path / "batch.npz")
+    assert code == 0 and "batch (2, 10)" in out, err
+    given, _ = verify.read_dump(tmp_path / "given.npz")
+    np.testing.assert_array_equal(given["input/input_ids"], ids)
+    assert "input/token_type_ids" not in given and verify.verify_dump(ckpt, tmp_path / "given.npz")["failed"] == 0
+    code, out, err = cli_run(capsys, "verify", ckpt, "--batch", tmp_path / "given.npz")   # a dump as a batch
+    assert code == 0 and "batch (2, 10)" in out, err
+
+
 @pytest.mark.parametrize("head", HEADS)
 def test_every_head_dumps_and_verifies(tmp_path, head):
     """Each class's default batch (its labels; BertModel's upstream gradients) goes through dump and verify."""
@@ -165,38 +187,32 @@ def test_perturbed_hidden_state_fails_naming_the_layer(hf_dump):
     assert rep["first_failure"]["where"] == "layer 1" and rep["first_failure"]["key"] == "hidden_states/2"
 
 
-def test_wrong_forward_in_one_layer_is_found(tmp_path, monkeypatch):
-    """An implementation whose layer 1 forward is off by 1e-3: hidden_states/2 is the first tensor to fail, and
-    every later output and gradient follows."""
-    ckpt = refbert_ckpt(tmp_path / "ckpt")
-    right = M.layer_forward
+def hooked_dump(hf_dump, name, hook):
+    """The README's snippet on a model altered by hook(model) before its forward: a buggy implementation."""
+    snippet = readme_snippet().replace("out = model(", "hook(model)\nout = model(").replace(
+        '"dump.safetensors"', f'"{name}"')
+    exec(compile(snippet, "README.md", "exec"), {"hook": hook})
+    return verify.verify_dump(hf_dump / "ckpt", hf_dump / name)
 
-    def wrong(ctx, P, pre, cfg, x, mask):
-        h, cache = right(ctx, P, pre, cfg, x, mask)
-        return (h * 1.001 if ".layer.1." in pre else h), cache
-    monkeypatch.setattr(M, "layer_forward", wrong)
-    verify.dump(ckpt, tmp_path / "bad.safetensors")
-    monkeypatch.setattr(M, "layer_forward", right)
-    rep = verify.verify_dump(ckpt, tmp_path / "bad.safetensors")
+
+def test_wrong_forward_in_one_layer_is_found(hf_dump):
+    """Layer 1's output off by 1e-3 (a torch forward hook): hidden_states/2 is the first tensor to fail."""
+    def hook(model):
+        model.bert.encoder.layer[1].output.register_forward_hook(lambda module, inputs, out: out * 1.001)
+    rep = hooked_dump(hf_dump, "fwd.safetensors", hook)
     failed = {r["key"] for r in rep["rows"] if not r["ok"]}
     assert "hidden_states/2" in failed and not failed & {"hidden_states/0", "hidden_states/1"}
-    assert rep["first_failure"]["where"] == "layer 1"
+    assert rep["first_failure"]["where"] == "layer 1" and rep["first_failure"]["key"] == "hidden_states/2"
 
 
-def test_wrong_backward_is_found_where_it_first_shows(tmp_path, monkeypatch):
-    """An implementation whose last layer's backward sends a gradient 1e-3 too large to the layer below: the
-    forward and the last layer's own gradients are right, so the walk in backward order stops at layer 0."""
-    ckpt = refbert_ckpt(tmp_path / "ckpt")
-    right, calls = M.layer_backward, []
-
-    def wrong(ctx, dh2, cache, grads):
-        calls.append(1)
-        dx = right(ctx, dh2, cache, grads)
-        return dx * 1.001 if len(calls) == 1 else dx     # the backward meets layer L-1 = 1 first
-    monkeypatch.setattr(M, "layer_backward", wrong)
-    verify.dump(ckpt, tmp_path / "bad.safetensors")
-    monkeypatch.setattr(M, "layer_backward", right)
-    rep = verify.verify_dump(ckpt, tmp_path / "bad.safetensors")
+def test_wrong_backward_is_found_where_it_first_shows(hf_dump):
+    """The gradient that layer 1 sends down to layer 0 off by 1e-3 (a torch tensor hook): the forward, the head
+    and layer 1's own gradients are right, so the walk in backward order stops at layer 0."""
+    def hook(model):
+        def scale_gradient(module, inputs, out):
+            out.register_hook(lambda g: g * 1.001)      # the gradient arriving at layer 0's output
+        model.bert.encoder.layer[0].output.register_forward_hook(scale_gradient)
+    rep = hooked_dump(hf_dump, "bwd.safetensors", hook)
     failed = {r["key"] for r in rep["rows"] if not r["ok"]}
     assert failed and all(".layer.0." in k or ".embeddings." in k for k in failed)
     assert rep["first_failure"]["where"] == "layer 0"
@@ -300,13 +316,14 @@ def test_self_check_every_head_against_torch(tmp_path, head):
 def test_self_check_catches_a_wrong_backward_and_skips_a_missing_torch(tmp_path, monkeypatch, capsys):
     ckpt = refbert_ckpt(tmp_path / "ckpt")
     monkeypatch.setitem(sys.modules, "transformers", None)      # import transformers now raises ImportError
-    right = refbert.ops.layernorm_backward
+    right = refbert.BertForPreTraining.backward
 
-    def wrong(dout, cache):
-        dx, dw, db = right(dout, cache)
-        return dx, dw * 1.001, db
-    monkeypatch.setattr(refbert.ops, "layernorm_backward", wrong)
+    def wrong(self, *args, **kwargs):                           # one gradient off by 1e-3
+        grads = right(self, *args, **kwargs)
+        grads[QUERY1[5:]] *= 1.001
+        return grads
+    monkeypatch.setattr(refbert.BertForPreTraining, "backward", wrong)
     code, out, err = cli_run(capsys, "verify", ckpt)
     assert code == 1 and "skipped (transformers is not installed)" in out
-    assert re.search(r"^grad/bert.encoder.layer.0.output.LayerNorm.weight .*FAIL$", out, re.M)
-    assert "first failure: head (grad/cls.predictions.transform.LayerNorm.weight)" in out
+    assert [line.split()[0] for line in out.splitlines() if line.endswith(" FAIL")] == [QUERY1]
+    assert f"first failure: layer 1 ({QUERY1})" in out
