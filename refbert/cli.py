@@ -1,6 +1,8 @@
 """The `refbert` command line (also `python -m refbert ...`).
 
     refbert check | trace                         proofs: every backward against finite differences
+    refbert verify CKPT [--against DUMP]          a checkpoint: refbert vs finite differences and torch, or a dump
+    refbert dump CKPT --out DUMP                  refbert's outputs and gradients, the format verify reads
     refbert demo-data DIR                         an offline corpus and fine-tuning sets from the stdlib's docstrings
     refbert vocab CORPUS... --out DIR             train a WordPiece vocab.txt
     refbert pretrain --corpus F --out DIR         MLM + NSP pretraining (or --init an HF BERT to continue pretraining)
@@ -87,6 +89,21 @@ def build_parser():
     _precision_args(p)                                  # --device cpu|cuda, --dtypes, --size, --ops, --json
     _backend_arg(sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with "
                                               "finite-difference checks"))
+    p = sub.add_parser("verify", help="another implementation's dump against refbert (--against), or refbert's "
+                                      "backward on a checkpoint against finite differences and torch")
+    p.add_argument("model", help="an HF BERT folder (config.json + model.safetensors)")
+    p.add_argument("--against", metavar="DUMP", help=".safetensors or .npz written by the implementation under test")
+    p.add_argument("--head", help="the HF class to check (default: the first of config.json's architectures)")
+    p.add_argument("--batch", help="the inputs, .npz or .safetensors (default: a synthetic batch); not with --against")
+    p.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"],
+                   help="the precision the dump was computed in (default: that of its least precise tensor)")
+    p.add_argument("--json", metavar="PATH", help="also write the report to PATH as JSON")
+    p = sub.add_parser("dump", help="write refbert's outputs and gradients on a batch, in the format verify reads")
+    p.add_argument("model", help="an HF BERT folder")
+    p.add_argument("--out", required=True, help=".safetensors (or .npz) file to write")
+    p.add_argument("--head", help="the HF class (default: the first of config.json's architectures)")
+    p.add_argument("--batch", help="the inputs, .npz or .safetensors (default: a synthetic batch)")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     p = sub.add_parser("demo-data", help="write an offline corpus and fine-tuning sets from the stdlib's docstrings")
     p.add_argument("out")
     p = sub.add_parser("vocab", help="train a WordPiece vocab.txt on text files")
@@ -150,6 +167,9 @@ def run(args):
     if c == "trace":
         from . import trace
         return trace.main(args)
+    if c in ("verify", "dump"):
+        from . import verify
+        return verify.main(args) if c == "verify" else verify.dump_main(args)
     if c == "demo-data":
         from .demo import write_demo_data
         for name, n in write_demo_data(args.out).items():

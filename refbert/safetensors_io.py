@@ -113,6 +113,14 @@ def load_metadata(path):
         return _header(f, path)[1]
 
 
+def load_dtypes(path):
+    """{name: the dtype code stored in the file ("F32", "BF16", ...)}: what load_file's arrays were before BF16
+    was widened to float32, for a caller that must know the precision a tensor was written in."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        return {key: ent[0] for key, ent in _header(f, path)[0].items()}
+
+
 def save_file(tensors, path, metadata=None):
     """Write {name: array} to path (names sorted, tensors back to back) with optional str -> str metadata.
     Atomic: the bytes go to a temporary file beside path, are fsynced, then renamed onto path, so path holds either

@@ -1,0 +1,607 @@
+"""`refbert verify` and `refbert dump`: another BERT's outputs and gradients, checked tensor by tensor against refbert.
+
+The implementation under test writes one file, the *dump*: a batch, what its model computed on that batch with
+dropout off (eval mode, so anyone can reproduce it), and the gradient of the loss for every parameter, under Hugging
+Face's names. refbert loads the same checkpoint in float64, recomputes the same, and prints one row per tensor; then
+where to look first (the earliest tensor that goes wrong, in the order the computation produces them).
+
+    refbert dump CKPT --out ref.safetensors          refbert's own dump: the format's reference
+    refbert verify CKPT --against dump.safetensors   someone else's dump against refbert
+    refbert verify CKPT                              refbert's backward against finite differences and, when
+                                                     transformers and torch are installed, against torch autograd
+
+The dump: one .safetensors file (F64, F32, F16 or BF16) or .npz, keys
+
+    input/input_ids              (B, T) int    required (BertForMultipleChoice: (B, N, T), as HF)
+    input/token_type_ids         (B, T) int    optional, as HF's forward (default 0)
+    input/attention_mask         (B, T) 0/1    optional (default all 1)
+    input/position_ids           (B, T) int    optional
+    input/<label>                the head's labels, HF's argument names (LABELS below); all of them, or none
+    upstream/last_hidden_state   (B, T, C)     BertModel only: its "loss" is sum(upstream * output) over both
+    upstream/pooler_output       (B, C)
+    output/<field>               HF's output fields: logits, prediction_logits, start_logits, last_hidden_state, ...
+    output/loss                  ()            when there are labels
+    hidden_states/<i>            (B, T, C)     optional; HF's tuple: i = 0 the embeddings, i = l + 1 layer l's output
+    grad/<parameter>             every parameter, named as torch's named_parameters(), when there is a loss
+
+Comparison. A tensor x of the dump against refbert's float64 r of the same key:
+
+    error = max |x - r| / scale,   scale = max(max |r|, FLOOR * the largest |r| of its kind),   pass: error <= rtol
+
+with one rtol for the dump, from the precision it was computed in (`tolerance`). A missing tensor, a wrong shape,
+an integer tensor or an unknown key fails its row; a batch refbert cannot run raises a ValueError naming the dump.
+
+References: Hugging Face transformers, models/bert/modeling_bert.py (names, outputs, labels); Higham & Mary,
+"A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019 (the sqrt(n) growth).
+"""
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+import warnings
+import zipfile
+
+import numpy as np
+
+from . import model as M
+from . import safetensors_io
+from .config import HEADS, BertConfig
+from .fileio import write_text
+from .gradcheck import TOLERANCE, check_model
+
+# the labels of each head, HF's argument names: with all of them the forward has a loss, with none it has not
+LABELS = {"BertModel": (), "BertForPreTraining": ("labels", "next_sentence_label"), "BertForMaskedLM": ("labels",),
+          "BertForNextSentencePrediction": ("labels",), "BertForSequenceClassification": ("labels",),
+          "BertForTokenClassification": ("labels",), "BertForQuestionAnswering": ("start_positions", "end_positions"),
+          "BertForMultipleChoice": ("labels",)}
+INPUTS = ("input_ids", "token_type_ids", "attention_mask", "position_ids")
+UPSTREAM = ("last_hidden_state", "pooler_output")
+# torch's named_parameters(remove_duplicate=False) also lists the tied MLM decoder; its gradient is the tensor's
+ALIASES = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+           "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+# Finite differences along a random direction d: its n entries give it length sqrt(n), so the step is h sqrt(n) long
+# (0.8e-3 for a 768 x 768 weight at h = 1e-6) and centred differences err by O((h sqrt(n))^2), rounding by
+# O(eps |L| / h). On BERT-base's MLM transform weight, h = 1e-5 (gradcheck's default, right for small tensors) errs
+# by 8e-8, at the 1e-7 bar, and h = 1e-6 by 8e-10; rounding at 1e-6 stays near 1e-9.
+FD_STEP = 1e-6
+
+# Machine epsilon, the gap between 1 and the next float: 52, 23, 10 and 7 stored mantissa bits.
+EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
+
+# Rounding errors are relative to the terms of a sum, not to its result: a gradient that cancels to ~0 carries
+# errors the size of its neighbours'. The key bias's gradient is exactly 0 (softmax ignores a shift shared by every
+# key) yet comes out at ~1e-19 in float64 and ~1e-10 in float32; the NSP bias's sums two examples that nearly cancel.
+# So a tensor's scale is at least 1% of the largest tensor of its kind (the gradients; the forward values).
+FLOOR = 1e-2
+
+
+def tolerance(dtype):
+    """rtol for a dump computed in `dtype` ("float64", "float32", "float16", "bfloat16"), against refbert's float64:
+
+        rtol = 64 eps(dtype) + 256 eps(accumulator)          accumulator: float64 for float64, else float32
+
+    64 eps of the dtype the values are stored in: every block rounds what it stores, and the backward chains the
+    L + 2 blocks. Measured against float64 on BERT tiny, mini and base (HF's init, B = 2, T = 6 to 16; torch in
+    float32, float16 and bfloat16), the worst tensor was 27 eps (the NSP bias over two examples), most under 8 eps.
+    256 eps of the accumulator: a sum of n terms carries ~sqrt(n) eps of it (Higham & Mary), so 256 covers sums of
+    65,536 terms (a weight gradient over B*T = 512 x 128 tokens); 16-bit kernels accumulate in float32. float64:
+    refbert and torch order their sums differently, measured 40 eps apart at BERT-base.
+    float32 3.8e-5, float64 7.1e-14, float16 0.063, bfloat16 0.50: bfloat16 keeps 8 significant bits, so its dump
+    only shows errors of the order of the tensor itself; compute in float32 for a finer check.
+    """
+    if dtype not in EPS:
+        raise ValueError(f"verify: argument 'dtype' expected one of {', '.join(EPS)}, got {dtype!r}")
+    return 64 * EPS[dtype] + 256 * EPS["float64" if dtype == "float64" else "float32"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# files
+
+def read_dump(path):
+    """({key: array}, {key: dtype name}) from a .safetensors or .npz file (told apart by the zip magic bytes).
+    BF16 arrives as float32 (exact), its dtype name kept as "bfloat16". A damaged file is a ValueError naming it."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"verify: dump '{path}' expected a file, got {'a folder' if os.path.isdir(path) else 'nothing'}")
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+    if not is_zip:
+        tensors = safetensors_io.load_file(path)   # its errors name the file (and the tensor)
+        return tensors, {k: _CODES[c] for k, c in safetensors_io.load_dtypes(path).items()}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tensors = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as e:   # truncated, corrupt, pickled
+        raise ValueError(f"verify: dump '{path}' expected a readable .npz file, got {type(e).__name__}: {e} "
+                         f"(truncated?)") from None
+    for k, a in tensors.items():
+        if a.dtype.kind not in "fiub":
+            raise ValueError(f"verify: dump '{path}', tensor '{k}' expected a numeric array, got dtype {a.dtype}")
+    return tensors, {k: a.dtype.name for k, a in tensors.items()}
+
+
+def write_dump(path, tensors, metadata=None):
+    """{key: array} to `path`, atomically (the old file or the whole new one, never half): .npz by its suffix,
+    safetensors otherwise."""
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        safetensors_io.save_file(tensors, path, metadata=metadata)
+        return
+    buf = io.BytesIO()
+    np.savez(buf, **tensors)
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())                 # mkstemp made it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model and batch
+
+def resolve_head(folder, head=None):
+    """The class to check: `head`, else the first of config.json's architectures."""
+    if head is None:
+        arch = BertConfig.from_pretrained(folder).architectures or []
+        if not arch:
+            raise ValueError(f"verify: {os.path.join(folder, 'config.json')} names no architectures: "
+                             f"expected --head, one of {', '.join(HEADS)}")
+        head = arch[0]
+    if head not in HEADS:
+        raise ValueError(f"verify: head expected one of {', '.join(HEADS)}, got {head!r}")
+    return head
+
+
+def load(folder, head, dtype=np.float64, need_head=True):
+    """head.from_pretrained(folder) in eval mode. need_head: refuse a checkpoint without the head's weights,
+    which refbert would initialise at random and the implementation under test differently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                  # the same news is in loading_info
+        model = getattr(M, head).from_pretrained(folder, dtype=dtype)
+    missing = model.loading_info["missing_keys"]
+    if need_head and missing:
+        raise ValueError(f"verify: checkpoint '{folder}' lacks {len(missing)} weight(s) of {head} (first: "
+                         f"'{missing[0]}'), which refbert would initialise at random: expected a checkpoint saved "
+                         f"with its head, or --head naming the class it holds")
+    return model.eval()
+
+
+def default_batch(config, head, B=2, T=16, seed=0):
+    """The batch `refbert dump` and `refbert verify` use when none is given, deterministic in `seed`:
+    B rows of T tokens (T at most max_position_embeddings), row 0 full and the others padded after 2T/3 tokens,
+    segment A then B, the pad id only on padding; labels under HF's names, -100 on padding and on ~85% of MLM
+    positions; BertForMultipleChoice gets 2 choices per row (the second the rows reversed). Returns
+    ({name: array}, {upstream name: array}): BertModel's random upstream gradients, {} for a head."""
+    r = np.random.default_rng(seed)
+    V, T = config.vocab_size, min(T, config.max_position_embeddings)
+    real = max(1, 2 * T // 3)
+    ids = r.integers(0, V, (B, T))                                   # (B, T)
+    am = np.ones((B, T), np.int64)
+    am[1:, real:] = 0
+    if config.pad_token_id is not None:
+        ids[ids == config.pad_token_id] = (config.pad_token_id + 1) % V
+        ids[am == 0] = config.pad_token_id
+    tt = np.zeros((B, T), np.int64)
+    tt[:, T // 2:] = min(1, config.type_vocab_size - 1)             # two segments where the config has them
+    batch = dict(input_ids=ids, token_type_ids=tt, attention_mask=am)
+    mlm = np.where((r.random((B, T)) < 0.15) & (am == 1), r.integers(0, V, (B, T)), -100)
+    mlm[0, 1] = r.integers(0, V)                                     # at least one masked position
+    pair = np.arange(B) % 2                                          # both classes of a binary label
+    K = config.num_labels
+    if head == "BertForPreTraining":
+        batch.update(labels=mlm, next_sentence_label=pair)
+    elif head == "BertForMaskedLM":
+        batch.update(labels=mlm)
+    elif head == "BertForNextSentencePrediction":
+        batch.update(labels=pair)
+    elif head == "BertForSequenceClassification":
+        regression = K == 1 or config.problem_type == "regression"
+        batch.update(labels=r.standard_normal(B) if regression else r.integers(0, K, B))
+    elif head == "BertForTokenClassification":
+        batch.update(labels=np.where(am == 1, r.integers(0, K, (B, T)), -100))
+    elif head == "BertForQuestionAnswering":
+        start = np.minimum(1 + np.arange(B), real - 1)
+        batch.update(start_positions=start, end_positions=np.minimum(start + 2, real - 1))
+    elif head == "BertForMultipleChoice":
+        batch = {k: np.stack([v, v[::-1]], 1) for k, v in batch.items()}   # (B, 2, T)
+        batch.update(labels=pair)
+    upstream = {}
+    if head == "BertModel":
+        C = config.hidden_size
+        upstream = dict(last_hidden_state=r.standard_normal((B, T, C)), pooler_output=r.standard_normal((B, C)))
+    return batch, upstream
+
+
+def split_batch(tensors, head, config, source):
+    """The forward's arguments and BertModel's upstream gradients out of a dump's tensors (input/*, upstream/*).
+    Integer-valued inputs become int64 (regression labels stay float). Returns (batch, upstream, keys used)."""
+    names = INPUTS + LABELS[head]
+    batch, upstream, used = {}, {}, set()
+    for name in names:
+        a = tensors.get(f"input/{name}")
+        if a is None:
+            continue
+        used.add(f"input/{name}")
+        regression = head == "BertForSequenceClassification" and name == "labels" and \
+            (config.num_labels == 1 or config.problem_type == "regression")
+        if regression:
+            batch[name] = a.astype(np.float64)
+        elif a.dtype.kind in "iub" or (a.dtype.kind == "f" and np.all(a == np.round(a))):
+            batch[name] = a.astype(np.int64)
+        else:
+            raise ValueError(f"verify: {source}, tensor 'input/{name}' expected integers, got dtype {a.dtype} "
+                             f"with fractional values")
+    if "input_ids" not in batch:
+        raise ValueError(f"verify: {source} expected a tensor 'input/input_ids', got none (keys: "
+                         f"{', '.join(sorted(tensors)[:6])}{', ...' if len(tensors) > 6 else ''})")
+    labels = [n for n in LABELS[head] if n in batch]
+    if labels and len(labels) < len(LABELS[head]):
+        lacking = [f"input/{n}" for n in LABELS[head] if n not in batch]
+        raise ValueError(f"verify: {source} expected all of {head}'s labels or none, got "
+                         f"{', '.join('input/' + n for n in labels)} without {', '.join(lacking)}")
+    if head == "BertModel":
+        for name in UPSTREAM:
+            if f"upstream/{name}" in tensors:
+                upstream[name] = tensors[f"upstream/{name}"].astype(np.float64)
+                used.add(f"upstream/{name}")
+    return batch, upstream, used
+
+
+def read_batch(path, head, config):
+    """(batch, upstream) from a .npz/.safetensors file: a dump's input/* and upstream/* tensors, or the same names
+    without the prefix; default_batch when path is None."""
+    if path is None:
+        return default_batch(config, head)
+    tensors, _ = read_dump(path)
+    if not any(k.startswith("input/") for k in tensors):           # bare names: input_ids, labels, ...
+        tensors = {(k if "/" in k else ("upstream/" if k in UPSTREAM else "input/") + k): v for k, v in tensors.items()}
+    batch, upstream, _ = split_batch(tensors, head, config, f"batch '{os.fspath(path)}'")
+    return batch, upstream
+
+
+def reference(model, batch, upstream):
+    """What the dump must hold, computed by `model` (in its dtype): {key: array} in the order outputs (loss last),
+    hidden_states/0..L, grad/<name> in parameters() order. No gradients when there is no loss (no labels; BertModel
+    without upstream)."""
+    out = model(**batch, output_hidden_states=True)
+    ref = {f"output/{k}": np.asarray(v) for k, v in out.items()
+           if v is not None and k not in ("loss", "hidden_states", "attentions")}
+    if out.get("loss") is not None:
+        ref["output/loss"] = np.asarray(out.loss)
+    ref.update({f"hidden_states/{i}": h for i, h in enumerate(out.hidden_states)})
+    grads = {}
+    if isinstance(model, M.BertModel):
+        if upstream:
+            grads = model.backward(*(None if upstream.get(k) is None else upstream[k].astype(model.dtype)
+                                     for k in UPSTREAM))
+    elif out.get("loss") is not None:
+        grads = model.backward()
+    ref.update({f"grad/{k}": g for k, g in grads.items()})
+    return ref
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparison, and where to look
+
+def compare(ref, got, dtypes, rtol, optional=("hidden_states/",)):
+    """One row per key of `ref` (refbert's float64 tensors): error = max|got - ref| / scale with scale =
+    max(max|ref|, FLOOR * the largest |ref| of its kind), pass when error <= rtol. A key starting with one of
+    `optional` is compared only when `got` has it. Then the keys of `got` that refbert does not know, failed.
+    Rows are dicts: key, dtype, shape, error (None when not compared), tolerance, ok, note."""
+    largest = {}
+    for k, r in ref.items():
+        kind = _kind(k)
+        largest[kind] = max(largest.get(kind, 0.0), float(np.abs(r).max(initial=0.0)))
+    rows = []
+    for k, r in ref.items():
+        x = got.get(k)
+        if x is None and k.startswith(optional):
+            continue
+        row = dict(key=k, dtype=dtypes.get(k, "-"), shape=list(r.shape), error=None, tolerance=rtol, ok=False, note="")
+        if x is None:
+            row["note"] = "missing"
+        elif x.dtype.kind != "f":
+            row["note"] = f"expected a float tensor, got {dtypes.get(k, x.dtype)}"
+        elif x.shape != r.shape and not (k == "output/loss" and x.size == 1):   # a loss of shape (1,) is a loss
+            row["note"] = f"shape {list(x.shape)}, expected {list(r.shape)}"
+        else:
+            scale = max(float(np.abs(r).max(initial=0.0)), FLOOR * largest[_kind(k)], np.finfo(np.float64).tiny)
+            err = float(np.abs(x.astype(np.float64).reshape(r.shape) - r).max(initial=0.0)) / scale
+            row.update(error=err, ok=bool(err <= rtol), note="" if np.isfinite(err) else "not finite")
+        rows.append(row)
+    for k in got:
+        if k not in ref:
+            rows.append(dict(key=k, dtype=dtypes.get(k, "-"), shape=list(np.shape(got[k])), error=None,
+                             tolerance=rtol, ok=False, note="unexpected key"))
+    return rows
+
+
+def _kind(key):
+    return "grad" if key.startswith("grad/") else "forward"
+
+
+def _group(name, n_layers):
+    """(rank in the backward pass, label) of a parameter: the head first, then the pooler, the layers from last
+    to first, the embeddings last."""
+    bare = name[len("bert."):] if name.startswith("bert.") else name
+    if bare.startswith("embeddings."):
+        return n_layers + 2, "embeddings"
+    if bare.startswith("encoder.layer."):
+        l = int(bare.split(".")[2])
+        return n_layers - l + 1, f"layer {l}"
+    if bare.startswith("pooler."):
+        return 1, "pooler"
+    return 0, "head"
+
+
+def _owner(where):
+    return {"embeddings": "the embeddings'", "head": "the head's", "pooler": "the pooler's"}.get(where, f"{where}'s")
+
+
+def locate(rows, n_layers):
+    """Where to look first: the earliest failing tensor in the order the computation makes them, or None.
+
+    Forward: hidden_states/0 is the embeddings' output and hidden_states/l+1 layer l's, so the first failing one
+    names the block that went wrong; with all of them right, a failing output is the pooler's or the head's. When
+    the forward is right, the gradients are walked in the order the backward computes them (head, pooler, layer
+    L-1, ..., layer 0, embeddings): a bug in layer l's backward spoils the gradients of layer l and of everything
+    before it, never those after, so the first failing one in that order names the layer. Returns a dict: where,
+    key, why."""
+    bad = [r for r in rows if not r["ok"]]
+    if not bad:
+        return None
+    hidden = [r for r in rows if r["key"].startswith("hidden_states/") and r["note"] != "unexpected key"]
+    for r in hidden:
+        if not r["ok"]:
+            i = int(r["key"].split("/")[1])
+            where = "embeddings" if i == 0 else f"layer {i - 1}"
+            return dict(where=where, key=r["key"], why=f"{_owner(where)} forward; the hidden states before it agree")
+    outs = [r for r in rows if r["key"].startswith("output/") and not r["ok"]]
+    if outs:
+        r = next((o for o in outs if o["key"] != "output/loss"), outs[0])
+        if r["key"] == "output/loss":
+            return dict(where="the loss", key=r["key"], why="the outputs agree, the loss does not")
+        if hidden and hidden[-1]["key"] == f"hidden_states/{n_layers}":
+            return dict(where="the head", key=r["key"], why=f"the pooler or the head: hidden_states/{n_layers} agrees")
+        return dict(where="the forward", key=r["key"],
+                    why="add hidden_states/0..L to the dump to find the layer")
+    grads = [r for r in rows if r["key"].startswith("grad/") and r["note"] != "unexpected key"]
+    order = sorted(range(len(grads)), key=lambda i: (_group(grads[i]["key"][5:], n_layers)[0], i))
+    for i in order:
+        r = grads[i]
+        if not r["ok"]:
+            where = _group(r["key"][5:], n_layers)[1]
+            return dict(where=where, key=r["key"], why=f"{_owner(where)} backward or the gradient it receives; "
+                                                       f"the gradients computed before it agree")
+    r = bad[0]
+    return dict(where=r["note"], key=r["key"], why="not a tensor of this model: a misspelt or extra name")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two checks
+
+def verify_dump(folder, dump_path, head=None, dtype=None, rtol=None):
+    """Check the dump at `dump_path` against refbert on checkpoint `folder` as class `head` (default: the config's
+    architectures). dtype: the precision the dump was computed in (default: that of its least precise tensor);
+    rtol replaces tolerance(dtype). Returns the report (a dict): rows, passed, failed, first_failure, ..."""
+    head = resolve_head(folder, head)
+    tensors, dtypes = read_dump(dump_path)
+    model = load(folder, head, np.float64)
+    source = f"dump '{os.fspath(dump_path)}'"
+    batch, upstream, used = split_batch(tensors, head, model.config, source)
+    try:
+        ref = reference(model, batch, upstream)
+    except ValueError as e:                              # a batch that does not fit the model: the model says why
+        raise ValueError(f"verify: {source}: {e}") from None
+    got = {k: v for k, v in tensors.items() if k not in used}
+    for alias, name in ALIASES.items():                  # the tied decoder, when listed: compared as its tensor
+        if f"grad/{alias}" in got and f"grad/{name}" in ref:
+            ref[f"grad/{alias}"] = ref[f"grad/{name}"]
+    compared = [dtypes[k] for k in got if k in ref and dtypes[k] in EPS]
+    if dtype is None:
+        dtype = max(compared, key=EPS.get, default="float64")   # the least precise tensor sets the precision
+    rtol = tolerance(dtype) if rtol is None else rtol
+    rows = compare(ref, got, dtypes, rtol)
+    return dict(checkpoint=os.fspath(folder), dump=os.fspath(dump_path), head=head, dtype=dtype, tolerance=rtol,
+                batch_shape=list(batch["input_ids"].shape), rows=rows, passed=sum(r["ok"] for r in rows),
+                failed=sum(not r["ok"] for r in rows),
+                first_failure=locate(rows, model.config.num_hidden_layers))
+
+
+def hf_reference(folder, head, batch, params, upstream):
+    """The dump transformers + torch autograd write, in float64, with refbert's weights copied in (so a head the
+    checkpoint lacks is the same random head in both): {key: array}, keyed as `reference`."""
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()                     # its load report: refbert's loading_info says the same
+    hf_logging.disable_progress_bar()
+    try:
+        model = getattr(transformers, head).from_pretrained(folder, attn_implementation="eager")
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+    model = model.double().eval()
+    named = dict(model.named_parameters())
+    if list(named) != list(params):
+        raise ValueError(f"verify: transformers' {head} has parameters {sorted(set(named) ^ set(params))[:3]} "
+                         f"that refbert's has not, or the reverse")
+    with torch.no_grad():
+        for k, p in named.items():
+            p.copy_(torch.from_numpy(params[k]))
+    out = model(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}, output_hidden_states=True)
+    loss = out.get("loss")
+    if upstream:
+        loss = sum((out[k] * torch.from_numpy(u)).sum() for k, u in upstream.items())
+    if loss is not None:
+        loss.backward()
+    res = {f"output/{k}": v.detach().numpy() for k, v in out.items() if k not in ("hidden_states", "attentions")}
+    res.update({f"hidden_states/{i}": h.detach().numpy() for i, h in enumerate(out.hidden_states)})
+    if loss is not None:
+        res.update({f"grad/{k}": (p.grad if p.grad is not None else torch.zeros_like(p)).numpy()
+                    for k, p in named.items()})
+    return res
+
+
+def verify_self(folder, head=None, batch_path=None, log=lambda line: print(line, flush=True)):
+    """refbert's backward on checkpoint `folder` (float64, eval) against finite differences, each parameter tensor
+    along one random direction (gradcheck.check_model), and against transformers + torch autograd in float64 when
+    both are installed. Returns the report (a dict)."""
+    head = resolve_head(folder, head)
+    t0 = time.perf_counter()
+    model = load(folder, head, np.float64, need_head=False)
+    batch, upstream = read_batch(batch_path, head, model.config)
+    if head != "BertModel" and not all(n in batch for n in LABELS[head]):
+        raise ValueError(f"verify: the batch expected {head}'s labels ({', '.join(LABELS[head])}) to have a loss "
+                         f"to differentiate, got none")
+    L, n = model.config.num_hidden_layers, len(model.parameters())
+    log(f"refbert verify: {folder} as {head} ({L} layers, {model.num_parameters():,} parameters), float64, eval, "
+        f"batch {tuple(batch['input_ids'].shape)}; {n} parameter tensors, one direction each, 2 forwards each")
+    try:
+        errs = check_model(model, batch, n_dirs=1, h=FD_STEP)
+    except ValueError as e:
+        raise ValueError(f"verify: {e}") from None
+    P = model.parameters()
+    fd = [dict(key=f"grad/{k}", dtype="float64", shape=list(P[k].shape), error=e, tolerance=TOLERANCE,
+               ok=bool(e <= TOLERANCE), note="") for k, e in errs.items()]
+    report = dict(checkpoint=os.fspath(folder), head=head, batch_shape=list(batch["input_ids"].shape),
+                  finite_differences=dict(tolerance=TOLERANCE, rows=fd, first_failure=locate(fd, L),
+                                          seconds=round(time.perf_counter() - t0, 1)))
+    t1 = time.perf_counter()
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        report["hf"] = dict(skipped=f"{e.name or e} is not installed")
+    else:
+        ref = reference(model, batch, upstream)
+        theirs = hf_reference(folder, head, batch, P, upstream)
+        rows = compare(ref, theirs, {k: "float64" for k in theirs}, tolerance("float64"))
+        report["hf"] = dict(tolerance=tolerance("float64"), rows=rows, first_failure=locate(rows, L),
+                            seconds=round(time.perf_counter() - t1, 1))
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# printing and the commands
+
+def format_rows(rows):
+    head = ("tensor", "dtype", "shape", "error", "tolerance", "")
+    body = [(r["key"], r["dtype"], "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")",
+             "-" if r["error"] is None else f"{r['error']:.2e}", f"{r['tolerance']:.1e}",
+             ("pass" if r["ok"] else "FAIL") + (f" ({r['note']})" if r["note"] else "")) for r in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(6)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+
+
+def _summary(rows, first):
+    failed = sum(not r["ok"] for r in rows)
+    text = f"{len(rows) - failed} passed, {failed} failed"
+    if first:
+        text += f"\nfirst failure: {first['where']} ({first['key']}): {first['why']}"
+    return text
+
+
+def _json(report):
+    """The report with non-finite errors as null: strict JSON has no NaN."""
+    def clean(x):
+        if isinstance(x, float) and not np.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+    return json.dumps(clean(report), indent=1) + "\n"
+
+
+SCALE = f"error = max|x - refbert| / max(max|refbert|, {FLOOR:g} x the largest of its kind); refbert in float64"
+
+
+def main(args):
+    """refbert verify. Exit 0: every row passed; 1: a row failed."""
+    if args.against is not None:
+        if args.batch is not None:
+            raise ValueError("verify: --batch is for verify without --against (a dump carries its own batch)")
+        rep = verify_dump(args.model, args.against, args.head, args.dtype)
+        print(f"refbert verify: {rep['dump']} against {rep['checkpoint']} as {rep['head']}, batch "
+              f"{tuple(rep['batch_shape'])}; computed in {rep['dtype']}: tolerance {rep['tolerance']:.1e}")
+        print(SCALE + "\n")
+        print(format_rows(rep["rows"]))
+        print("\n" + _summary(rep["rows"], rep["first_failure"]))
+        ok = rep["failed"] == 0
+    else:
+        if args.dtype is not None:
+            raise ValueError("verify: --dtype is for a dump (--against); refbert checks itself in float64")
+        rep = verify_self(args.model, args.head, args.batch)
+        fd = rep["finite_differences"]
+        print(f"\nrefbert backward against centred finite differences along one random direction per tensor "
+              f"(h = {FD_STEP:g}, relative error as gradcheck.check_model), {fd['seconds']} s\n")
+        print(format_rows(fd["rows"]))
+        print("\n" + _summary(fd["rows"], fd["first_failure"]))
+        ok = all(r["ok"] for r in fd["rows"])
+        hf = rep["hf"]
+        if "skipped" in hf:
+            print(f"\nrefbert against transformers + torch autograd: skipped ({hf['skipped']})")
+        else:
+            print(f"\nrefbert against transformers + torch autograd, both float64, same weights, {hf['seconds']} s")
+            print(SCALE + "\n")
+            print(format_rows(hf["rows"]))
+            print("\n" + _summary(hf["rows"], hf["first_failure"]))
+            ok = ok and all(r["ok"] for r in hf["rows"])
+        print(f"\n{'all passed' if ok else 'FAILED'} in {rep['seconds']} s")
+    rep["ok"] = ok
+    if args.json:
+        write_text(args.json, _json(rep))
+    return 0 if ok else 1
+
+
+def dump(folder, out, head=None, batch_path=None, dtype="float64"):
+    """Write refbert's dump of checkpoint `folder` on a batch (the file at batch_path, or default_batch) to `out`:
+    the format's reference. Returns {key: array} as written."""
+    if dtype not in ("float64", "float32"):
+        raise ValueError(f"dump: argument 'dtype' expected float64 or float32, got {dtype!r}")
+    head = resolve_head(folder, head)
+    model = load(folder, head, np.dtype(dtype))
+    batch, upstream = read_batch(batch_path, head, model.config)
+    try:
+        ref = reference(model, batch, upstream)
+    except ValueError as e:
+        raise ValueError(f"dump: {e}") from None
+    tensors = {f"input/{k}": np.asarray(v) for k, v in batch.items()}
+    tensors.update({f"upstream/{k}": np.asarray(v, model.dtype) for k, v in upstream.items()})
+    tensors.update({k: np.ascontiguousarray(v) for k, v in ref.items()})
+    write_dump(out, tensors, metadata={"producer": "refbert dump", "head": head, "dtype": dtype})
+    return tensors
+
+
+def dump_main(args):
+    t = dump(args.model, args.out, args.head, args.batch, args.dtype)
+    count = lambda p: sum(k.startswith(p) for k in t)  # noqa: E731
+    print(f"{args.out}: {len(t)} tensors ({count('input/')} inputs, {count('output/')} outputs, "
+          f"{count('hidden_states/')} hidden states, {count('grad/')} gradients), batch "
+          f"{tuple(t['input/input_ids'].shape)}, {args.dtype}")
+    return 0
