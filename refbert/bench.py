@@ -1065,8 +1065,9 @@ def _memory_png(plt, d):
 def _command(args):
     """The command line that reproduces this run, rebuilt from the parsed options."""
     parts = ["refbert bench"]
+    cuda_only = ("device", "attention_T", "step_T", "no_torch", "validate_dtypes")   # options of --device cuda
     for key, value in sorted(vars(args).items()):
-        if key in ("command",) or value in (None, False):
+        if key in ("command",) or value in (None, False) or (key in cuda_only and args.device != "cuda"):
             continue
         flag = "--" + key.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {' '.join(map(str, value))}" if isinstance(value, list)
