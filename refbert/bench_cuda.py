@@ -100,7 +100,8 @@ def shape_str(shape):
 def add_arguments(p):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
     p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, T=128 only")
-    p.add_argument("--only", nargs="+", choices=["kernels", "step"], help="run only these sections (probes always)")
+    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step"],
+                   help="run only these sections (probes always)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
     p.add_argument("--kernels", nargs="+", metavar="NAME", help="only the KernelSpecs with these names")
@@ -694,6 +695,17 @@ def write(out, name, title, header, md_lines, data, plot=None):
     return paths
 
 
+def precision_md(rows, precision):
+    """The precision study's rows (refbert.precision.study) as markdown."""
+    lines = [precision.LEGEND, "", "| mode | op | dtype | tensor | max ulp | mean ulp | norm ulp | f32 max | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    f = precision._f
+    for m, op, dt, t, mx, mean, norm, f32, note in rows:
+        lines.append(f"| {m} | {op} | {dt} | {t} | {f(mx, '.2f')} | {f(mean, '.3f')} | {f(norm, '.2f')} | "
+                     f"{f(f32, '.3f')} | {note} |")
+    return lines
+
+
 def main(args=None):
     """args: a Namespace from refbert's CLI, or argv (a list), or None (sys.argv). Returns 0, 1 (a validation or
     step check failed; every file is still written) or 2 (no GPU: nothing run)."""
@@ -725,7 +737,7 @@ def main(args=None):
     paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
     failed = False
-    sections = args.only or ["kernels", "step"]
+    sections = args.only or ["kernels", "precision", "step"]
     if "kernels" in sections:
         print("== kernels", flush=True)
         rows, bad = run_kernels(args, timer, bw)
@@ -733,6 +745,12 @@ def main(args=None):
         paths += write(out, "cuda_kernels", f"refbert CUDA kernels on {device}", header, kernels_md(rows, bw),
                        dict(command=command, info=info, copy_bandwidth=bw, rows=rows),
                        None if args.no_plot else lambda p: plot_kernels(rows, p, device))
+    if "precision" in sections:
+        print("== precision", flush=True)              # the same study as `refbert check --device cuda`
+        from . import precision
+        rows = precision.study(device="cuda", size="tiny" if args.quick else "base")
+        paths += write(out, "cuda_precision", f"refbert reduced-precision study on {device}", header,
+                       precision_md(rows, precision), dict(command=command, info=info, rows=rows))
     if "step" in sections:
         print("== step", flush=True)
         rows, bad = run_step(args, timer)

@@ -140,3 +140,12 @@ print("OK", len(dev))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "OK" in r.stdout
+
+
+def test_gpu_bench_report_carries_the_study():
+    """`refbert bench --device cuda` writes the same study as a markdown table (rendered here from the CPU rows)."""
+    from refbert import bench_cuda, precision
+    rows = precision.study(size="tiny", dtypes=["float16"], ops_=["layernorm"])
+    md = bench_cuda.precision_md(rows, precision)
+    assert md[2].startswith("| mode | op | dtype | tensor | max ulp")
+    assert len(md) == 4 + len(rows) and all(r[1] in line for r, line in zip(rows, md[4:]))
