@@ -13,6 +13,7 @@ from . import ops
 from .config import HEADS, BertConfig
 from .gradcheck import TOLERANCE, check_model, check_pair
 from .philox import DropoutRNG
+from .tables import text_table
 
 
 @dataclass
@@ -186,9 +187,7 @@ def model_rows(seed=1):
 def format_table(rows):
     head = ("op", "input", "shape", "max rel err", "")
     body = [(op, name, str(shape), f"{err:.2e}", "pass" if ok else "FAIL") for op, name, shape, err, ok in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(5)]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+    return text_table(head, body)
 
 
 def kernel_rows():
@@ -214,9 +213,7 @@ def kernel_rows():
 def format_kernel_table(rows):
     head = ("kernel (numba) vs oracle", "dtype", "max |diff|", "err/tol", "")
     body = [(k, d, f"{diff:.2e}", f"{ratio:.3f}", "pass" if ok else "FAIL") for k, d, diff, ratio, ok in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(5)]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+    return text_table(head, body)
 
 
 def main(args=None):

@@ -37,6 +37,7 @@ import numpy as np
 
 from . import ops
 from .philox import DropoutRNG
+from .tables import text_table
 
 try:
     from ml_dtypes import bfloat16 as _BF16
@@ -290,9 +291,7 @@ def format_table(rows):
     head = ("mode", "op", "dtype", "tensor", "max ulp", "mean ulp", "norm ulp", "f32 max", "note")
     body = [(m, op, dt, t, _f(mx, ".2f"), _f(mean, ".3f"), _f(norm, ".2f"), _f(f32, ".3f"), note)
             for m, op, dt, t, mx, mean, norm, f32, note in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+    return text_table(head, body)
 
 
 LEGEND = ("ULPs of the storage dtype against the float64 oracle on the same rounded inputs (0.5 = correctly "
@@ -326,9 +325,7 @@ def validate_kernels(backend, dtypes=None):
 def format_validation(rows):
     head = ("kernel (cuda) vs oracle", "dtype", "err/tol", "", "error")
     body = [(k, d, _f(w, ".3f"), "pass" if ok else "FAIL", (e or "")[:100]) for k, d, w, ok, e in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+    return text_table(head, body)
 
 
 def add_arguments(p):

@@ -50,6 +50,7 @@ from . import safetensors_io
 from .config import HEADS, BertConfig
 from .fileio import write_text
 from .gradcheck import TOLERANCE, check_model
+from .tables import text_table
 
 # the labels of each head, HF's argument names: with all of them the forward has a loss, with none it has not
 LABELS = {"BertModel": (), "BertForPreTraining": ("labels", "next_sentence_label"), "BertForMaskedLM": ("labels",),
@@ -512,9 +513,7 @@ def format_rows(rows):
     body = [(r["key"], r["dtype"], "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")",
              "-" if r["error"] is None else f"{r['error']:.2e}", f"{r['tolerance']:.1e}",
              ("pass" if r["ok"] else "FAIL") + (f" ({r['note']})" if r["note"] else "")) for r in rows]
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(6)]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body)])
+    return text_table(head, body)
 
 
 def _summary(rows, first):
