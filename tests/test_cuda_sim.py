@@ -188,4 +188,4 @@ def test_gpu_every_version_matches_oracle(module):
     """The same checks on a real GPU at moderate shapes (each spec's notes["gpu_shapes"]); skipped without one."""
     if not _gpu_present():
         pytest.skip("no CUDA GPU (numba.cuda.is_available() is False outside the simulator)")
-    _check(_run(_DRIVER.format(sim=False, module=module, few=99)))
+    _check(_run(_DRIVER.format(sim=False, module=module, few=99), sim=False))

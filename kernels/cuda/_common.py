@@ -24,6 +24,13 @@ become numpy views. On a GPU the same names are cuda.shfl_xor_sync and libdevice
 import functools
 
 import numpy as np
+
+if not hasattr(np, "row_stack"):
+    # numba-cuda <= 0.30 registers an overload for np.row_stack when it first types a kernel; NumPy 2.5 removed
+    # that alias of np.vstack, and every first launch then fails with "module 'numpy' has no attribute
+    # 'row_stack'" (seen on the lent H200: numpy 2.5.2, numba-cuda 0.30.4). Restore the alias it always was.
+    np.row_stack = np.vstack
+
 from numba import cuda, float32, float64, int32, uint16, uint32, uint64
 from numba.core.types import float16
 from numba.core import config
