@@ -210,6 +210,7 @@ def copy_bandwidth(timer):
 def launch_overhead(n=2000):
     """{what: (wall us per launch, event us of one launch)} of empty kernels."""
     import cupy as cp
+    import refbert_kernels.cuda  # noqa: F401  (before the first compile: its NumPy 2.5 fix for numba-cuda)
     from numba import cuda
 
     @cuda.jit

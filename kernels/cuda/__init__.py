@@ -9,6 +9,15 @@ SPECS, a list of refbert_kernels._harness.KernelSpec whose `versions` are the ho
 them for `refbert check --device cuda` / `refbert bench --device cuda`.
 """
 
+import numpy as _np
+
+if not hasattr(_np, "row_stack"):
+    # numba-cuda <= 0.30 registers an overload for np.row_stack when it first types a kernel; NumPy 2.5 removed
+    # that alias of np.vstack, and every first compile then fails with "module 'numpy' has no attribute
+    # 'row_stack'" (seen on the lent H200: numpy 2.5.2, numba-cuda 0.30.4). Importing refbert_kernels.cuda (any
+    # of its modules) before the first kernel compiles restores the alias it always was.
+    _np.row_stack = _np.vstack
+
 MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention")
 
 

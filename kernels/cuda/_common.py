@@ -25,12 +25,6 @@ import functools
 
 import numpy as np
 
-if not hasattr(np, "row_stack"):
-    # numba-cuda <= 0.30 registers an overload for np.row_stack when it first types a kernel; NumPy 2.5 removed
-    # that alias of np.vstack, and every first launch then fails with "module 'numpy' has no attribute
-    # 'row_stack'" (seen on the lent H200: numpy 2.5.2, numba-cuda 0.30.4). Restore the alias it always was.
-    np.row_stack = np.vstack
-
 from numba import cuda, float32, float64, int32, uint16, uint32, uint64
 from numba.core.types import float16
 from numba.core import config
@@ -109,6 +103,34 @@ else:
     @cuda.jit(device=True)
     def bits_f32(b):
         return libdevice.int_as_float(int32(b))
+
+
+# a * b rounded once and never fused: on a GPU the compiler contracts `a * b - c` into fma(a, b, -c), which skips
+# the product's rounding. Where c is a sum of those very products (layernorm's backward: wdy - mean(wdy)), the
+# difference is then the rounding error instead of the exact 0 (C = 1, constant rows), and the backward
+# multiplies it by rstd = 1/sqrt(eps) = 1e6 (seen on the H200: dx 1.2e-12 in float64, 2e-3 in float32, where the
+# oracle's is 0). libdevice's __fmul_rn / __dmul_rn are multiplications the compiler may not contract; the
+# simulator never contracts.
+
+def mul_rn(kind):
+    """The non-contractible product in kind's accumulation type (f64: double, others: float32)."""
+    if SIM:
+        return _mul_sim
+    return _dmul_rn if kind == "f64" else _fmul_rn
+
+
+def _mul_sim(a, b):
+    return a * b
+
+
+if not SIM:
+    @cuda.jit(device=True)
+    def _fmul_rn(a, b):
+        return libdevice.fmul_rn(float32(a), float32(b))
+
+    @cuda.jit(device=True)
+    def _dmul_rn(a, b):
+        return libdevice.dmul_rn(float64(a), float64(b))
 
 
 _BF16_NAN = np.uint32(0x7FC0)

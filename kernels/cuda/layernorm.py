@@ -9,6 +9,9 @@ Numba CUDA.
     backward, per row, with xhat = (s - mean) * rstd and wdy = dout * w:
                        c1 = sum(wdy * xhat) / C,  c2 = sum(wdy) / C,  ds = (wdy - (xhat * c1 + c2)) * rstd
                        dx = ds,  da = ds (residual) or ds * keep * scale (dropout)
+                       wdy is rounded once and never contracted into an fma with the subtraction (_common.mul_rn):
+                       at C = 1 (or any constant row) wdy - c2 is then exactly 0, as in the oracle, instead of the
+                       product's rounding error times rstd = 1/sqrt(eps) (found on the first real GPU run)
     dw = sum over rows of dout * xhat, db = sum over rows of dout: a thread per (chunk, column) sums its chunk's
     rows (CHUNKS chunks, a function of R only) into a partial row, then a second kernel adds the partials in chunk
     order — no float atomics, the same bits on every run.
@@ -49,6 +52,7 @@ def _kernels(kind, has_a, has_drop, version):
     A = acc_np(kind)
     zero, one = A(0), A(1)
     acc = C.acc_nb(kind)
+    mul = C.mul_rn(kind)        # wdy = dout * w: the same rounded product in both passes, never fused into an fma
 
     @cuda.jit(device=True)
     def sval(x, a, r, j, seed, stream, thr, sc):     # s = x + a * keep * scale, in the accumulation type
@@ -93,14 +97,14 @@ def _kernels(kind, has_a, has_drop, version):
             c1, c2 = zero, zero
             for j in range(Cn):
                 xh = (sval(x, a, r, j, seed, stream, thr, sc) - m) * rs
-                wdy = ld(dout[r, j]) * ld(w[j])
+                wdy = mul(ld(dout[r, j]), ld(w[j]))
                 c1 += wdy * xh
                 c2 += wdy
             c1 /= A(Cn)
             c2 /= A(Cn)
             for j in range(Cn):
                 xh = (sval(x, a, r, j, seed, stream, thr, sc) - m) * rs
-                d = (ld(dout[r, j]) * ld(w[j]) - (xh * c1 + c2)) * rs
+                d = (mul(ld(dout[r, j]), ld(w[j])) - (xh * c1 + c2)) * rs
                 dx[r, j] = st(d)
                 if has_drop:
                     da[r, j] = st(d * (sc if philox_word(r * Cn + j, stream, seed) >= thr else zero))
@@ -138,14 +142,14 @@ def _kernels(kind, has_a, has_drop, version):
             c1, c2 = zero, zero
             for j in range(t, Cn, BLOCK):
                 xh = (sval(x, a, r, j, seed, stream, thr, sc) - m) * rs
-                wdy = ld(dout[r, j]) * ld(w[j])
+                wdy = mul(ld(dout[r, j]), ld(w[j]))
                 c1 += wdy * xh
                 c2 += wdy
             c1 = C.block_sum(c1, buf) / A(Cn)
             c2 = C.block_sum(c2, buf) / A(Cn)
             for j in range(t, Cn, BLOCK):
                 xh = (sval(x, a, r, j, seed, stream, thr, sc) - m) * rs
-                d = (ld(dout[r, j]) * ld(w[j]) - (xh * c1 + c2)) * rs
+                d = (mul(ld(dout[r, j]), ld(w[j])) - (xh * c1 + c2)) * rs
                 dx[r, j] = st(d)
                 if has_drop:
                     da[r, j] = st(d * (sc if philox_word(r * Cn + j, stream, seed) >= thr else zero))
