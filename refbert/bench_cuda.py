@@ -418,9 +418,11 @@ def torch_peer(name, inputs, kwargs):
         wrt = [x]
     elif name == "cross_entropy":
         z = t["logits"].requires_grad_()
-        lab = kw["labels"]
+        lab = kw.get("labels", inputs.get("labels"))         # the spec's inputs carry the labels (integer array)
         lab = torch.as_tensor(lab, device="cuda") if isinstance(lab, np.ndarray) else torch.from_dlpack(lab)
-        fn = lambda: F.cross_entropy(z.reshape(-1, z.shape[-1]), lab.reshape(-1), ignore_index=-100)  # noqa: E731
+        ignore = kw.get("ignore_index", -100)
+        fn = lambda: F.cross_entropy(z.reshape(-1, z.shape[-1]), lab.reshape(-1).long(),  # noqa: E731
+                                     ignore_index=ignore)
         wrt = [z]
     else:
         return None
@@ -441,6 +443,10 @@ def sdpa_peers(B, T, H, hs, dtype, mask_host, p):
     peers = {}
     for name, backend, m in (("torch sdpa flash (no mask)", SDPBackend.FLASH_ATTENTION, None),
                              ("torch sdpa mem-efficient", SDPBackend.EFFICIENT_ATTENTION, mask)):
+        if backend == SDPBackend.FLASH_ATTENTION and tdt == torch.float32:
+            peers[name] = "not offered: PyTorch's flash backend takes float16 / bfloat16 only"
+            continue
+
         def fwd(backend=backend, m=m):
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
@@ -718,6 +724,9 @@ def main(args=None):
         if not hasattr(args, key):
             setattr(args, key, default)
     args = defaults(args)
+    import warnings
+    warnings.filterwarnings("ignore", message=".*(under-utilization|copy overhead)")   # Numba's occupancy and
+    #                                  host-array notes, printed at every small validation launch: noise here
     ok, device = gpu_available()
     if not ok:
         print(f"refbert bench --device cuda: SKIPPED, no GPU to run on: {device}")

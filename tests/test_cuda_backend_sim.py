@@ -229,6 +229,47 @@ def test_sim_outputs_pass_to_torch_without_copies_and_checkpoints_roundtrip(tmp_
 
 
 @needs_numba_cuda
+def test_sim_cuda_c_launchers_fall_back_to_numba_and_match_the_oracle():
+    """kernels/cuda/cuda_c.py runs its CUDA C kernels on float32 CuPy arrays only; for anything else (NumPy arrays,
+    here in the simulator; float16) each forward falls back to the Numba kernel and its backward must take that
+    kernel's cache. The first H200 run found layernorm_backward unpacking Numba's cache as its own (a ValueError in
+    `refbert bench --device cuda`): forward and backward of every launcher through the fallback, against the
+    oracle (float64: summation order only, 1e-10; float16: the float64 oracle on the rounded inputs, 4 ulp)."""
+    code = """
+    import numpy as np
+    from refbert import ops
+    from refbert.philox import DropoutRNG
+    from refbert_kernels.cuda import cuda_c as K, _common as C
+    assert C.SIM
+    r = np.random.default_rng(0)
+    for dt, tol in ((np.float64, 1e-10), (np.float16, 4 * 2.0 ** -10)):
+        x = r.standard_normal((3, 5)).astype(dt)
+        w, b = (r.standard_normal(5).astype(dt) for _ in range(2))
+        d = r.standard_normal((3, 5)).astype(dt)
+        up = lambda *a: tuple(v.astype(np.float64) for v in a)
+        o, c = K.layernorm_forward(x, w, b)
+        o_ref, c_ref = ops.layernorm_forward(*up(x, w, b))
+        np.testing.assert_allclose(o.astype(np.float64), o_ref, atol=tol, rtol=tol)
+        for g, g_ref in zip(K.layernorm_backward(d, c), ops.layernorm_backward(*up(d), c_ref)):
+            np.testing.assert_allclose(g.astype(np.float64), g_ref, atol=tol, rtol=tol)
+        p, c = K.softmax_forward(x, 0.5)
+        p_ref, c_ref = ops.softmax_forward(*up(x), 0.5)
+        np.testing.assert_allclose(p.astype(np.float64), p_ref, atol=tol, rtol=tol)
+        np.testing.assert_allclose(K.softmax_backward(d, c).astype(np.float64),
+                                   ops.softmax_backward(*up(d), c_ref), atol=tol, rtol=tol)
+        q, k, v = (r.standard_normal((1, 3, 4)).astype(dt) for _ in range(3))
+        dd = r.standard_normal((1, 3, 4)).astype(dt)
+        a, c = K.attention_forward(q, k, v, 2, dropout_p=0.2, rng=DropoutRNG(3), train=True)
+        a_ref, c_ref = ops.attention_forward(*up(q, k, v), n_heads=2, dropout_p=0.2, rng=DropoutRNG(3), train=True)
+        np.testing.assert_allclose(a.astype(np.float64), a_ref, atol=2 * tol, rtol=2 * tol)
+        for g, g_ref in zip(K.attention_backward(dd, c), ops.attention_backward(*up(dd), c_ref)):
+            np.testing.assert_allclose(g.astype(np.float64), g_ref, atol=4 * tol, rtol=4 * tol)
+    print("OK")
+    """
+    assert "OK" in _check(_run(code))
+
+
+@needs_numba_cuda
 def test_cuda_backend_without_gpu_or_simulator_is_a_clear_error():
     """No simulator and no GPU: get_backend("cuda") raises a ValueError that says what is needed."""
     if _gpu_present():

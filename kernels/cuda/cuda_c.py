@@ -21,6 +21,7 @@ main and every host header sit behind it) and -I csrc (common.cuh). cupy is impo
 import functools
 import math
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -173,6 +174,15 @@ def softmax_backward(dout, cache):
 # ----------------------------------------------------------------------------------------------------------------
 # layernorm (float32 CuPy arrays; anything else: refbert_kernels.cuda.layernorm)
 
+class LayerNormCacheC(NamedTuple):
+    """The CUDA C layernorm's cache (float32 CuPy arrays; mean, rstd of shape x.shape[:-1] + (1,)). Its own type:
+    a forward that fell back to Numba leaves Numba's cache, and the backward must tell the two apart."""
+    x: Any
+    w: Any
+    mean: Any
+    rstd: Any
+
+
 def layernorm_forward(x, w, b, eps=1e-12):
     from . import layernorm as L
     if not (_is_cupy(x, w, b) and x.dtype == w.dtype == b.dtype == np.float32 and x.ndim >= 1 and x.size):
@@ -189,14 +199,14 @@ def layernorm_forward(x, w, b, eps=1e-12):
     kernel("layernorm.cu", "layernorm_fwd_v1")(((R + 7) // 8,), (256,),
                                                (x, cupy.ascontiguousarray(w), cupy.ascontiguousarray(b),
                                                 np.float32(eps), np.int32(R), np.int32(Cc), out, mean, rstd))
-    return out, (x, w, mean, rstd)
+    return out, LayerNormCacheC(x, w, mean, rstd)
 
 
 def layernorm_backward(dout, cache):
     from . import layernorm as L
-    x, w, mean, rstd = cache
-    if not (_is_cupy(x, dout) and x.dtype == np.float32 and x.size):
+    if not isinstance(cache, LayerNormCacheC):          # the forward fell back to Numba (not float32 CuPy)
         return L.layernorm_backward(dout, cache)
+    x, w, mean, rstd = cache
     import cupy
     C.dout("layernorm", dout, x.shape, x.dtype)
     Cc = x.shape[-1]

@@ -4,6 +4,9 @@ Oracle: refbert.ops.layernorm_forward / layernorm_backward (Python launchers: ke
     x, out, dout, dx: (R, C) contiguous rows   w, b, dw, db: (C,)   mean, rstd: (R,)
     forward:  mean = x.mean(), rstd = 1/sqrt(var + eps) (biased var), xhat = (x - mean) rstd, out = xhat w + b
     backward: wdy = dout w;  c1 = mean(wdy xhat);  c2 = mean(wdy);  dx = (wdy - (xhat c1 + c2)) rstd
+              wdy is __fmul_rn(dout, w) in both passes: rounded once and never contracted into an fma with the
+              subtraction, so at C = 1 (constant rows) wdy - c2 is exactly 0 as in the oracle, not the product's
+              rounding error times rstd = 1/sqrt(eps) = 1e6 (the first H200 run: dx 2e-3 where the oracle has 0)
               dw = sum_rows dout xhat,  db = sum_rows dout   (deterministic: per-chunk partials, then a column sum)
 
 Versions:
@@ -119,12 +122,17 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v1(const floa
         for (int c = lane * 4; c < C; c += 128) {
             float4 a = *reinterpret_cast<const float4*>(xr + c), d = *reinterpret_cast<const float4*>(g + c);
             float4 ww = *reinterpret_cast<const float4*>(w + c);
-            float w0 = d.x * ww.x, w1 = d.y * ww.y, w2 = d.z * ww.z, w3 = d.w * ww.w;
+            float w0 = __fmul_rn(d.x, ww.x), w1 = __fmul_rn(d.y, ww.y), w2 = __fmul_rn(d.z, ww.z),
+                  w3 = __fmul_rn(d.w, ww.w);
             c1 += w0 * (a.x - m) * rs + w1 * (a.y - m) * rs + w2 * (a.z - m) * rs + w3 * (a.w - m) * rs;
             c2 += (w0 + w1) + (w2 + w3);
         }
     } else {
-        for (int c = lane; c < C; c += 32) { float wd = g[c] * w[c]; c1 += wd * (xr[c] - m) * rs; c2 += wd; }
+        for (int c = lane; c < C; c += 32) {
+            float wd = __fmul_rn(g[c], w[c]);
+            c1 += wd * (xr[c] - m) * rs;
+            c2 += wd;
+        }
     }
     c1 = warp_sum(c1) / C;
     c2 = warp_sum(c2) / C;
@@ -133,11 +141,13 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v1(const floa
             float4 a = *reinterpret_cast<const float4*>(xr + c), d = *reinterpret_cast<const float4*>(g + c);
             float4 ww = *reinterpret_cast<const float4*>(w + c);
             *reinterpret_cast<float4*>(dr + c) = make_float4(
-                (d.x * ww.x - ((a.x - m) * rs * c1 + c2)) * rs, (d.y * ww.y - ((a.y - m) * rs * c1 + c2)) * rs,
-                (d.z * ww.z - ((a.z - m) * rs * c1 + c2)) * rs, (d.w * ww.w - ((a.w - m) * rs * c1 + c2)) * rs);
+                (__fmul_rn(d.x, ww.x) - ((a.x - m) * rs * c1 + c2)) * rs,
+                (__fmul_rn(d.y, ww.y) - ((a.y - m) * rs * c1 + c2)) * rs,
+                (__fmul_rn(d.z, ww.z) - ((a.z - m) * rs * c1 + c2)) * rs,
+                (__fmul_rn(d.w, ww.w) - ((a.w - m) * rs * c1 + c2)) * rs);
         }
     } else {
-        for (int c = lane; c < C; c += 32) dr[c] = (g[c] * w[c] - ((xr[c] - m) * rs * c1 + c2)) * rs;
+        for (int c = lane; c < C; c += 32) dr[c] = (__fmul_rn(g[c], w[c]) - ((xr[c] - m) * rs * c1 + c2)) * rs;
     }
 }
 
