@@ -3,11 +3,12 @@ intermediate activations for 4096 tokens, in float64 and float32.
 
     python benchmarks/bench_special.py                  # N(0, 1) and N(0, 3) inputs, 7 repeats
     python benchmarks/bench_special.py --sd 1 --repeats 11
+    python benchmarks/bench_special.py --sd 0.3 1 3 --repeats 9    # the README's figures
 
 Method: the two alternate, so that drift in the machine's speed hits both alike; one warm-up call each is excluded;
 the median and the minimum of the repeats are printed, one line per measurement. The results are compared before
-anything is timed. The cost depends on the inputs (refbert's formula for |x| > 1.19 costs 2-4x its central one), so
-each spread is its own line. Needs scipy (the dev extra).
+anything is timed. The cost depends on the inputs (refbert's formulas for |x| > 1.19 cost about twice its central
+one, plus the gathering of their values), so each spread is its own line. Needs scipy (the dev extra).
 """
 import argparse
 import statistics

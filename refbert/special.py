@@ -13,31 +13,37 @@ one, so that the rounding errors shrink with it, and this module keeps it that w
 - region 1: erfc(x) = (1 - x) - x P/Q, where 1 - x is exact for x >= 1/2 (Sterbenz);
 - region 2: 1 -+ erx are exact (erx has 24 bits); P(s) is summed with its largest term pa1 s split into an exact
   26 x 26-bit product and a remainder, and P/Q is taken as P - P (Q - 1)/Q, so each rounds about once;
-- regions 3, 4: with z = a cut to 21 bits, z^2 + 0.5625 is exact, and
-      exp(-a^2 - 0.5625 + R/S) / a = q (1 + expm1(B) + r/E),  E = exp(-z^2 - 0.5625),  q = E / a,
-      B = (z - a)(z + a) + R/S,  r = E - q a  (the division's rounding, computed exactly from 26-bit halves);
-  a whole exp(-a^2) would carry the rounding of a^2, a^2 2^-53 relative: 100 ulp at a = 27.
+- regions 3, 4: with z = a cut to 21 bits, A = -z^2 - 0.5625 is exact, B = (z - a)(z + a) + R/S is small, and
+      exp(A + B) / a = E (1 + d) / a = q + (q d + r / a),  E = exp(S),  q = E / a,  r = E - q a,
+  where A + B = S + d exactly (Fast2Sum: S rounded, |d| <= 2^-44, so that exp(d) = 1 + d to 2^-88; fdlibm takes
+  exp(A) exp(B) instead, two exps) and r is the division's rounding, computed exactly from 21- and 26-bit halves.
+  A whole exp(-a^2) would carry the rounding of a^2, a^2 2^-53 relative: 100 ulp at a = 27. erf there is
+  1 - erfc with erfc < 0.078, and takes the plain form (see _fast): its error, a few 1e-16 of erfc, is below 0.3 ulp
+  of erf.
 ndtr(x) = erfc(-x / sqrt 2) / 2, but x / sqrt 2 rounds, and erfc amplifies that 2 (x / sqrt 2)^2 times (700 ulp at
-x = -38, as in scipy's ndtr). So ndtr carries y = |x| / sqrt 2 as a double-double y = yh + yl (an exact 26 x 26-bit
-product plus the rest) and adds the first-order term yl d/dy to each form (whose derivative needs a percent of
-accuracy: yl is 2^-53 of y); in region 1 the same split makes 1/2 + y/2 exact where it cancels.
+x = -38, as in scipy's ndtr). So in regions 1 and 2 ndtr carries y = |x| / sqrt 2 as a double-double y = yh + yl
+(an exact 26 x 26-bit product plus the rest) and adds the first-order term yl d/dy to each form (whose derivative
+needs a percent of accuracy: yl is 2^-53 of y); in region 1 the same split makes 1/2 + y/2 exact where it cancels.
+In regions 3 and 4 it needs no y at all: erfc(y) / 2 = exp(-x^2/2 - 0.5625 - ln(2)/2 + R/S(2/x^2)) / |x|, the same
+form in x itself, with z = x cut to 21 bits and c = 0.5625 + ln(2)/2 split into 20 bits and a rest (see _tail).
 
 Accuracy, against mpmath at 120 bits on dense grids (tests/test_special.py): erf, erfc and ndtr within 2 ulp of the
-exact value (largest seen: 0.8 ulp for erf, 1.8 for erfc, 1.7 for ndtr), ndtr down to x = -38 (Phi = 3e-316,
-subnormal). float32 is computed in float64 without the steps only float64 needs, and rounded once: correctly
-rounded on every tested value. ints become float64.
+exact value (largest seen on the tests' grids plus 200,000 random ndtr points: 0.83 ulp for erf, 1.75 for erfc, 1.88
+for ndtr), ndtr down to x = -38 (Phi = 3e-316, subnormal). float32 is computed in float64 without the steps only
+float64 needs, and rounded once: correctly rounded on every tested value. ints become float64.
 
-Speed (benchmarks/bench_special.py): NumPy has no per-value branch. Region 1, the cheapest formula, runs on whole
-chunks when it holds most values; the other values are gathered into a batch per region, and each batch runs its
-own formula. Chunks of 65536 values keep Python's per-call cost small, and the working arrays are allocated once per
-call (temporaries of 64 kB and more, allocated and freed thousands of times, make glibc hand pages back to the system
-and fault them in again: 5-10x slower). On standard-normal inputs this matches scipy's compiled ndtr in float64 and
-beats it in float32; on wider inputs (most values beyond |x| = 1.8, regions 3 and 4) float64 takes about 1.5x as
-long: those formulas pay for their accuracy with about 90 array passes.
+Speed (benchmarks/bench_special.py): NumPy has no per-value branch. The values of each region are found by
+comparisons, gathered into a batch, run through their region's formula (50-60 array passes in float64) and
+scattered back; region 1, the cheapest formula, runs on whole chunks instead when it holds 70% of the values.
+Chunks of 131072 values keep the working arrays in the shared cache and Python's per-call cost small (a batch of a
+few values costs as much as one of thousands, so small ones wait and run together at the end), and the working
+arrays are allocated once per call (temporaries of 64 kB and more, allocated and freed thousands of times, make
+glibc hand pages back to the system and fault them in again: 5-10x slower). On a (4096, 3072) array this takes
+0.84-0.96x the time of scipy's compiled ndtr in float64 on N(0, 1) and N(0, 3) inputs, 0.64-0.68x in float32, on a
+shared 2-core machine (README, Dependencies).
 
 expit(x) = 1 / (1 + exp(-x)), as exp(-|x|) / (1 + exp(-|x|)) for x < 0 so that nothing overflows.
 """
-import math
 
 import numpy as np
 
@@ -68,9 +74,11 @@ PA1_HI = float((np.array([PA[1]]).view(np.int64) & np.int64(-(1 << 27))).view(np
 PA1_LO = PA[1] - PA1_HI                            # exact
 BOUNDS = (0.84375, 1.25, 1 / 0.35, 28.0)           # the upper ends of R1..R4
 
-_CHUNK = 65536
+_CHUNK = 131072
+_SMALL = 4096                                      # batches smaller than this wait (see _evaluate)
 _TOP21 = np.int64(-(1 << 32))                      # keeps sign, exponent and the top 20 stored bits: 21 bits
 _TOP26 = np.int64(-(1 << 27))                      # 26 bits: the product of two such numbers is exact
+_SIGN_BIT = np.int64(-(1 << 63))
 # 1/sqrt 2 = K_HI + K_LO to 106 bits (K_LO is what float64 rounding leaves), K_HI = K_HI26 + K_HI_REST
 _K_HI = 0.7071067811865476
 _K_LO = -4.833646656726457e-17
@@ -79,7 +87,10 @@ _K_HI_REST = _K_HI - _K_HI26                       # exact
 _K_R = 0.7071067811865476 - _K_HI26 + _K_LO        # 1/sqrt 2 - K_HI26 (to 2^-80 absolute; used on 26-bit values)
 _NPP = tuple(_K_HI / 2 * c / 2 ** j for j, c in enumerate(PP))   # region 1 of ndtr, in x^2 (see _r1)
 _NQQ = tuple(c / 2 ** j for j, c in enumerate(QQ))
-_ROWS = 14                                         # working arrays per call: 12 for the formulas, x, the result
+_ROWS = 16                                         # working arrays: 0-11 the formulas, 12-13 a chunk, 14-15 a batch
+# c = 0.5625 + ln(2)/2 = C_HI + C_LO (the constant of ndtr's tail form, see _tail): C_HI of 20 fractional bits
+_C_HI = 0.9090728759765625
+_C_LO = 7.143034101547086e-07
 
 
 def _horner(c, x, out):
@@ -135,14 +146,22 @@ def _r1(x, kind, out, w):
     out += num
 
 
+def _unit(x, sign, out):
+    """out = 1.0 with the sign of x (sign = 1.0) or the opposite one (sign = -1.0): the sign bit of x, xor the bits
+    of sign (copysign costs twice as much)."""
+    o = out.view(np.int64)
+    np.bitwise_and(x.view(np.int64), _SIGN_BIT, out=o)
+    np.bitwise_xor(o, np.array(sign).view(np.int64), out=o)
+    return out
+
+
 def _prep(x, kind, w):
     """(ah, al, sgn) in w[0], w[1], w[2]: a = |x| (ndtr: |x| / sqrt 2 as a normalised double-double) and the sign
-    of the argument of erfc (ndtr: Phi(x) = erfc(-x / sqrt 2) / 2)."""
+    of the argument of erfc (ndtr: Phi(x) = erfc(-x / sqrt 2) / 2), for the finite values of region 2."""
     ah, al, sgn, t = w[0], w[1], w[2], w[3]
     np.abs(x, out=ah)
     if kind != "ndtr":
-        return ah, None, (np.copysign(1.0, x, out=sgn) if kind == "erfc" else None)
-    np.minimum(ah, 40.0, out=ah)                     # Phi(-40) = 0 in float64; keeps inf - inf out of the split
+        return ah, None, (_unit(x, 1.0, sgn) if kind == "erfc" else None)
     xh = _top(ah, _TOP26, al)                        # a = xh + xl, and p = xh * K_HI26 exact
     np.subtract(ah, xh, out=sgn)
     sgn *= _K_HI
@@ -154,8 +173,7 @@ def _prep(x, kind, w):
     np.add(t, sgn, out=ah)                           # ah = p + rest
     np.subtract(t, ah, out=al)
     al += sgn                                        # al = (p - ah) + rest: Fast2Sum, ah + al = p + rest exactly
-    np.copysign(1.0, x, out=sgn)
-    np.negative(sgn, out=sgn)
+    _unit(x, -1.0, sgn)
     return ah, al, sgn
 
 
@@ -200,79 +218,78 @@ def _r2(ah, al, sgn, out, w):
     out -= p
 
 
-def _r34(ah, al, sgn, out, w, r, s_):
-    a, b, rs, z, t, e, q, hi, lo = w[3:12]
-    np.minimum(ah, BOUNDS[3], out=a)                 # erfc(28) underflows to 0; keeps inf out of the arithmetic
-    np.multiply(a, a, out=b)
-    np.divide(1, b, out=b)                           # 1 / a^2
-    _horner(r, b, rs)
-    rs /= _horner(s_, b, z)                          # R/S
-    _top(a, _TOP21, z)
-    np.subtract(z, a, out=b)
-    np.add(z, a, out=t)
-    b *= t                                           # z^2 - a^2, tiny and exact to the last bits
-    b += rs                                          # B
-    if al is not None:
-        # + al * d/da log erfc(a) = -al * a * 2/sqrt(pi) exp(0.5625 - R/S). The term is up to a^2 2^-53 relative
-        # (400 ulp at a = 20) and needs 0.1% accuracy: exp is taken to first order about the middle c of its
-        # argument's range, exp(c)(1 + (0.5625 - c) - R/S), which is within 2e-5 (region 4) and 5e-3 (region 3,
-        # where the term stays below 8 ulp).
-        c = 0.5775 if r is RB else 0.68
-        k = 1.1283791670955126 * math.exp(c)
-        np.multiply(rs, -k, out=t)
-        t += k * (1 + 0.5625 - c)
-        t *= a
-        t *= al
-        b -= t
-    np.multiply(z, z, out=e)
-    e += 0.5625
-    np.negative(e, out=e)
-    np.exp(e, out=e)                                 # E = exp(-z^2 - 0.5625): an exact argument
-    np.divide(e, a, out=q)
-    # the division's rounding r = E - q a, exactly (26-bit halves multiply exactly; q a is within an ulp of E),
-    # joins the small term: E / a = q (1 + r / E)
-    _top(q, _TOP26, hi)
-    np.subtract(q, hi, out=lo)
-    _top(a, _TOP26, z)
-    np.subtract(a, z, out=t)
-    np.multiply(hi, z, out=rs)
-    np.subtract(e, rs, out=rs)
-    hi *= t
-    rs -= hi
-    z *= lo
-    rs -= z
-    t *= lo
-    rs -= t
-    np.maximum(e, 1e-300, out=e)                     # E = 0 (a > 27.3): then r = 0 too, and erfc = 0
-    rs /= e
-    np.expm1(b, out=b)
-    b += rs
-    b *= q
-    b += q                                           # erfc(a) = q + q (expm1(B) + r / E)
-    if sgn is None:
-        np.subtract(1, b, out=out)
-        return
-    np.subtract(1, sgn, out=out)
-    b *= sgn
-    out += b                                         # erfc or 2 - erfc, each rounded once
+def _tail(v, kind, r, s_, cap, out, w):
+    """erfc or ndtr of the float64 values v by the form of regions 3 and 4 (R/S = r/s_), for both signs of v.
 
+    Phi(-|x|) = erfc(a) / 2 with a = |x| / sqrt 2, and 1/(2a) = 1/(sqrt 2 |x|): fdlibm's form, written in x itself,
+        tail(x) = exp(-h x^2 - c + R/S(w)) / |x|,  w = 1/(h x^2) = 1/a^2,  h = 1/2,  c = 0.5625 + ln(2)/2
+    (erfc: h = 1, c = 0.5625, and x = a), needs no rounded argument x / sqrt 2. As in fdlibm, x^2 is split: with xh =
+    x cut to 21 bits, A = -h xh^2 - c_hi is exact (at most 43 bits; c = c_hi + c_lo, c_hi of 20 fractional bits),
+        B = R/S - h (x - xh)(x + xh) - c_lo
+    is below 0.3, with an absolute error of ~1e-17 (the roundings of R/S, times |R/S| < 0.22), and where fdlibm
+    takes exp(A) exp(B), one exp does: A + B = S + d exactly (S = A + B rounded, d = (A - S) + B: Fast2Sum, as |A| >
+    2 > |B|), |d| <= 2^-44 (|S| < 2^10), so exp(A + B) = exp(S)(1 + d) to 2^-88. Then
+        tail = E (1 + d) / x = q + (q d + r / x),  E = exp(S),  q = E / x rounded,  r = E - q x,
+    where r, the division's rounding, is formed from q = qh + ql (qh: 26 bits): E - qh xh is exact (qh xh has 47
+    bits and lies within 2^-20 of E: Sterbenz), and q xl and ql xh, 2^-20 of E, round at 2^-73 of E, so that
+    r / x corrects q to a few parts in 10^6 of its own size. What is left is exp's rounding, B's error and the last
+    sum's, as in fdlibm's own form: within 2 ulp (tests/test_special.py; 1.75 the largest seen).
 
-def _r3(ah, al, sgn, out, w):
-    _r34(ah, al, sgn, out, w, RA, SA)
-
-
-def _r4(ah, al, sgn, out, w):
-    _r34(ah, al, sgn, out, w, RB, SB)
-
-
-_REGIONS = ((None, 0.0, BOUNDS[0]), (_r2, BOUNDS[0], BOUNDS[1]), (_r3, BOUNDS[1], BOUNDS[2]),
-            (_r4, BOUNDS[2], BOUNDS[3]))
+    Signs: q, r / x and the sum take the sign of x, so the sum is sgn(x) tail(|x|), and one operation gives
+    ndtr(x) = [x > 0] - sgn(x) Phi(-|x|), erfc(x) = 2 [x < 0] + sgn(x) erfc(|x|): rounded once where the tail is the
+    result (ndtr(x < 0), erfc(x > 0)), and where it is 1 or 2 minus the tail (< 0.08), a second time 0.04 ulp away.
+    cap: |x| is clipped to it first (region 4: the tail underflows to 0 before it; keeps inf out of the split)."""
+    h, c_hi, c_lo = (0.5, _C_HI, _C_LO) if kind == "ndtr" else (1.0, 0.5625, 0.0)
+    t, b, xh, xl, e, q, u = w[0:7]
+    if cap:
+        v = np.clip(v, -cap, cap, out=w[7])
+    np.multiply(v, v, out=t)
+    np.divide(1 / h, t, out=t)                       # w = 1/a^2
+    _horner(r, t, b)
+    b /= _horner(s_, t, u)                           # R/S
+    _top(v, _TOP21, xh)
+    np.subtract(v, xh, out=xl)
+    np.add(v, xh, out=t)
+    t *= xl                                          # x^2 - xh^2, to 2^-70 x^2
+    if h != 1:
+        t *= h
+    b -= t
+    if c_lo:
+        b -= c_lo                                    # B
+    np.multiply(xh, -h, out=u)
+    u *= xh
+    u -= c_hi                                        # A, exact
+    np.add(u, b, out=e)                              # S
+    u -= e
+    u += b                                           # d = (A - S) + B
+    np.exp(e, out=e)                                 # E = exp(S)
+    np.divide(e, v, out=q)                           # q = E / x, with the sign of x
+    _top(q, _TOP26, t)                               # qh
+    np.multiply(t, xh, out=b)
+    e -= b                                           # E - qh xh: exact
+    np.subtract(q, t, out=t)                         # ql
+    t *= xh
+    xl *= q
+    e -= xl
+    e -= t                                           # r = E - q x (to 2^-73 E)
+    e /= v                                           # r / x
+    u *= q
+    u += e
+    u += q                                           # sgn(x) tail(|x|)
+    if kind == "ndtr":
+        np.greater(v, 0, out=t)
+        np.subtract(t, u, out=out)
+    else:
+        np.less(v, 0, out=t)
+        t *= 2
+        np.add(t, u, out=out)
 
 
 def _fast(x, kind, region, out, w):
-    """The same regions for float32 results (x float64, holding float32 values): without the steps that only a
-    float64 result needs (the double-double argument of ndtr, the exact splits, the division's residual), whose
-    absence leaves errors near 1e-16 relative, far below float32's 6e-8. Twice as fast."""
+    """The same regions in their plain form, for float32 results (x float64, holding float32 values) and for erf
+    beyond region 2: without the steps that only a float64 result needs where the rational term is most of it (the
+    double-double argument of ndtr, the exact splits, the division's residual), whose absence leaves errors near
+    1e-16 relative, far below float32's 6e-8, and below 0.3 ulp of erf = 1 - erfc when erfc < 0.078."""
     y, a, t, u, half = x, w[0], w[1], w[2], kind == "ndtr"
     if half:                                         # Phi(x) = erfc(-x / sqrt 2) / 2
         y = np.multiply(x, -_K_HI, out=w[3])
@@ -323,25 +340,23 @@ def _fast(x, kind, region, out, w):
         out *= 0.5
 
 
-def _region_into(x, kind, region, clip, out, w, fast=False):
-    """out = erf, erfc or ndtr of the float64 values x by the formulas of one region (0..3); x may be w[12], the
-    only working array it may be. clip: clip the argument into the region's range first, so that the values of other
-    regions give finite junk (overwritten later; region 1 needs no clip). fast: a float32 result (see _fast)."""
-    if fast:
+def _region_into(x, kind, region, out, w, fast=False):
+    """out = erf, erfc or ndtr of the float64 values x, all of one region (0..3), by that region's formulas; x is
+    none of w[0:13]. fast: a float32 result (see _fast)."""
+    if fast or (region >= 2 and kind == "erf"):        # erf = +-(1 - erfc(|x|)), erfc(|x|) < 0.078: see _fast
         _fast(x, kind, region, out, w)
-        return
-    if region == 0:
+    elif region == 0:
         _r1(x, kind, out, w)
-        return
-    fn, lo, hi = _REGIONS[region]
-    ah, al, sgn = _prep(x, kind, w)
-    if clip:
-        np.clip(ah, lo, hi, out=ah)
-    fn(ah, al, sgn, out, w)
-    if kind == "erf":
-        np.copysign(out, x, out=out)                 # erf(-x) = -erf(x), and erf(-0) = -0
-    elif kind == "ndtr":
-        out *= 0.5
+    elif region == 1:
+        ah, al, sgn = _prep(x, kind, w)
+        _r2(ah, al, sgn, out, w)
+        if kind == "erf":
+            np.copysign(out, x, out=out)             # erf(-x) = -erf(x)
+        elif kind == "ndtr":
+            out *= 0.5
+    else:
+        cap = None if region == 2 else (BOUNDS[3] / _K_HI if kind == "ndtr" else BOUNDS[3])
+        _tail(x, kind, RA if region == 2 else RB, SA if region == 2 else SB, cap, out, w)
 
 
 def _real(x, name):
@@ -359,10 +374,11 @@ def _chunks(n):
 
 
 def _evaluate(x, kind):
-    """erf, erfc or ndtr over an array, chunk by chunk. NumPy has no per-value branch, so when region 1 holds most
-    values its formula runs on whole chunks; the other values (all of them otherwise) are gathered, while their
-    chunk is in cache, into a batch per region, and a full batch runs its region's formula and scatters the results
-    back. Batches keep every formula on long arrays: in NumPy a formula costs per call as much as per value."""
+    """erf, erfc or ndtr over an array, chunk by chunk. NumPy has no per-value branch: the values of each region
+    are found by comparisons and gathered into a batch, the batch runs its region's formula, and the results are
+    scattered back. When region 1, the cheapest formula, holds most values (judged on a sample), it runs on whole
+    chunks instead, and only the other values are gathered. A formula costs about 50 NumPy calls, so a batch of a
+    few values costs as much as one of thousands: batches below _SMALL values wait, and run together at the end."""
     x = _real(x, kind)
     flat = np.ravel(x)
     n = flat.size
@@ -372,60 +388,55 @@ def _evaluate(x, kind):
     fast = x.dtype == np.float32
     scale = _K_HI if kind == "ndtr" else 1.0        # the region is picked on |x| / sqrt 2 for ndtr (to an ulp)
     bounds = [b / scale for b in BOUNDS[:3]]
-    # region 1 (the cheapest formula, 1/4 the cost of regions 3 and 4) runs on every value when it holds most of
-    # them (judged on a sample); otherwise every region runs on its own values only
     sample = np.abs(flat[::max(1, n // 4096)], dtype=np.float64)
-    main = 0 if np.count_nonzero(sample < bounds[0]) >= 0.5 * sample.size else None
-    ge = np.empty(m, bool)
-    batch = {r: [np.empty(m), np.empty(m, np.intp), 0] for r in range(4) if r != main}   # values, positions, count
+    main = np.count_nonzero(sample < bounds[0]) >= 0.7 * sample.size
+    # results in order go straight to out; scattered ones go to a buffer first (scattered into fresh output
+    # memory, they cost twice as much)
+    direct = main and x.dtype == np.float64
+    code, flag = np.empty(m, np.int8), np.empty(m, bool)
+    waiting = {r: [] for r in range(4)}              # small batches: (values, their positions in flat)
 
-    def flush(r):
-        vals, pos, c = batch[r]
-        res = ws[13, :c]
-        _region_into(vals[:c], kind, r, False, res, [row[:c] for row in ws], fast)
-        out[pos[:c]] = res
-        batch[r][2] = 0
+    def run(r, vals):
+        """Region r's formula on the float64 values vals (at most m): a view of its results."""
+        batch = [row[:vals.size] for row in ws]
+        _region_into(vals, kind, r, batch[15], batch, fast)
+        return batch[15]
 
-    def add(r, vals, pos):
-        """Append values (and their positions in flat) to region r's batch, running it whenever it fills."""
-        while vals.size:
-            bv, bp, have = batch[r]
-            take = min(vals.size, m - have)
-            bv[have:have + take] = vals[:take]
-            bp[have:have + take] = pos[:take]
-            batch[r][2] = have + take
-            vals, pos = vals[take:], pos[take:]
-            if batch[r][2] == m:
-                flush(r)
-
+    first = 1 if main else 0                         # the first region that is gathered
     with np.errstate(all="ignore"):                  # junk in the values a formula does not own
         for i, j in _chunks(n):
             c = j - i
             rows = [row[:c] for row in ws]
             xs = flat[i:j] if x.dtype == np.float64 else np.copyto(rows[12], flat[i:j]) or rows[12]
-            if main is not None:
-                o = out[i:j] if x.dtype == np.float64 else rows[13]
-                _region_into(xs, kind, main, True, o, rows, fast)
-                if x.dtype != np.float64:
-                    out[i:j] = o
-            # the values beyond region 1 (NaN compares False: region 1, where it stays NaN), then their regions
-            g = np.greater_equal(np.abs(xs, out=rows[0]), bounds[0], out=ge[:c])
-            if main is None:
-                loc = np.flatnonzero(~g)
-                add(0, xs[loc], loc + i)
-            loc = np.flatnonzero(g)
-            if not loc.size:
-                continue
-            sub = xs[loc]
-            a = np.abs(sub)
-            k = (a >= bounds[1]).view(np.int8) + (a >= bounds[2]).view(np.int8)
-            for r in (1, 2, 3):
-                sel = np.flatnonzero(k == r - 1)
-                if sel.size:
-                    add(r, sub[sel], loc[sel] + i)
-        for r in batch:
-            if batch[r][2]:
-                flush(r)
+            o = out[i:j] if direct else rows[13]
+            a, found = np.abs(xs, out=rows[14]), None
+            if main:                                 # the values beyond region 1 (NaN compares False: region 1)
+                found = np.flatnonzero(np.greater_equal(a, bounds[0], out=flag[:c]))
+                a = np.take(a, found, out=rows[0][:found.size], mode="wrap")
+            # k = the region of each value, minus first
+            k, f = code[:a.size], flag[:a.size]
+            np.greater_equal(a, bounds[first], out=k.view(bool))
+            for b in bounds[first + 1:]:
+                k += np.greater_equal(a, b, out=f).view(np.int8)
+            if main:
+                _region_into(xs, kind, 0, o, rows, fast)
+            for r in range(first, 4):
+                loc = np.flatnonzero(np.equal(k, r - first, out=f))
+                if found is not None:
+                    loc = found[loc]
+                if loc.size >= _SMALL:
+                    o[loc] = run(r, np.take(xs, loc, out=ws[14, :loc.size], mode="wrap"))   # (loc is in range)
+                elif loc.size:
+                    waiting[r].append((xs[loc], loc + i))
+            if not direct:
+                out[i:j] = o
+        for r, parts in waiting.items():
+            if parts:
+                vals, pos = (np.concatenate([p[e] for p in parts]) for e in (0, 1))
+                for s in range(0, vals.size, m):
+                    piece = ws[14, :min(m, vals.size - s)]
+                    np.copyto(piece, vals[s:s + m])
+                    out[pos[s:s + m]] = run(r, piece)
     out = out.reshape(x.shape)
     return out[()] if out.ndim == 0 else out
 

@@ -71,6 +71,16 @@ def test_one_over_sqrt2_split():
     assert (np.array(special._K_HI26).view(np.int64) & ((1 << 27) - 1)) == 0             # 26 bits
 
 
+def test_ndtr_tail_constant_split():
+    # c = 0.5625 + ln(2)/2 = C_HI + C_LO to 2^-70, C_HI of 20 fractional bits (so that x^2/2 + C_HI is exact for x
+    # cut to 21 bits: refbert.special._tail)
+    from decimal import Decimal, getcontext
+    getcontext().prec = 60
+    c = Decimal("0.5625") + Decimal(2).ln() / 2
+    assert abs(Decimal(special._C_HI) + Decimal(special._C_LO) - c) < Decimal(2) ** -70
+    assert special._C_HI * 2 ** 20 == int(special._C_HI * 2 ** 20) and abs(special._C_LO) < 2 ** -20
+
+
 # --- float64 accuracy on dense grids ------------------------------------------------------------------------------
 
 def check_against_c_library(fn, cfn, xs):
@@ -167,21 +177,26 @@ def test_special_values():
 
 def test_region_boundaries_and_dispatch():
     # values on both sides of every region boundary, in a shuffled array larger than several chunks with a chunk
-    # shrunk to 7 values, so that batches fill, flush and wrap: the same numbers as one value at a time
+    # shrunk to 7 values, with batches run at once (_SMALL = 0), held back until the end (_SMALL = 8), or either
+    # (_SMALL = 2); alone (most values beyond region 1: each region gathered) and among four times as many values
+    # of region 1 (which then runs on whole chunks): the same numbers as one value at a time
     b = np.array(special.BOUNDS[:3])
     edges = np.concatenate([b, b * math.sqrt(2)])
     xs = np.concatenate([np.nextafter(edges, 0), edges, np.nextafter(edges, 9), np.linspace(-30, 30, 101)])
-    xs = np.random.default_rng(3).permutation(np.concatenate([xs, -xs]))
-    x32 = xs.astype(np.float32)
-    one_by_one = {(f, x.dtype): np.array([getattr(special, f)(v) for v in x]) for f in ("erf", "erfc", "ndtr")
-                  for x in (xs, x32)}
-    old = special._CHUNK
+    r = np.random.default_rng(3)
+    xs = r.permutation(np.concatenate([xs, -xs]))
+    central = r.permutation(np.concatenate([xs, r.uniform(-0.8, 0.8, 4 * xs.size)]))
+    cases = [x.astype(dtype) for x in (xs, central) for dtype in (np.float64, np.float32)]
+    one_by_one = [(f, x, np.array([getattr(special, f)(v) for v in x])) for f in ("erf", "erfc", "ndtr")
+                  for x in cases]
+    old = special._CHUNK, special._SMALL
     try:
         special._CHUNK = 7
-        for (f, dtype), want in one_by_one.items():
-            np.testing.assert_array_equal(getattr(special, f)(xs.astype(dtype)), want, err_msg=f)
+        for special._SMALL in (0, 2, 8):
+            for f, x, want in one_by_one:
+                np.testing.assert_array_equal(getattr(special, f)(x), want, err_msg=f"{f} {x.dtype} {x.size}")
     finally:
-        special._CHUNK = old
+        special._CHUNK, special._SMALL = old
 
 
 def test_shapes_dtypes_and_layouts():
