@@ -173,7 +173,7 @@ def run(args):
     if c == "demo-data":
         from .demo import write_demo_data
         for name, n in write_demo_data(args.out).items():
-            print(f"{args.out}/{name}: {n} {'documents' if name == 'corpus.txt' else 'rows'}")
+            print(f"{args.out}/{name}: {n} {'documents' if name.endswith('corpus.txt') else 'rows'}")
         return 0
     if c == "vocab":
         from .tokenization import train_vocab

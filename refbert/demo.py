@@ -11,11 +11,15 @@
                                       sentence documents, NUM for a number
     qa_{train,dev}.jsonl              {"question", "context", "answer_text", "answer_start"}: the context lists
                                       4 neighbouring functions of one module as "name: summary."; the question is
-                                      one summary, the answer that function's name (a character span of the
-                                      context). Every function of a window is asked about (a row each), so each
-                                      name is the answer as often as it is a distractor and a model cannot score
-                                      by remembering which names are answers; a summary two functions share is
-                                      never asked.
+                                      "What does NAME do?", the answer that function's summary (a character span
+                                      of the context). Every function of a window is asked about (a row each), so
+                                      each entry is the answer as often as it is a distractor, and the first
+                                      entry's summary (the baseline) is right a quarter of the time; a summary
+                                      two functions share is never asked.
+    qa_corpus.txt                     the QA training rows as pretraining text (a document per row: the question
+                                      line, then the context line), for `refbert pretrain --init` to continue
+                                      pretraining on the task's own text before fine-tuning (task-adaptive
+                                      pretraining); no dev text
 Train and dev are split by the documented object, so no sentence appears in both. The text is the Python
 Software Foundation's, under the PSF License Agreement, as shipped with every CPython; refbert ships none of it
 and generates it on the user's machine, so its exact contents follow the local Python version.
@@ -144,8 +148,11 @@ def write_demo_data(out_dir, seed=0):
     # QA: windows of 4 functions of one module, in the same split
     per_module = {}
     for module, name, sents, _ in docs:
-        if len(sents[0].split()) <= 30:
-            per_module.setdefault((module, _split(f"{module}.{name}")), []).append((name, sents[0]))
+        # each entry reads "name: summary." with one full stop, at its end: a summary that reads like an entry
+        # itself ("times_result: Result from ...") or holds a ". " inside would blur where entries start and end
+        summary = sents[0] if sents[0].endswith(".") else sents[0] + "."
+        if len(summary.split()) <= 25 and not re.search(r"(?:^|\s)[\w.]+: |\.\s", summary):
+            per_module.setdefault((module, _split(f"{module}.{name}")), []).append((name, summary))
     for (module, split), entries in sorted(per_module.items()):
         for i in range(len(entries) - 3):              # every window of 4 neighbouring functions
             group = entries[i:i + 4]
@@ -154,17 +161,24 @@ def write_demo_data(out_dir, seed=0):
                 starts.append(len(context))
                 context += f"{name}: {summary} "
             rng.integers(len(group))                    # (a draw the other files' order depends on)
+            names = [n for n, _ in group]
             for j, (name, summary) in enumerate(group):   # every function of the window is asked about
-                if context.count(summary) > 1:             # two functions share the summary: no single answer
-                    continue
-                rows[f"qa_{split}"].append({"question": summary, "context": context.strip(),
-                                            "answer_text": name, "answer_start": starts[j]})
+                if context.count(summary) > 1 or names.count(name) > 1:   # two functions share the summary or
+                    continue                                               # the name: no single answer
+                rows[f"qa_{split}"].append({"question": f"What does {name} do?", "context": context.strip(),
+                                            "answer_text": summary, "answer_start": starts[j] + len(name) + 2})
     with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:
         f.write("\n\n".join("\n".join(sents) for _, _, sents, _ in docs) + "\n")
+    # task-adaptive pretraining text (Gururangan et al. 2020, "Don't Stop Pretraining"): the QA training rows as
+    # documents of two lines, question then context, so that MLM with NSP pairs masks names in one segment that
+    # the other segment spells out; the dev rows stay unseen
+    with open(os.path.join(out_dir, "qa_corpus.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(f"{r['question']}\n{r['context']}" for r in rows["qa_train"]) + "\n")
     for key, items in rows.items():
         order = rng.permutation(len(items))
         with open(os.path.join(out_dir, f"{key}.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(items[i], ensure_ascii=False) + "\n" for i in order)
     counts = {f"{k}.jsonl": len(v) for k, v in rows.items()}
     counts["corpus.txt"] = len(docs)                   # documents (docstrings)
+    counts["qa_corpus.txt"] = len(rows["qa_train"])    # documents (question, context)
     return counts

@@ -16,6 +16,8 @@ def test_refbert_check_lists_every_op_and_exits_0():
                "add", "attention", "cross_entropy", "mse"):
         assert re.search(rf"^{re.escape(op)}", res.stdout, re.M), op
     assert "FAIL" not in res.stdout and " 0 failed" in res.stdout
+    kernel_lines = re.findall(r"^(\w+ v\d+)\s+(float\d+)\s", res.stdout, re.M)    # the numba kernels' table
+    assert len(kernel_lines) == len(set(kernel_lines)), "a kernel version listed twice"
 
 
 def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):

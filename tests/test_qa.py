@@ -1,6 +1,7 @@
 """Question answering, piece by piece: the demo's QA rows, their encoding (answer characters -> token labels), the
 decoding and metrics of `evaluate` — each check written against a bug it once had (issue 9)."""
 import json
+import re
 import types
 
 import numpy as np
@@ -21,15 +22,38 @@ def demo(tmp_path_factory):
     return d, BertTokenizer.from_pretrained(str(d / "tok"))
 
 
-def test_demo_qa_rows_are_answerable_and_not_first_name_biased(demo):
+def test_demo_qa_rows_are_answerable_and_not_first_entry_biased(demo):
+    """Each row asks what one function of a window of 4 does: the answer is that function's summary, right after
+    "name: " in the context, and no other summary of the window is the same text. Every function of a window is
+    asked, so the first entry's summary (the baseline) is the answer about a quarter of the time."""
     d, _ = demo
     for split in ("train", "dev"):
         rows = train.read_rows(str(d / f"qa_{split}.jsonl"), "qa")
         for r in rows:
-            assert r["context"][r["answer_start"]:].startswith(r["answer_text"] + ": ")
-            assert r["context"].count(r["question"]) == 1              # one function fits the question
-        first = np.mean([r["context"].split(":")[0] == r["answer_text"] for r in rows])
-        assert first < 0.4, f"{split}: the answer is the first name in {first:.0%} of the rows"
+            name = r["question"][len("What does "):-len(" do?")]
+            assert r["question"] == f"What does {name} do?"
+            assert r["context"][r["answer_start"]:].startswith(r["answer_text"])
+            assert r["context"][:r["answer_start"]].endswith(f"{name}: ")
+            assert _names(r["context"]).count(name) == 1               # the name is one function of the window
+            assert r["context"].count(r["answer_text"]) == 1            # one summary answers
+        first = np.mean([train._qa_em(b, r["answer_text"]) for b, r in
+                         zip(_first_summaries(rows), rows)])
+        assert 0.2 < first < 0.3, f"{split}: the answer is the first summary in {first:.0%} of the rows"
+        assert train.baseline("qa", rows, rows)["exact_match"] == pytest.approx(first)
+
+
+def _first_summaries(rows):
+    """The first entry's summary of each context, found independently of train.baseline: the text between the
+    first name's ": " and the second name's start."""
+    out = []
+    for r in rows:
+        entries = re.split(r"(?:^|\s)[\w.]+: ", r["context"])     # "", summary 1, summary 2, ...
+        out.append(entries[1].strip())
+    return out
+
+
+def _names(context):
+    return re.findall(r"(?:^|(?<=\s))([\w.]+): ", context)
 
 
 @pytest.mark.parametrize("max_len", [128, 256])
@@ -113,6 +137,17 @@ def _char_tokenizer():
     with open(path, "w") as f:
         f.write("\n".join(words) + "\n")
     return BertTokenizer(path)
+
+
+def test_demo_qa_corpus_is_the_training_rows_only(demo):
+    """qa_corpus.txt (task-adaptive pretraining text) holds each training row as a document of two lines, question
+    then context (in generation order; the .jsonl file is shuffled), and no dev row's context."""
+    d, _ = demo
+    docs = (d / "qa_corpus.txt").read_text().rstrip("\n").split("\n\n")
+    train_rows = train.read_rows(str(d / "qa_train.jsonl"), "qa")
+    assert sorted(docs) == sorted(f"{r['question']}\n{r['context']}" for r in train_rows)
+    dev_contexts = {r["context"] for r in train.read_rows(str(d / "qa_dev.jsonl"), "qa")}
+    assert not dev_contexts & {doc.split("\n")[1] for doc in docs}
 
 
 def test_demo_qa_json_is_one_object_a_line(demo):
