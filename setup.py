@@ -27,7 +27,8 @@ setup(
                 "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59", "scipy>=1.10", "mpmath",
                 # the CUDA kernels' tests run in Numba's CUDA simulator; bfloat16 arrays for the precision study;
                 # NVRTC (with a CUDA toolkit's NVVM) lets tests/test_cuda_ptx.py compile every kernel without a GPU
-                "numba-cuda", "ml_dtypes", "nvidia-cuda-nvrtc>=13,<14"],
+                # (it skips where no libnvvm is found; NVRTC has no macOS wheel)
+                "numba-cuda", "ml_dtypes", "nvidia-cuda-nvrtc>=13,<14; platform_system != 'Darwin'"],
         "kernels": ["numba>=0.59"],  # the fused CPU kernels: backend="numba", refbert bench
         # a prebuilt CuPy wheel for CUDA 13, never the source package `cupy` (CUDA 12: install cupy-cuda12x instead)
         "cuda": ["numba>=0.59", "numba-cuda", "cupy-cuda13x", "ml_dtypes"],

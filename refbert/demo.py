@@ -15,7 +15,7 @@
                                       of the context). Every function of a window is asked about (a row each), so
                                       each entry is the answer as often as it is a distractor, and the first
                                       entry's summary (the baseline) is right a quarter of the time; a summary
-                                      two functions share is never asked.
+                                      two functions share (as exact match compares answers) is never asked.
     qa_corpus.txt                     the QA training rows as pretraining text (a document per row: the question
                                       line, then the context line), for `refbert pretrain --init` to continue
                                       pretraining on the task's own text before fine-tuning (task-adaptive
@@ -118,6 +118,7 @@ def _split(name, dev_fraction=0.15):
 
 def write_demo_data(out_dir, seed=0):
     """Write the corpus and the four fine-tuning sets (see the module docstring). Returns {file name: rows}."""
+    from .train import _qa_normalize        # SQuAD's answer normalising (train.py's exact match)
     rng = np.random.default_rng(seed)
     docs = stdlib_docs()
     os.makedirs(out_dir, exist_ok=True)
@@ -162,9 +163,10 @@ def write_demo_data(out_dir, seed=0):
                 context += f"{name}: {summary} "
             rng.integers(len(group))                    # (a draw the other files' order depends on)
             names = [n for n, _ in group]
+            answers = [_qa_normalize(sm) for _, sm in group]   # as exact match compares them (SQuAD's normalising)
             for j, (name, summary) in enumerate(group):   # every function of the window is asked about
-                if context.count(summary) > 1 or names.count(name) > 1:   # two functions share the summary or
-                    continue                                               # the name: no single answer
+                if answers.count(answers[j]) > 1 or names.count(name) > 1:   # two functions share the summary (up
+                    continue                               # to case, punctuation, articles) or the name: no single answer
                 rows[f"qa_{split}"].append({"question": f"What does {name} do?", "context": context.strip(),
                                             "answer_text": summary, "answer_start": starts[j] + len(name) + 2})
     with open(os.path.join(out_dir, "corpus.txt"), "w", encoding="utf-8") as f:

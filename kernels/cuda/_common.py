@@ -107,7 +107,7 @@ else:
 
 # a * b rounded once and never fused: on a GPU the compiler contracts `a * b - c` into fma(a, b, -c), which skips
 # the product's rounding. Where c is a sum of those very products (layernorm's backward: wdy - mean(wdy)), the
-# difference is then the rounding error instead of the exact 0 (C = 1, constant rows), and the backward
+# difference is then the rounding error instead of the exact 0 (at C = 1), and the backward
 # multiplies it by rstd = 1/sqrt(eps) = 1e6 (seen on the H200: dx 1.2e-12 in float64, 2e-3 in float32, where the
 # oracle's is 0). libdevice's __fmul_rn / __dmul_rn are multiplications the compiler may not contract; the
 # simulator never contracts.

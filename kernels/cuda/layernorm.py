@@ -10,7 +10,7 @@ Numba CUDA.
                        c1 = sum(wdy * xhat) / C,  c2 = sum(wdy) / C,  ds = (wdy - (xhat * c1 + c2)) * rstd
                        dx = ds,  da = ds (residual) or ds * keep * scale (dropout)
                        wdy is rounded once and never contracted into an fma with the subtraction (_common.mul_rn):
-                       at C = 1 (or any constant row) wdy - c2 is then exactly 0, as in the oracle, instead of the
+                       at C = 1 wdy - c2 is then exactly 0, as in the oracle, instead of the
                        product's rounding error times rstd = 1/sqrt(eps) (found on the first real GPU run)
     dw = sum over rows of dout * xhat, db = sum over rows of dout: a thread per (chunk, column) sums its chunk's
     rows (CHUNKS chunks, a function of R only) into a partial row, then a second kernel adds the partials in chunk

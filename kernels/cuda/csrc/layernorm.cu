@@ -5,7 +5,7 @@ Oracle: refbert.ops.layernorm_forward / layernorm_backward (Python launchers: ke
     forward:  mean = x.mean(), rstd = 1/sqrt(var + eps) (biased var), xhat = (x - mean) rstd, out = xhat w + b
     backward: wdy = dout w;  c1 = mean(wdy xhat);  c2 = mean(wdy);  dx = (wdy - (xhat c1 + c2)) rstd
               wdy is __fmul_rn(dout, w) in both passes: rounded once and never contracted into an fma with the
-              subtraction, so at C = 1 (constant rows) wdy - c2 is exactly 0 as in the oracle, not the product's
+              subtraction, so at C = 1 wdy - c2 is exactly 0 as in the oracle, not the product's
               rounding error times rstd = 1/sqrt(eps) = 1e6 (the first H200 run: dx 2e-3 where the oracle has 0)
               dw = sum_rows dout xhat,  db = sum_rows dout   (deterministic: per-chunk partials, then a column sum)
 
