@@ -35,21 +35,24 @@ def test_demo_qa_rows_are_answerable_and_not_first_entry_biased(demo):
             assert r["context"][r["answer_start"]:].startswith(r["answer_text"])
             assert r["context"][:r["answer_start"]].endswith(f"{name}: ")
             assert _names(r["context"]).count(name) == 1               # the name is one function of the window
-            assert r["context"].count(r["answer_text"]) == 1            # one summary answers
+            summaries = [train._qa_normalize(e) for e in _summaries(r["context"])]
+            assert summaries.count(train._qa_normalize(r["answer_text"])) == 1   # one summary answers, as EM sees
         first = np.mean([train._qa_em(b, r["answer_text"]) for b, r in
                          zip(_first_summaries(rows), rows)])
-        assert 0.2 < first < 0.3, f"{split}: the answer is the first summary in {first:.0%} of the rows"
+        # 1/4 by construction (every function of a window asked); rows left out for shared summaries or names move
+        # it by a point or two, whatever the Python version's docstrings
+        assert 0.22 < first < 0.28, f"{split}: the answer is the first summary in {first:.1%} of the rows"
         assert train.baseline("qa", rows, rows)["exact_match"] == pytest.approx(first)
 
 
+def _summaries(context):
+    """The entries' summaries of a context, split at the names ("name: "), independently of train.baseline."""
+    return [e.strip() for e in re.split(r"(?:^|\s)[\w.]+: ", context)[1:]]
+
+
 def _first_summaries(rows):
-    """The first entry's summary of each context, found independently of train.baseline: the text between the
-    first name's ": " and the second name's start."""
-    out = []
-    for r in rows:
-        entries = re.split(r"(?:^|\s)[\w.]+: ", r["context"])     # "", summary 1, summary 2, ...
-        out.append(entries[1].strip())
-    return out
+    """The first entry's summary of each context: the text between the first name's ": " and the second name."""
+    return [_summaries(r["context"])[0] for r in rows]
 
 
 def _names(context):
