@@ -22,37 +22,21 @@ a gradient is a sum of cancelling terms, the NSP bias of a batch of 2, both floa
 from the truth, on opposite sides). The dropout masks are checked exactly: after the forward both models' DropoutRNGs have drawn the same
 number of streams, and an element the numpy backend's attention dropped is 0 in the cuda backend's probabilities.
 """
+import functools
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 import types
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import cudachild
 needs_numba_cuda = pytest.mark.skipif(importlib.util.find_spec("numba") is None
                                       or importlib.util.find_spec("numba_cuda") is None,
                                       reason="needs numba and numba-cuda (pip install 'refbert[cuda]')")
 
 
-def _run(code, sim=True, timeout=900):
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    if sim:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    prelude = "import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _check(r):
-    if r.returncode != 0:
-        pytest.fail(f"subprocess failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-    return r.stdout
+_run = functools.partial(cudachild.run, timeout=900)
+_check = cudachild.check
 
 
 def _gpu_present():

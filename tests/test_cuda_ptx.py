@@ -9,7 +9,6 @@ be found (a machine without a CUDA toolkit's libnvvm; `pip install nvidia-cuda-n
 NVRTC).
 """
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -17,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
+import cudachild
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None or importlib.util.find_spec("numba_cuda") is None,
                     reason="numba-cuda not installed")
 def test_every_cuda_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONWARNINGS"] = "ignore"
+    env = cudachild.child_env(sim=False)
     res = subprocess.run([sys.executable, "-m", "refbert_kernels.cuda.compile_check", "--cc", "9.0"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     out = res.stdout + res.stderr
@@ -64,8 +64,7 @@ def test_layernorm_backward_products_are_never_fused():
     (_common.mul_rn), which the compiler may not contract into an fma: PTX `mul.rn.f32` / `mul.rn.f64`. Without it
     a GPU gave dx = 2e-3 at C = 1 where the oracle's is exactly 0 (the first H200 run); the simulator cannot see it,
     so this looks at the PTX itself."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONWARNINGS"] = "ignore"
+    env = cudachild.child_env(sim=False)
     res = subprocess.run([sys.executable, "-c", _MUL_RN], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=900)
     out = res.stdout + res.stderr

@@ -10,32 +10,14 @@ versions, cheap, on all). What they still cover: T = 1, one row, odd sizes, warp
 a tail warp without a row), a padded row with one real token, -inf masks, ignored rows, p = 0 / 0.5 / 1 / eval.
 """
 import functools
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import cudachild
 
 
-def _run(code, sim=True, timeout=600):
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    if sim:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    prelude = "import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
-    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    return r
-
-
-def _check(r):
-    if r.returncode != 0:
-        pytest.fail(f"subprocess failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-    return r.stdout
+_run = functools.partial(cudachild.run, timeout=600)
+_check = cudachild.check
 
 
 _DRIVER = """

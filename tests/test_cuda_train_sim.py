@@ -32,6 +32,8 @@ import sys
 import numpy as np
 import pytest
 
+import cudachild
+
 pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
@@ -73,18 +75,14 @@ def _args(d, out, *extra):
 def _cli(argv, sim):
     """cli.main(argv) in a child (the simulator must be on before numba.cuda is first imported); prints the
     backend's mode and the ops that fell back to the oracle."""
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    if sim:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    code = (f"import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
+    code = (cudachild.PRELUDE +
             f"from refbert import cli\n"
             f"rc = cli.main({argv!r})\n"
             f"from refbert_kernels.cuda import backend\n"
             f"print('MODE', backend.MODE, 'FALLBACKS', sorted(backend.FALLBACKS))\n"
             f"sys.exit(rc)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cudachild.child_env(sim), capture_output=True,
+                       text=True, timeout=900)
     if r.returncode != 0:
         pytest.fail(f"refbert {' '.join(argv)} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     assert f"MODE {'sim' if sim else 'gpu'} FALLBACKS []" in r.stdout, r.stdout
@@ -151,9 +149,8 @@ def test_sim_pretrain_cuda_resumed_equals_numpy(tiny):
 
 
 def _gpu_present():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     r = subprocess.run([sys.executable, "-c", "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"],
-                       env=env, capture_output=True, timeout=120)
+                       env=cudachild.child_env(False), capture_output=True, timeout=120)
     return r.returncode == 0
 
 

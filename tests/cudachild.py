@@ -1,0 +1,35 @@
+"""Child processes for the CUDA tests: Numba's CUDA simulator must be switched on (NUMBA_ENABLE_CUDASIM=1) before
+numba.cuda is first imported and cannot be switched off afterwards, so every CUDA check runs in a child of its
+own, with the simulator on (CI) or off (the real numba.cuda: a GPU, or NVVM alone for compile checks), and the
+pytest process never imports numba.cuda."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRELUDE = "import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
+
+
+def child_env(sim):
+    """os.environ with the simulator switched on (sim) or off, warnings silenced."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def run(code, sim=True, timeout=600):
+    """python -c PRELUDE + code (dedented) in the repo root; the CompletedProcess."""
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=ROOT, env=child_env(sim),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(r):
+    """The child's stdout; the test fails with the ends of both streams if it exited non-zero."""
+    if r.returncode != 0:
+        pytest.fail(f"subprocess failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    return r.stdout
