@@ -6,8 +6,8 @@ switched off in a process that has it, so every check runs in a subprocess with 
 process itself never imports numba.cuda. The simulator runs one Python thread per GPU thread and its barriers
 poll, so the shapes are tiny (rows of 1-37, blocks of 32 threads, 2 warps per block for the warp versions).
 Version 1 (a thread per row or element) and float32 run every simulator shape of each spec; the block / warp
-versions (2, 3) run float64 / float16 / bfloat16 on the shapes that reach their tails and edge rows (_lowp_shapes
-below: each spec's block or warp tail, padded and -inf rows, ignored rows, dropout), at least two per spec. What
+versions (2, 3) run float64 / float16 / bfloat16 on the shapes that reach their tails and edge rows (lowp_shapes
+in _DRIVER: each spec's block or warp tail, padded and -inf rows, ignored rows, dropout), at least two per spec. What
 the shapes cover: T = 1, one row, odd sizes, warp and block tails (33 = 32 + 1, 37 = 32 + 5, a tail warp without a
 row), a padded row with one real token, -inf masks, ignored rows, p = 0 / 0.5 / 1 / eval.
 Needs numba-cuda and ml_dtypes (bfloat16 storage), both in the dev and cuda extras.
