@@ -51,7 +51,9 @@ def run_pair(forward, backward, inputs, kwargs, dout_seed=0):
 
 
 def compare(label, got, ref, atol, rtol, show=5):
-    """Max of |got - ref| / (atol + rtol |ref|) (<= 1 passes); prints the first offending entries when it fails."""
+    """Max of |got - ref| / (atol + rtol |ref|) (<= 1 passes); prints the first offending entries when it fails.
+    Where ref is not finite the entry must be identical: +-inf only the same infinity, NaN only NaN (inf / inf
+    would be NaN, which must not pass); a non-finite got against a finite ref is inf."""
     got, ref = np.asarray(got), np.asarray(ref)
     if got.shape != ref.shape:
         raise AssertionError(f"{label}: shape {got.shape}, expected {ref.shape}")
@@ -59,8 +61,12 @@ def compare(label, got, ref, atol, rtol, show=5):
         raise AssertionError(f"{label}: dtype {got.dtype}, expected {ref.dtype}")
     if got.size == 0:
         return 0.0
-    err = np.abs(got.astype(np.float64) - ref) / (atol + rtol * np.abs(ref.astype(np.float64)))
-    err = np.where(np.isnan(got) != np.isnan(ref), np.inf, np.nan_to_num(err, nan=0.0))
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    same = (g == r) | (np.isnan(g) & np.isnan(r))
+    finite = np.isfinite(g) & np.isfinite(r)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        ratio = np.abs(g - r) / (atol + rtol * np.abs(r))
+    err = np.where(same, 0.0, np.where(finite, ratio, np.inf))
     worst = float(err.max())
     if worst > 1:
         bad = np.argwhere(err > 1)[:show]

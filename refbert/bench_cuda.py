@@ -704,12 +704,12 @@ def write(out, name, title, header, md_lines, data, plot=None):
 
 def precision_md(rows, precision):
     """The precision study's rows (refbert.precision.study) as markdown."""
-    lines = [precision.LEGEND, "", "| mode | op | dtype | tensor | max ulp | mean ulp | norm ulp | f32 max | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [precision.LEGEND, "", "| mode | op | dtype | tensor | max ulp | mean ulp | norm ulp | cond ulp | f32 max "
+             "| note |", "|---|---|---|---|---|---|---|---|---|---|"]
     f = precision._f
-    for m, op, dt, t, mx, mean, norm, f32, note in rows:
+    for m, op, dt, t, mx, mean, norm, cond, f32, note in rows:
         lines.append(f"| {m} | {op} | {dt} | {t} | {f(mx, '.2f')} | {f(mean, '.3f')} | {f(norm, '.2f')} | "
-                     f"{f(f32, '.3f')} | {note} |")
+                     f"{f(cond, '.2f')} | {f(f32, '.3f')} | {note} |")
     return lines
 
 

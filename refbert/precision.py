@@ -22,9 +22,17 @@ storage dtype (1 ulp of 1.0 is 2^-10 in float16 and 2^-7 in bfloat16; below the 
 spacing). A correctly rounded result is within 0.5 ulp. Reported per tensor: the max and the mean over elements,
 and "norm" = max |got - ref| / ulp(max |ref|), the error against the tensor's scale: where a gradient is a sum of
 cancelling terms (layernorm's dx, softmax's dx) an element far smaller than its terms has a tiny ulp of its own, and
-its elementwise ULP error says more about the cancellation than about the op. In the oracle mode the column
-"f32 max" is the float32 computation's own error before the final rounding, in the same units: rounding then adds
-at most 0.5 ulp (of the rounded value's binade) to it.
+its elementwise ULP error says more about the cancellation than about the op. "cond" tells the two apart element by
+element: max |got - ref| / ulp(M), with M the sum of the magnitudes of the terms the element adds up (terms():
+the same expression evaluated on absolute values, every subtraction an addition, in float64; for an element
+that is not a sum, its own magnitude). Rounding the terms once to the storage dtype, or the result, moves an
+element by at most u M (u = half an ulp of 1: 2^-11 in float16), which is less than ulp(M): so a computation in
+float32 that stores its result once (and any intermediate once) scores cond <= 0.5 (+ 1 per rounded
+intermediate), however much the sum cancels, while an element that is wrong by more than its terms' rounding (a
+term dropped, counted twice, or rounded coarser) scores far above it, even where its elementwise max ulp is
+hidden among the cancelling elements and its norm by a larger element of the tensor. In the oracle mode the
+column "f32 max" is the float32 computation's own error before the final rounding, in the same units: rounding
+then adds at most 0.5 ulp (of the rounded value's binade) to it.
 
 `refbert check --precision` prints the oracle table; `refbert check --device cuda` adds the kernels' (main()).
 """
@@ -37,6 +45,7 @@ import numpy as np
 
 from . import ops
 from .philox import DropoutRNG
+from .special import ndtr
 from .tables import text_table
 
 try:
@@ -101,11 +110,13 @@ def ulp_error(got, ref, dtype):
     return np.where(same, 0.0, np.where(np.isnan(err), np.inf, err))
 
 
-def summarize(got, ref, dtype):
-    """(max ulp, mean ulp, norm ulp) of one tensor: elementwise max and mean, and max |diff| / ulp(max |ref|)."""
+def summarize(got, ref, dtype, terms=None):
+    """(max ulp, mean ulp, norm ulp, cond ulp) of one tensor: elementwise max and mean, max |diff| / ulp(max |ref|),
+    and max |diff| / ulp(terms) elementwise (terms: the magnitude of the terms each element sums, terms(); None:
+    |ref| itself, so that cond is the elementwise max)."""
     g, r = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     if r.size == 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     e = ulp_error(g, r, dtype)
     fin = np.isfinite(r)
     scale = float(np.abs(r[fin]).max()) if fin.any() else 0.0
@@ -113,7 +124,9 @@ def summarize(got, ref, dtype):
         d = np.abs(g - r)
     d = np.where((g == r), 0.0, d)
     norm = float(np.nanmax(d) / ulp(scale, dtype)) if d.size else 0.0
-    return float(e.max()), float(e.mean()), norm
+    m = np.abs(r) if terms is None else np.broadcast_to(np.asarray(terms, np.float64), r.shape)
+    cond = np.where(e == 0, 0.0, np.where(np.isfinite(e), d / ulp(np.where(np.isfinite(m), m, 0.0), dtype), np.inf))
+    return float(e.max()), float(e.mean()), norm, float(cond.max())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -203,36 +216,136 @@ def _reference(case, rounded, storage, seed):
     return np.asarray(out, np.float64), [np.asarray(a, np.float64) for a in _as_tuple(g)], dout
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the magnitude of the terms each element sums: the op's expression on absolute values (see the module docstring)
+
+def _ln_terms(s_abs, cache, d):
+    """LayerNorm of s (= x, x + a or x + dropout(a)) whose terms have magnitude s_abs, d = |dout|: (out without
+    b, ds, dw, db).  xhat = (s - mean) rstd: (|s| + mean |s|) rstd;  out = xhat w + b;  with wdy = dout w,
+    ds = rstd (wdy - xhat c1 - c2), c1 = mean(wdy xhat), c2 = mean(wdy);  dw = sum dout xhat;  db = sum dout."""
+    _, w, _, rstd = cache
+    lead = tuple(range(s_abs.ndim - 1))
+    xa = rstd * (s_abs + s_abs.mean(-1, keepdims=True))                   # (..., C) |xhat|'s terms
+    wdy = d * np.abs(w)
+    ds = rstd * (wdy + xa * (wdy * xa).mean(-1, keepdims=True) + wdy.mean(-1, keepdims=True))
+    return xa * np.abs(w), ds, (d * xa).sum(lead), d.sum(lead)
+
+
+def terms(case, rounded, dout, storage):
+    """[out, *gradients] of the case: for every element, the sum of the magnitudes of the terms it adds up, from
+    the float64 oracle on the rounded inputs and upstream gradient (float64 arrays of the outputs' shapes).
+    Where a term passes through exp or erf, its argument's float32 rounding (u32 times
+    the magnitude of the argument's own terms) moves it by the function's derivative times that: counted in units
+    of the storage's rounding, r = u32 / u (1 in float32, 2^-13 in float16, 2^-16 in bfloat16)."""
+    r = float(np.finfo(np.float32).eps) / (2.0 ** -_finfo(storage).nmant)
+    f = {k: np.asarray(v, np.float64) for k, v in rounded.items()}
+    out, cache = getattr(ops, case.forward)(**f, **_kw(case))
+    d = np.abs(np.asarray(dout, np.float64))
+
+    def probs(p, arg):
+        """p = exp(s - m) / sum exp(s - m) and its terms: p (1 + r (|arg| + sum_j p_j |arg_j|)), arg the
+        magnitude of s - m's terms (the normaliser's error moves every p of the row by the same factor)."""
+        arg = np.where(p > 0, arg, 0.0)
+        return p * (1 + r * (arg + (p * arg).sum(-1, keepdims=True)))
+
+    if case.op == "softmax":
+        p, scale = cache
+        z = f["x"] * scale + f["mask"]
+        pa = probs(p, np.abs(f["x"] * scale) + np.abs(f["mask"]) + np.abs(z.max(-1, keepdims=True)))
+        # dx_i = scale (p_i dout_i - sum_j p_i p_j dout_j): p_i p_j is two roundings of p, so its share counts twice
+        return [pa, abs(scale) * (pa * (d + (p * d).sum(-1, keepdims=True)) + p * (pa * d).sum(-1, keepdims=True))]
+    if case.op in ("layernorm", "residual_layernorm", "dropout_residual_layernorm"):
+        x = f["x"]
+        if case.op == "layernorm":
+            ln, keep, s_abs = cache, 1.0, np.abs(x)
+        else:
+            ln = cache[-1]
+            keep = 1.0 if case.op == "residual_layernorm" or cache[0].keep is None else cache[0].keep * cache[0].scale
+            s_abs = np.abs(x) + np.abs(f["a"]) * keep
+        o, ds, dw, db = _ln_terms(s_abs, ln, d)
+        o = o + np.abs(f["b"])
+        return [o, ds, dw, db] if case.op == "layernorm" else [o, ds, ds * keep, dw, db]
+    if case.op == "bias_gelu":
+        x, b = f["x"], f["b"]
+        u, u_abs = x + b, np.abs(x) + np.abs(b)
+        if case.kwargs.get("approximate", "none") == "none":
+            phi = np.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
+            g1, g1_terms, g2 = ndtr(u) + u * phi, ndtr(u) + np.abs(u) * phi, phi * (2 - u * u)   # gelu', gelu''
+        else:
+            c, k = math.sqrt(2 / math.pi), 0.044715
+            sg = lambda v: 1 / (1 + np.exp(-2 * c * (v + k * v ** 3)))                          # noqa: E731
+            dg = lambda v: sg(v) + 2 * v * sg(v) * (1 - sg(v)) * c * (1 + 3 * k * v * v)       # noqa: E731
+            g1 = dg(u)
+            g1_terms = sg(u) + np.abs(2 * u * sg(u) * (1 - sg(u)) * c * (1 + 3 * k * u * u))
+            h = 1e-5 * (1 + np.abs(u))
+            g2 = (dg(u + h) - dg(u - h)) / (2 * h)
+        o = np.abs(out) + r * np.abs(g1) * u_abs                                # gelu(u), u rounded in float32
+        du = d * (g1_terms + r * np.abs(g2) * u_abs)                            # dout gelu'(u)
+        return [o, du, du.reshape(-1, du.shape[-1]).sum(0)]
+    if case.op == "attention":
+        qh, kh, vh, sm, do = cache
+        B, H, T, hs = qh.shape
+        p, scale = sm
+        mask = 0.0 if f.get("mask") is None else np.abs(f["mask"])
+        s = np.abs(scale) * (np.abs(qh) @ np.abs(kh).transpose(0, 1, 3, 2))    # (B, H, T, T) |q_i| . |k_j| scale
+        z = 1.0 if do.keep is None else do.keep * do.scale                      # (B, H, T, T)
+        pa = probs(p, s + mask + np.max(np.where(p > 0, s + mask, 0.0), -1, keepdims=True))
+        dh = d.reshape(B, T, H, hs).transpose(0, 2, 1, 3)                       # (B, H, T, hs)
+        o = (pa * z) @ np.abs(vh)                                               # out = sum_j p_ij z_ij v_j
+        dv = (pa * z).transpose(0, 1, 3, 2) @ dh                                # dv_j = sum_i p_ij z_ij dout_i
+        dp = z * (dh @ np.abs(vh).transpose(0, 1, 3, 2))                        # dp_ij = z_ij dout_i . v_j
+        D = (dh * o).sum(-1, keepdims=True)                                     # D_i = dout_i . out_i
+        ds = pa * (dp + D)                                                      # ds_ij = p_ij (dp_ij - D_i)
+        dq = abs(scale) * ds @ np.abs(kh)                                       # dq_i = scale sum_j ds_ij k_j
+        dk = abs(scale) * ds.transpose(0, 1, 3, 2) @ np.abs(qh)                 # dk_j = scale sum_i ds_ij q_i
+        merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, H * hs)        # noqa: E731
+        return [merge(o), merge(dq), merge(dk), merge(dv)]
+    if case.op == "cross_entropy":
+        shape, _, zs, yk, kept, lse = cache
+        n, rows = max(kept.size, 1), np.arange(kept.size)
+        z = f["logits"].reshape(-1, shape[-1])[kept]                            # (n, V)
+        m = np.abs(z).max(-1, keepdims=True) if kept.size else np.zeros((0, 1))
+        loss = (np.abs(lse[:, 0]) + np.abs(z[rows, yk]) + m[:, 0]).sum() / n   # lse - z_label, both shifted by m
+        g = probs(np.exp(zs - lse), np.abs(z) + m + np.abs(lse))               # softmax, + onehot
+        g[rows, yk] += 1
+        dz = np.zeros((int(np.prod(shape[:-1])), shape[-1]))
+        dz[kept] = g * float(d) / n
+        return [np.asarray(loss), dz.reshape(shape)]
+    raise ValueError(f"precision: no terms for op {case.op!r}")
+
+
 def run_oracle(case, storage, seed=0):
-    """The "oracle" mode of one case: [(tensor, max, mean, norm, f32 max)] for out and each gradient."""
+    """The "oracle" mode of one case: [(tensor, max, mean, norm, cond, f32 max)] for out and each gradient."""
     rounded = {k: round_to(v, storage) for k, v in case.inputs.items()}
     ref_out, ref_g, dout = _reference(case, rounded, storage, seed)
+    mags = terms(case, rounded, dout, storage)
     f32 = {k: v.astype(np.float32) for k, v in rounded.items()}
     out, cache = getattr(ops, case.forward)(**f32, **_kw(case))
     g = _as_tuple(getattr(ops, case.backward)(np.asarray(dout).astype(np.float32)[()], cache))
     rows = []
-    for name, got, ref in [("out", out, ref_out), *zip((f"d{w}" for w in case.wrt), g, ref_g)]:
+    for (name, got, ref), m in zip([("out", out, ref_out), *zip((f"d{w}" for w in case.wrt), g, ref_g)], mags):
         got = np.asarray(got, np.float64)
-        mx, mean, norm = summarize(round_to(got, storage), ref, storage)
-        rows.append((name, mx, mean, norm, float(ulp_error(got, ref, storage).max()) if ref.size else 0.0))
+        mx, mean, norm, cond = summarize(round_to(got, storage), ref, storage, m)
+        rows.append((name, mx, mean, norm, cond, float(ulp_error(got, ref, storage).max()) if ref.size else 0.0))
     return rows
 
 
 def run_device(case, storage, backend, seed=0):
     """The "device" mode of one case with backend (refbert_kernels.cuda.backend): the kernels in storage dtype.
-    [(tensor, max, mean, norm, None)] for out and each gradient."""
+    [(tensor, max, mean, norm, cond, None)] for out and each gradient."""
     rounded = {k: round_to(v, storage) for k, v in case.inputs.items()}
     ref_out, ref_g, dout = _reference(case, rounded, storage, seed)
+    mags = terms(case, rounded, dout, storage)
     dev = {k: backend.to_device(v.astype(storage)) for k, v in rounded.items()}
     out, cache = getattr(backend, case.forward)(**dev, **_kw(case))
     d = 1.0 if case.scalar else backend.to_device(np.asarray(dout).astype(storage))
     g = _as_tuple(getattr(backend, case.backward)(d, cache))
     rows = []
-    for name, got, ref in [("out", out, ref_out), *zip((f"d{w}" for w in case.wrt), g, ref_g)]:
+    for (name, got, ref), m in zip([("out", out, ref_out), *zip((f"d{w}" for w in case.wrt), g, ref_g)], mags):
         got = backend.to_host(got)
         if np.asarray(got).dtype != storage:
             raise AssertionError(f"{case.op} {name}: the kernel returned {np.asarray(got).dtype}, expected {storage}")
-        rows.append((name, *summarize(np.asarray(got).astype(np.float64), ref, storage), None))
+        rows.append((name, *summarize(np.asarray(got).astype(np.float64), ref, storage, m), None))
     return rows
 
 
@@ -256,7 +369,7 @@ def _device_skip(backend, op, storage):
 
 
 def study(dtypes=None, size="small", device=None, ops_=None, seed=0, modes=None):
-    """Rows (mode, op, dtype, tensor, max ulp, mean ulp, norm ulp, f32 max ulp or None, note) for every op and
+    """Rows (mode, op, dtype, tensor, max ulp, mean ulp, norm ulp, cond ulp, f32 max ulp or None, note) for every op and
     storage dtype: the "oracle" mode always (unless modes excludes it), the "device" mode when a device is given."""
     dtypes = list(storage_dtypes()) if dtypes is None else list(dtypes)
     modes = modes or (("oracle", "device") if device is not None else ("oracle",))
@@ -268,17 +381,17 @@ def study(dtypes=None, size="small", device=None, ops_=None, seed=0, modes=None)
             if ops_ is not None and case.op not in ops_:
                 continue
             if "oracle" in modes:
-                for t, mx, mean, norm, f32 in run_oracle(case, storage, seed):
-                    rows.append(("oracle f32", case.op, name, t, mx, mean, norm, f32, ""))
+                for t, mx, mean, norm, cond, f32 in run_oracle(case, storage, seed):
+                    rows.append(("oracle f32", case.op, name, t, mx, mean, norm, cond, f32, ""))
             if backend is not None:
                 why = _device_skip(backend, case.op, storage)
                 if why:
                     rows.append((f"{getattr(backend, 'MODE', 'device')} kernel", case.op, name, "—", None, None, None,
-                                 None, why))
+                                 None, None, why))
                     continue
-                for t, mx, mean, norm, _ in run_device(case, storage, backend, seed):
+                for t, mx, mean, norm, cond, _ in run_device(case, storage, backend, seed):
                     rows.append((f"{getattr(backend, 'MODE', 'device')} kernel", case.op, name, t, mx, mean, norm,
-                                 None, ""))
+                                 cond, None, ""))
     return rows
 
 
@@ -288,15 +401,17 @@ def _f(x, spec):
 
 def format_table(rows):
     """A plain-text table of study() rows."""
-    head = ("mode", "op", "dtype", "tensor", "max ulp", "mean ulp", "norm ulp", "f32 max", "note")
-    body = [(m, op, dt, t, _f(mx, ".2f"), _f(mean, ".3f"), _f(norm, ".2f"), _f(f32, ".3f"), note)
-            for m, op, dt, t, mx, mean, norm, f32, note in rows]
+    head = ("mode", "op", "dtype", "tensor", "max ulp", "mean ulp", "norm ulp", "cond ulp", "f32 max", "note")
+    body = [(m, op, dt, t, _f(mx, ".2f"), _f(mean, ".3f"), _f(norm, ".2f"), _f(cond, ".2f"), _f(f32, ".3f"), note)
+            for m, op, dt, t, mx, mean, norm, cond, f32, note in rows]
     return text_table(head, body)
 
 
 LEGEND = ("ULPs of the storage dtype against the float64 oracle on the same rounded inputs (0.5 = correctly "
           "rounded). max/mean: elementwise; norm: max |diff| / ulp(max |ref|), the error at the tensor's scale; "
-          "f32 max: the float32 computation before its final rounding (oracle mode).")
+          "cond: max |diff| / ulp(the magnitude of the terms the element sums), <= 0.5 per rounding whatever the "
+          "cancellation, far above it for a wrong element; f32 max: the float32 computation before its final "
+          "rounding (oracle mode).")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -376,7 +491,7 @@ def main(args=None):
     print(f"precision study ({size} shapes{where})\n{LEGEND}\n")
     print(format_table(rows))
     if getattr(args, "json", None):
-        keys = ("mode", "op", "dtype", "tensor", "max_ulp", "mean_ulp", "norm_ulp", "f32_max_ulp", "note")
+        keys = ("mode", "op", "dtype", "tensor", "max_ulp", "mean_ulp", "norm_ulp", "cond_ulp", "f32_max_ulp", "note")
         with open(args.json, "w") as fh:
             json.dump(dict(size=size, sizes=SIZES[size], rows=[dict(zip(keys, r)) for r in rows]), fh, indent=1)
             fh.write("\n")

@@ -1,11 +1,14 @@
 """Hypothesis profiles: "ci" (the default) is derandomized with a bounded number of examples and no deadline, so a
 slow example never flakes CI and a failure reproduces; HYPOTHESIS_PROFILE=dev explores more, randomly.
 
-The parity peers: fixtures `torch` and `transformers` (tests/peers.py) skip the test that asks for a missing one, or
-fail it under CI; and under CI a `pytest.importorskip("torch")` / `("transformers")` that skips is turned into a
-failure too, so that no parity test skips unseen there."""
+Skips under CI (the environment variable CI set, as CI runners set it; .ci/run installs the dev extra and finds the
+CUDA toolkit): a test that skips there would pass unseen, so every skip under CI is a failure — a test skipped
+whole, a file skipped whole (an error), a parity peer missing (tests/peers.py: fixtures `torch` and
+`transformers`, or `pytest.importorskip`) — except the tests CI_MAY_SKIP lists, each with the message its skip
+must match and the reason CI cannot run it. Outside CI every skip stays a skip."""
 import os
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +19,28 @@ settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_GPU = r"GPU|CUDA device|cupy"
+# file::test (any parameters) -> (what its skip message must say, why CI may skip it). CI runs on a CPU machine:
+# no GPU, no CuPy (the cuda extra). Anything else that skips under CI fails, and so does a listed test that skips
+# for another reason.
+CI_MAY_SKIP = {
+    "test_cuda_sim.py::test_gpu_every_version_matches_oracle": (_GPU, "the kernels on a real GPU"),
+    "test_cuda_backend_sim.py::test_gpu_whole_model_equals_numpy_backend": (_GPU, "the cuda backend on a GPU"),
+    "test_cuda_backend_sim.py::test_gpu_outputs_pass_to_torch_and_numba_without_copies":
+        (_GPU + "|PyTorch with CUDA", "CuPy and CUDA PyTorch sharing GPU memory"),
+    "test_cuda_backend_sim.py::test_cuda_backend_without_gpu_or_simulator_is_a_clear_error":
+        ("a GPU is present", "the error seen without a GPU, on a machine that has one"),
+    "test_cuda_backend_sim.py::test_bench_cuda_skips_cleanly_without_gpu":
+        ("a GPU is present", "the bench without a GPU, on a machine that has one"),
+    "test_cuda_train_sim.py::test_gpu_pretrain_cuda_resumed_equals_numpy": (_GPU, "pretrain --backend cuda on a GPU"),
+    "test_cuda_nvcc.py::test_cuda_c_matches_oracle": (_GPU, "the CUDA C kernels launched through CuPy on a GPU"),
+    # the dev extra allows transformers >= 4.40; these compare with a Python tokenizer only some versions have
+    "test_tokenization.py::test_bert_tokenizer_never_split_as_hf_python":
+        ("no Python BERT tokenizer in this transformers", "a transformers without a Python BERT tokenizer"),
+    "test_tokenization.py::test_documented_slow_fast_differences":
+        ("documents transformers 5's Python tokenizer", "differences of transformers 5's Python tokenizer only"),
+}
 
 
 @pytest.fixture
@@ -31,18 +56,45 @@ def transformers():
 _PEER_SKIP = re.compile(r"could not import '(torch|transformers)'")
 
 
+def _key(path, name=None):
+    """CI_MAY_SKIP's key of a test (file::function, parameters aside) or of a file."""
+    return Path(str(path)).name + ("" if name is None else f"::{name}")
+
+
+def _ci_failure(key, message):
+    """None if CI may skip `key` with this message, else why the skip fails."""
+    if _PEER_SKIP.search(message):
+        return f"{message}: CI runs every parity test (pip install -e '.[dev]')"
+    pattern, _ = CI_MAY_SKIP.get(key, (None, None))
+    if pattern is not None and re.search(pattern, message):
+        return None
+    return (f"skipped under CI ({message}): CI runs every test but those tests/conftest.py CI_MAY_SKIP lists"
+            + ("" if pattern is None else f", and this one only for a skip matching {pattern!r}"))
+
+
+def _message(longrepr):
+    """The reason of a skip report: longrepr is (file, line, 'Skipped: reason') or a text."""
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if in_ci() and report.skipped and call.excinfo is not None and _PEER_SKIP.search(str(call.excinfo.value)):
-        report.outcome = "failed"
-        report.longrepr = f"{call.excinfo.value}: CI runs every parity test (pip install -e '.[dev]')"
+    if in_ci() and report.skipped and not hasattr(report, "wasxfail"):
+        why = _ci_failure(_key(item.path, getattr(item, "originalname", item.name)), _message(report.longrepr))
+        if why is not None:
+            report.outcome = "failed"
+            report.longrepr = why
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     outcome = yield
     report = outcome.get_result()
-    if in_ci() and report.skipped and _PEER_SKIP.search(str(report.longrepr)):
-        report.outcome = "failed"                 # a whole file skipped for a missing peer: an error under CI
+    if in_ci() and report.skipped:
+        why = _ci_failure(_key(collector.path), _message(report.longrepr))
+        if why is not None:                       # a whole file skipped: an error under CI
+            report.outcome = "failed"
+            report.longrepr = why

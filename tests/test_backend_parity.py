@@ -1,10 +1,16 @@
 """The numba backend against the numpy backend (the oracle), whole model: every head, every output, every
 parameter gradient, in train mode with dropout on (both backends draw the same Philox masks) and in eval mode.
 
-Tolerance (per tensor, relative to the tensor's largest entry: |a - b|max <= rtol * |b|max):
-  float64 1e-10 — the kernels use exact math.exp/erf in float64 and differ from NumPy only in summation order
-                  (~1e-16 per add), amplified through 2 layers and a loss;
-  float32 1e-5  — float32 sums in another order and polynomial exp/erf of <= 2 ulp, through the same depth.
+Tolerance (README "Backends"): against the numpy backend's float64 result b, per tensor, relative to its largest
+entry, |a - b|max <= rtol * |b|max (gradients: check_grads' scale), in both dtypes:
+  float64 rtol 1e-10 — the kernels use exact math.exp/erf in float64 and differ from NumPy only in summation order
+                       (~1e-16 per add), amplified through 2 layers and a loss;
+  float32 rtol 1e-5  — float32 sums in another order and polynomial exp/erf of <= 2 ulp, through the same depth
+                       (observed: <= 3.2e-6). Where a gradient sums cancelling terms float32 itself cannot do 1e-5:
+                       the float32 numpy backend is 9.3e-6 off on the multiple-choice pooler bias (1.1e-5 on the
+                       NSP bias of tests/test_cuda_backend_sim.py); there the bound is twice that own distance
+                       (the kernels may round as far, on the other side) — never the sum of the two, and the float32
+                       numpy backend must itself be within 2e-5, so no allowance exceeds 4e-5.
 """
 import numpy as np
 import pytest
@@ -23,6 +29,7 @@ def close(got, ref, rtol, what, floor=1e-30):
     scale = max(float(np.abs(ref).max()), floor) if ref.size else 1.0
     err = float(np.abs(got - ref).max()) / scale if ref.size else 0.0
     assert err <= rtol, f"{what}: max |diff| / max |ref| = {err:.2e} > {rtol:g}"
+    return err
 
 
 def run(head, dtype, backend, train, decode=None, **cfg_kw):
@@ -44,8 +51,9 @@ def run(head, dtype, backend, train, decode=None, **cfg_kw):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("train", [True, False])
 def test_numba_backend_equals_numpy_backend(head, dtype, train):
-    ref_out, ref_g = run(head, dtype, "numpy", train)
+    ref_out, ref_g = run(head, np.float64, "numpy", train)          # the float64 result, for both dtypes
     out, g = run(head, dtype, "numba", train)
+    own = run(head, dtype, "numpy", train)[1] if dtype == np.float32 else None
     rtol = RTOL[dtype]
     assert set(out) == set(ref_out)
     for k, v in ref_out.items():
@@ -57,31 +65,31 @@ def test_numba_backend_equals_numpy_backend(head, dtype, train):
             assert np.asarray(a).dtype == dtype, (k, i)
             close(a, b, rtol, f"{head} {k}[{i}]")
     assert list(g) == list(ref_g)
-    check_grads(g, ref_g, rtol, run(head, np.float64, "numpy", train)[1] if dtype == np.float32 else ref_g, head)
+    assert all(a.dtype == dtype for a in g.values())
+    check_grads(g, ref_g, rtol, head, own)
 
 
-def check_grads(g, ref_g, rtol, exact, what):
-    """Every gradient within rtol of the reference's, relative to its own size, with two floors:
-    - a gradient that is 0 in exact arithmetic (the float64 oracle's is below 1e-12 of the largest gradient: the
+def check_grads(g, ref_g, rtol, what, own=None):
+    """Every gradient within rtol of the float64 reference's, relative to its own size, with two floors:
+    - a gradient that is 0 in exact arithmetic (the reference's is below 1e-12 of the largest gradient: the
       key bias, as softmax ignores a per-row shift; the QA and multiple-choice biases and the last LayerNorm bias
-      under QA, which move every position or choice alike) is rounding noise in both backends, the sum of many
-      cancelling terms of the model's scale: it is held to rtol times the largest gradient, absolutely;
+      under QA, which move every position or choice alike) is rounding noise, the sum of many cancelling terms of
+      the model's scale: it is held to rtol times the largest gradient, absolutely;
     - every other gradient is compared relative to max(its largest entry, 1e-3 of the largest gradient): its
       rounding error comes from activations of the model's scale, not from its own size.
-    In float32 the bound also grants the float32 oracle's own distance from the float64 truth: where a gradient
-    is a sum of cancelling terms (the multiple-choice pooler bias in eval: 9e-6 off in the float32 oracle), the
-    kernels cannot be held closer to the oracle than the oracle is to the truth."""
+    own (float32): the float32 numpy backend's gradients. Where they are further than rtol from float64 (a sum of
+    cancelling terms), the bound is twice their distance; they must be within 2 rtol themselves."""
     G = max(float(np.abs(v).max()) for v in ref_g.values())
-    G64 = max(float(np.abs(v).max()) for v in exact.values())
     for k in ref_g:
-        assert g[k].dtype == ref_g[k].dtype, k
-        if float(np.abs(exact[k]).max()) <= 1e-12 * G64:
+        assert ref_g[k].dtype == np.float64, k
+        if float(np.abs(ref_g[k]).max()) <= 1e-12 * G:
             diff = float(np.abs(g[k].astype(np.float64) - ref_g[k]).max())
             assert diff <= rtol * G, f"{what} d{k} (0 in exact arithmetic): max |diff| = {diff:.2e} > {rtol:g} * {G:.2e}"
-        else:
-            own = float(np.abs(ref_g[k].astype(np.float64) - exact[k]).max()) / max(float(np.abs(ref_g[k]).max()),
-                                                                                   1e-3 * G)
-            close(g[k], ref_g[k], rtol + (own if exact is not ref_g else 0.0), f"{what} d{k}", 1e-3 * G)
+            continue
+        tol = rtol
+        if own is not None:
+            tol = max(rtol, 2 * close(own[k], ref_g[k], 2 * rtol, f"{what} d{k} (the float32 numpy backend)", 1e-3 * G))
+        close(g[k], ref_g[k], tol, f"{what} d{k}", 1e-3 * G)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -99,7 +107,7 @@ def test_pretraining_both_decodes_tanh_gelu(decode):
     ref_out, ref_g = run("BertForPreTraining", np.float64, "numpy", True, decode, tanh=True)
     out, g = run("BertForPreTraining", np.float64, "numba", True, decode, tanh=True)
     close(out.loss, ref_out.loss, RTOL[np.float64], "loss")
-    check_grads(g, ref_g, RTOL[np.float64], ref_g, "BertForPreTraining")
+    check_grads(g, ref_g, RTOL[np.float64], "BertForPreTraining")
 
 
 def test_backend_has_every_op_of_the_oracle():

@@ -1,6 +1,8 @@
 """The test suite's own rules (tests/conftest.py, tests/peers.py): a test that needs a missing parity peer skips on
-its own, not with its whole file, and fails instead of skipping under CI."""
+its own, not with its whole file; under CI every skip fails (a file skipped whole is an error) except the tests
+CI_MAY_SKIP lists, and those only for the skip message it gives them."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,73 @@ def test_missing_peer_skips_one_test_and_fails_under_ci(tmp_path):
     assert out.count("CI runs every parity test") >= 3
     code, last, out = run(tmp_path, "true", "test_module_level.py")     # a file skipped whole: a collection error
     assert code != 0 and "error" in last and "could not import 'torch'" in out, out
+
+
+SKIPS = '''
+import pytest
+
+
+@pytest.mark.skipif(True, reason="numba-cuda not installed")
+def test_marked():
+    pass
+
+
+def test_called():
+    pytest.skip("nvcc not on PATH")
+
+
+def test_importorskip():
+    pytest.importorskip("no_such_module_for_refbert")
+
+
+@pytest.mark.xfail(reason="a known failure, not a skip", strict=True)
+def test_xfail():
+    assert False
+
+
+def test_runs():
+    pass
+'''
+
+# the name of a test CI_MAY_SKIP lists: it may skip under CI for its listed reason (no GPU), for no other
+ALLOWED = '''
+import pytest
+
+
+@pytest.mark.parametrize("why", ["no CUDA device: cudaErrorNoDevice", "could not import 'cupy'",
+                                 "numba-cuda not installed"])
+def test_cuda_c_matches_oracle(why):
+    pytest.skip(why)
+'''
+
+
+def test_every_skip_fails_under_ci_unless_listed(tmp_path):
+    (tmp_path / "test_skips.py").write_text(SKIPS)
+    (tmp_path / "test_cuda_nvcc.py").write_text(ALLOWED)
+    (tmp_path / "test_whole_file.py").write_text('import pytest\npytest.importorskip("no_such_module_for_refbert")\n'
+                                                 '\n\ndef test_x():\n    pass\n')
+    files = ("test_skips.py", "test_cuda_nvcc.py", "test_whole_file.py")
+    code, last, out = run(tmp_path, None, *files)                    # outside CI: skips are skips
+    assert code == 0 and "1 passed, 7 skipped, 1 xfailed" in last, out
+    code, last, out = run(tmp_path, "true", *files[:2])
+    # the skipif mark skips in setup, so its failure shows as an error; the other three as failures
+    assert code != 0 and "3 failed, 1 passed, 2 skipped, 1 xfailed, 1 error" in last, out
+    for name in ("test_marked", "test_called", "test_importorskip", "test_cuda_c_matches_oracle[numba-cuda not "):
+        assert re.search(rf"(FAILED|ERROR) \S+::{re.escape(name)}", out), name
+    assert out.count("skipped under CI") >= 4
+    assert "this one only for a skip matching" in out                 # the listed test, skipped for another reason
+    code, last, out = run(tmp_path, "true", files[2])                 # a file skipped whole: a collection error
+    assert code != 0 and "1 error" in last and "skipped under CI (could not import" in out, out
+
+
+def test_ci_may_skip_lists_real_tests_with_reasons():
+    """Every entry of CI_MAY_SKIP names a test function of its file, with a skip pattern and a reason."""
+    from conftest import CI_MAY_SKIP
+    assert CI_MAY_SKIP
+    for key, (pattern, reason) in CI_MAY_SKIP.items():
+        file, name = key.split("::")
+        assert re.search(rf"^def {re.escape(name)}\(", (HERE / file).read_text(), re.M), key
+        assert re.compile(pattern) and reason.strip(), key
 
 
 def test_what_counts_as_ci(monkeypatch):

@@ -11,15 +11,16 @@ draw the same Philox masks; parameters moved off HF's init so that no gradient t
     BertForPreTraining            L=2, C=12, 3 heads, T=6, B=2, padding, ignored MLM labels, mlm_decode "all"
     BertForSequenceClassification L=1, C=8, 2 heads, T=5, B=2 (and the classifier's own dropout)
 every output (loss, logits, hidden states, attention probabilities) and every parameter gradient.
-Tolerance, per tensor relative to its largest entry (|a - b|max <= rtol * max(|b|max, 1e-3 * G), G the largest
-gradient of the model; as tests/test_backend_parity.py):
+Tolerance (README "Backends", as tests/test_backend_parity.py), per tensor against the numpy backend's float64
+result b: |a - b|max <= rtol * max(|b|max, 1e-3 * G), G the largest gradient of the model:
     float32 1e-5: float32 sums in another order (tree / warp reductions, cuBLAS or NumPy's BLAS), CUDA's expf / erfcf
-                  within 2 ulp, online-softmax rescaling in the flash attention, through 2 layers and a loss;
+                  within 2 ulp, online-softmax rescaling in the flash attention, through 2 layers and a loss.
+                  Where a gradient sums cancelling terms float32 itself cannot do 1e-5 (the NSP bias of a batch of
+                  2: the float32 numpy backend is 1.1e-5 off): there the bound is twice the float32 numpy backend's
+                  own distance from float64, which must itself be within 2e-5;
     float64 1e-10: only the order of sums and libdevice's exp / erf differ from NumPy's.
 A gradient that is 0 in exact arithmetic (the key bias: softmax ignores a per-row shift) is held to rtol * G
-absolutely; in float32 every bound also grants twice the float32 oracle's own distance from the float64 truth (where
-a gradient is a sum of cancelling terms, the NSP bias of a batch of 2, both float32 implementations may be that far
-from the truth, on opposite sides). The dropout masks are checked exactly: after the forward both models' DropoutRNGs have drawn the same
+absolutely. The dropout masks are checked exactly: after the forward both models' DropoutRNGs have drawn the same
 number of streams, and an element the numpy backend's attention dropped is 0 in the cuda backend's probabilities.
 """
 import functools
@@ -82,8 +83,9 @@ def close(got, ref, rtol, floor, what):
 
 def compare(head, dtype, **cfg_kw):
     t = time.time()
-    ref_out, ref_g, ref_calls = run(head, dtype, "numpy", **cfg_kw)
+    ref_out, ref_g, ref_calls = run(head, np.float64, "numpy", **cfg_kw)   # the float64 result, for both dtypes
     out, g, calls = run(head, dtype, "cuda", **cfg_kw)
+    own = run(head, dtype, "numpy", **cfg_kw)[1] if dtype == np.float32 else None
     on_device = (np.ndarray, np.generic) if B_.SIM else B_.xp.ndarray   # NumPy: a 0-d sum is a scalar
     assert isinstance(out.loss, on_device) and all(isinstance(v, on_device) for v in g.values()), \\
         "outputs and gradients stay on the device"
@@ -104,20 +106,17 @@ def compare(head, dtype, **cfg_kw):
                 assert np.array_equal(np.asarray(a) == 0, np.asarray(b) == 0), f"{head} attentions[{i}] zeros"
                 assert (np.asarray(b) == 0).any()
     assert list(g) == list(ref_g)
-    exact = run(head, np.float64, "numpy", **cfg_kw)[1]
     G = max(float(np.abs(v).max()) for v in ref_g.values())
-    G64 = max(float(np.abs(v).max()) for v in exact.values())
     for k in ref_g:
-        assert g[k].dtype == ref_g[k].dtype, k
-        if float(np.abs(exact[k]).max()) <= 1e-12 * G64:    # 0 in exact arithmetic: rounding noise, absolute
+        assert g[k].dtype == dtype, k
+        if float(np.abs(ref_g[k]).max()) <= 1e-12 * G:      # 0 in exact arithmetic: rounding noise, absolute
             d = float(np.abs(g[k].astype(np.float64) - ref_g[k]).max())
             assert d <= rtol * G, f"{head} d{k} (0 in exact arithmetic): {d:.2e} > {rtol:g} * {G:.2e}"
             continue
-        # plus twice the float32 oracle's distance from the float64 truth: the kernels may be as far from the truth
-        # as the oracle is, on the other side (a sum of cancelling terms: the NSP bias)
-        own = 0.0 if dtype == np.float64 else float(np.abs(ref_g[k].astype(np.float64) - exact[k]).max()) \
-            / max(float(np.abs(ref_g[k]).max()), 1e-3 * G)
-        worst = max(worst, close(g[k], ref_g[k], rtol + 2 * own, 1e-3 * G, f"{head} {dtype.__name__} d{k}"))
+        tol = rtol          # float32: or twice the float32 numpy backend's own distance (a sum that cancels)
+        if own is not None:
+            tol = max(rtol, 2 * close(own[k], ref_g[k], 2 * rtol, 1e-3 * G, f"{head} d{k} (float32 numpy backend)"))
+        worst = max(worst, close(g[k], ref_g[k], tol, 1e-3 * G, f"{head} {dtype.__name__} d{k}"))
     print(f"OK {head} {dtype.__name__}: {len(g)} gradients and every output within rtol {rtol:g} "
           f"(worst {worst:.1e}), {calls} dropout streams, {time.time() - t:.1f} s")
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("numba")
+pytest.importorskip("scipy.special")       # the float64 references of erf, erfc, ndtr, expit
 from numba import njit  # noqa: E402
 from scipy.special import erf, erfc, expit, ndtr  # noqa: E402
 
