@@ -107,6 +107,7 @@ def convert_tree(obj, lib):
     return convert(obj, lib)
 
 
+@functools.lru_cache(maxsize=None)
 def available_libraries():
     """The array libraries this process can use, in the order a probe tries them."""
     out = ["numpy"]
@@ -124,7 +125,7 @@ def available_libraries():
         pass
     if cuda_torch:
         out.append("torch.cuda")
-    return out
+    return tuple(out)
 
 
 def _rngs(obj, found):
@@ -169,7 +170,7 @@ def adapt(fn, lib, home="numpy", force=False):
         rngs = _rngs((args, kwargs), [])
         saved = [r.state for r in rngs]
         errors = []
-        for use in available_libraries():
+        for use in available_libraries():             # (a tuple, cached: found once per process)
             try:
                 res = run(use, args, kwargs)
             except Exception as e:                       # this library's arrays are not what fn takes: the next

@@ -266,7 +266,7 @@ def ops_main(args):
             if not all(r.passed for r in reports if r.op == op):
                 rows.append((op, "-", "not timed: it fails the check", "", "", "", "", "", ""))
                 continue
-            rep = Tg.bench_op(op, f and Tg._declared(f, lib), b and Tg._declared(b, lib), repeats=3, rounds=1,
+            rep = Tg.bench_op(op, f and Tg.declare(f, lib), b and Tg.declare(b, lib), repeats=3, rounds=1,
                               min_time=0.05, bandwidth=bw)
             e = rep.entries[0]
             t = {r["impl"]: r for r in e["rows"]}
@@ -285,7 +285,7 @@ def ops_main(args):
         print(f"\nthe whole model on these ops ({backend.describe()}):")
         print("every output, hidden state and parameter gradient against the float64 oracle, same weights, batch "
               "(3 x 7, padding) and dropout masks (train mode, dropout 0.1); tolerance per tensor as above\n")
-        from .verify import format_rows
+        from .verify import _group, format_rows
         mrows = []
         for r in runs:
             worst = max((x for x in r["rows"] if x["error"] is not None),
@@ -303,9 +303,14 @@ def ops_main(args):
                 continue
             f = r["first_failure"]
             print(f"\nFAIL {r['head']} ({r['config']}, {r['dtype']})" + (f": {r['error']}" if r["error"] else ""))
-            print(format_rows([x for x in r["rows"] if not x["ok"]][:8]))
             if f:
                 print(f"first failure: {f['where']} ({f['key']}): {f['why']}")
+            # the failing rows in the order the computation makes them: forward, then the backward's order
+            L = model_layers(r["config"])
+            order = lambda i_x: (i_x[1]["key"].startswith("grad/"),  # noqa: E731
+                                 _group(i_x[1]["key"][5:], L)[0] if i_x[1]["key"].startswith("grad/") else 0, i_x[0])
+            bad = [x for _, x in sorted(((i, x) for i, x in enumerate(r["rows"]) if not x["ok"]), key=order)]
+            print(format_rows(bad[:6]) + (f"\n... and {len(bad) - 6} more" if len(bad) > 6 else ""))
         failed += sum(not r["ok"] for r in runs)
         n += len(runs)
         result["model"] = dict(backend=backend.describe(), runs=runs)
@@ -315,6 +320,11 @@ def ops_main(args):
         from .testing import _dumps
         write_text(args.json, _dumps(result))
     return 1 if failed else 0
+
+
+def model_layers(config_name):
+    from .testing import model_configs
+    return model_configs()[config_name].num_hidden_layers
 
 
 def json_loads(text):

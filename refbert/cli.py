@@ -200,6 +200,9 @@ def run(args):
             return check.ops_main(args.__class__(**{**vars(args), "ops": args.ops[0]}))
         if args.model:
             raise ValueError("check: --model expected --ops FILE (the ops to run the model on), got no file")
+        if "float64" in (args.dtypes or ()):
+            raise ValueError("check: --dtypes float64 is for --ops FILE; the precision study stores float16, "
+                             "bfloat16 or float32")
         if args.ops and not all(map(_precision_op, args.ops)):
             raise ValueError(f"check: --ops expected one file of ops, or op names of the precision study, got "
                              f"{' '.join(args.ops)}")

@@ -280,6 +280,34 @@ def test_a_module_is_the_model_backend_and_its_basic_ops_make_the_composed_ones(
            "(from layernorm), residual_layernorm (from layernorm)" in text
 
 
+def test_half_pairs_in_another_library(torch):
+    """A module with only a torch softmax_backward (probed), and one with only a torch layernorm_forward: the
+    oracle's other half reads (or makes) a cache of the other library, converted at the call; the model's outputs
+    and gradients are the numpy backend's within float64 rounding."""
+    from refbert.check import model_batch, tiny_config
+
+    def softmax_backward(dout, cache):
+        p, scale = cache
+        return p * (dout - (dout * p).sum(dim=-1, keepdim=True)) * scale
+
+    def layernorm_forward(x, w, b, eps=1e-12):
+        out = torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+        mean = x.mean(-1, keepdim=True)
+        return out, (x, w, mean, 1 / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps))
+    cfg = tiny_config("BertForSequenceClassification")
+    x = model_batch(cfg, "BertForSequenceClassification")
+    ref = refbert.BertForSequenceClassification(cfg, seed=2, dtype=np.float64)
+    ref_out, ref_g = ref(**x), ref.backward()
+    for fns in ({"softmax_backward": softmax_backward}, {"layernorm_forward": layernorm_forward}):
+        mod = types.SimpleNamespace(**fns)
+        m = refbert.BertForSequenceClassification(cfg, seed=2, dtype=np.float64, backend=mod)
+        out, g = m(**x), m.backward()
+        assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-12 * abs(float(ref_out.loss))
+        for k in ref_g:   # float64 rounding in another order: relative to the largest gradient
+            assert np.abs(g[k] - ref_g[k]).max() <= 1e-12 * max(np.abs(v).max() for v in ref_g.values()), k
+        assert m.ops.ops_of("own") == [next(iter(fns)).rsplit("_", 1)[0]]
+
+
 def test_backend_from_a_path_and_its_errors(tmp_path):
     good = tmp_path / "mine.py"
     good.write_text("from refbert.ops import layernorm_forward as _f, layernorm_backward as _b\n"
