@@ -281,7 +281,7 @@ def ops_main(args):
         print(text_table(("op", "params", "yours ms", "numpy ms", "pytorch ms", "GB/s", "% of copy", "x numpy",
                           "x pytorch"), rows))
     if args.model:
-        backend, runs = Tg.check_model(module, dtypes=dtypes)
+        backend, runs = Tg.check_model_ops(module, dtypes=dtypes)
         print(f"\nthe whole model on these ops ({backend.describe()}):")
         print("every output, hidden state and parameter gradient against the float64 oracle, same weights, batch "
               "(3 x 7, padding) and dropout masks (train mode, dropout 0.1); tolerance per tensor as above\n")

@@ -12,7 +12,7 @@ differentiable inputs`. Give both, or only a backward (the oracle's forward make
 forward's cache the same way), or only a forward. They may take NumPy, torch (CPU or CUDA) or CuPy arrays: an
 `ARRAY_LIBRARY` attribute on the function (or its module) says which, else the first call is probed
 (refbert.backends.adapt: through DLPack where the memory can be shared). `refbert check --ops FILE` runs this on
-every op a file defines, `--model` the whole BERT on them.
+every op a file defines (check_module), `--model` the whole BERT on them (check_model_ops).
 
 The cases. Each op has the edge cases refbert's own kernels are validated on (SPECS below, after the shapes of
 kernels/<op>.py's KernelSpecs, which need numba: one element, T = 1, C = 1, a fully padded row, one real token
@@ -1329,12 +1329,13 @@ def _model_dump(head, config, backend, dtype, params, batch):
     return {k: np.asarray(convert_tree(v, "numpy")) for k, v in reference(m, batch, {}).items()}
 
 
-def check_model(spec, dtypes=("float32", "float64"), heads=MODEL_HEADS, configs=None, seed=0):
+def check_model_ops(spec, dtypes=("float32", "float64"), heads=MODEL_HEADS, configs=None, seed=0):
     """The whole model on a module's ops (the rest the oracle's, composed ops from its basic ones): every output,
     hidden state and parameter gradient against the float64 oracle with the same weights, batch and dropout masks,
     each tensor judged as check_op judges one (ulps at the tensor's scale; tolerance from refbert's own float32
-    noise on that tensor, 3 runs). -> list of runs: dict(head, config, dtype, rows (verify's row dicts),
-    first_failure (verify.locate), ok)"""
+    noise on that tensor, 3 runs). -> (the Backend, runs: [dict(head, config, dtype, rows (verify's row dicts),
+    first_failure (verify.locate), ok, error)])"""
+    from . import model as M
     from .backends import Backend
     from .verify import default_batch, locate
     module = load_module(spec, "check --model", names=True)
@@ -1342,7 +1343,6 @@ def check_model(spec, dtypes=("float32", "float64"), heads=MODEL_HEADS, configs=
     runs = []
     for cname, cfg in (configs or model_configs()).items():
         for head in heads:
-            from . import model as M
             base = getattr(M, head)(cfg, seed=seed, dtype=np.float64)
             r = np.random.default_rng(seed + 1)
             params = {k: p + r.standard_normal(p.shape) * 0.05 for k, p in base.parameters().items()}

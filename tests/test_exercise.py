@@ -118,7 +118,7 @@ def test_a_mistake_in_the_model_names_the_first_tensor_it_spoils(tmp_path):
     ex = _init(tmp_path)
     path = ex / "mistake.py"
     path.write_text((ex / "ops.py").read_text() + SOLVED + MISTAKES["layernorm"][2])
-    _, runs = T.check_model(str(path), dtypes=("float32",), heads=("BertForPreTraining",),
+    _, runs = T.check_model_ops(str(path), dtypes=("float32",), heads=("BertForPreTraining",),
                             configs={"tiny": T.model_configs()["tiny"]})
     (run,) = runs
     assert not run["ok"]

@@ -308,14 +308,21 @@ def test_half_pairs_in_another_library(torch):
         assert m.ops.ops_of("own") == [next(iter(fns)).rsplit("_", 1)[0]]
 
 
-def test_backend_from_a_path_and_its_errors(tmp_path):
+def test_backend_from_a_path_and_its_errors(tmp_path, capsys):
     good = tmp_path / "mine.py"
     good.write_text("from refbert.ops import layernorm_forward as _f, layernorm_backward as _b\n"
                     "def layernorm_forward(x, w, b, eps=1e-12):\n    return _f(x, w, b, eps)\n"
                     "def layernorm_backward(dout, cache):\n    return _b(dout, cache)\n")
     B = get_backend(str(good))
     assert B.origin["layernorm_forward"] == "own" and B.ops_of("own") == ["layernorm"]
-    assert refbert.BertModel(refbert.BertConfig.preset("tiny"), backend=str(good)).ops.ops_of("own") == ["layernorm"]
+    model = refbert.BertModel(refbert.BertConfig.preset("tiny"), backend=str(good))
+    assert model.ops.ops_of("own") == ["layernorm"]
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = refbert.BertModel.from_pretrained(tmp_path / "ckpt", backend=str(good))
+    assert loaded.ops.ops_of("own") == ["layernorm"]
+    from refbert.cli import main                       # --backend FILE on a command: one line says what is yours
+    assert main(["trace", "--backend", str(good)]) == 0
+    assert "own ops: layernorm" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expected a .py file, got nothing"):
         get_backend(str(tmp_path / "missing.py"))
     bad = tmp_path / "broken.py"
