@@ -39,8 +39,9 @@ to a few ulps. In float64 the float32 run measures the case's conditioning (its 
 at the same places) and PyTorch's float64 distance from the oracle is the second yardstick. FACTOR: implementations
 that sum in another order land a few times above or below each other: refbert's own Numba kernels (every numbered
 version of every kernel file, float32 and float64, the edge cases and 8 drawn shapes: 58 checks, all passing) came
-at most 3.2x the larger of the noise, PyTorch's error and 2 ulps (6.4 ulps, attention v2-v5's dk in float64);
-tests/test_testing.py runs the versions the backend uses. A wrong term is 10^3 to 10^7 ulps off.
+at most 3.2x the larger of the noise, PyTorch's error and 2 ulps (6.4 ulps, attention v2-v5's dk in float64:
+benchmarks/testing_calibration.py, benchmarks/results/testing_calibration.md); tests/test_testing.py runs the
+versions the backend uses. A wrong term is 10^3 to 10^7 ulps off.
 
 The shape of an error. A failing tensor is localised: which input, the worst elements with their indices, and what
 the difference looks like, computed from the difference alone (`explain`): a sign flip, a uniform factor (named when
