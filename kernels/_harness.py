@@ -8,15 +8,15 @@ oracle in refbert.ops. `python -m refbert_kernels.<op>` calls `main(SPEC)`, whic
   2. only then times each version (forward + backward, median of repeats, JIT compilation excluded by a warm-up
      call), next to the NumPy oracle and, when torch is installed, the PyTorch CPU peer on the same inputs, and
      prints one line per measurement: time, GB/s from the spec's byte count, and the ratios.
-refbert's `refbert bench` and `refbert check` reuse validate() and time_call() from here.
+refbert's `refbert bench` and `refbert check` reuse validate() and time_call() from here; the timer and the
+bandwidth probe live in refbert.testing, whose check_op / bench_op grade and time anyone's ops the same way.
 """
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from refbert.philox import DropoutRNG
+from refbert.testing import copy_bandwidth, time_call  # noqa: F401 (the timer refbert.testing.bench_op uses too)
 
 
 @dataclass
@@ -95,20 +95,6 @@ def validate(spec, version, dtype, shape, seed=0):
     return worst, diff
 
 
-def time_call(fn, repeats=10, min_time=0.2):
-    """Median seconds of fn() over at least `repeats` calls and `min_time` seconds, after one warm-up call."""
-    fn()
-    times, total = [], 0.0
-    while len(times) < repeats or total < min_time:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-        total += times[-1]
-        if len(times) >= 1000:
-            break
-    return statistics.median(times)
-
-
 def fwd_bwd(forward, backward, inputs, kwargs):
     """A zero-argument callable: forward + backward with a fixed upstream gradient (made once, outside the timing)."""
     out, _ = forward(**inputs, **_fresh(kwargs))
@@ -119,15 +105,6 @@ def fwd_bwd(forward, backward, inputs, kwargs):
         _, cache = forward(**inputs, **_fresh(kwargs))
         backward(dout, cache)
     return step
-
-
-def copy_bandwidth(nbytes=256 * 2 ** 20, repeats=10):
-    """Bytes per second of np.copyto on a buffer far larger than the caches (a read and a write per byte):
-    the probe every GB/s figure is compared with."""
-    a = np.ones(nbytes // 8)
-    b = np.empty_like(a)
-    t = time_call(lambda: np.copyto(b, a), repeats=repeats)
-    return 2 * a.nbytes / t
 
 
 def main(spec, dtypes=(np.float64, np.float32)):

@@ -1,17 +1,14 @@
 """The "numba" backend: refbert.ops with every fused op replaced by its Numba kernel (refbert.model.get_backend).
 
-The model calls `ctx.ops.<op>_forward / <op>_backward`; this module has the same names, signatures and semantics
-as refbert.ops, so `backend="numba"` swaps the kernels in without the model knowing. The matrix products (linear,
-and the decoder) stay on NumPy's BLAS, and the ops whose cost is negligible or already a single NumPy call
-(embedding lookups, tanh of the pooler, mse, the row gather of the MLM decoder) are the oracle's own functions.
+The model calls `ctx.ops.<op>_forward / <op>_backward`; this module defines the kernel-backed ops with the same
+names, signatures and semantics as refbert.ops, and `get_backend("numba")` builds the backend from it exactly as
+from any module of yours (refbert.backends.Backend): every op not defined here is the oracle's own function — the
+matrix products (linear, and the decoder) stay on NumPy's BLAS, and the ops whose cost is negligible or already a
+single NumPy call (embedding lookups, tanh of the pooler, add, mse, bce_with_logits, the row gather of the MLM
+decoder) run as refbert.ops writes them.
 Each kernel is the fastest numbered version of its file; `refbert check` and tests/test_kernels_*.py validate every
 version against the oracle, and tests/test_backend_parity.py the whole model against the numpy backend.
 """
-from refbert.ops import (add_backward, add_forward, bce_with_logits_backward, bce_with_logits_forward,  # noqa: F401
-                         embedding_backward, embedding_forward,
-                         gather_rows_backward, gather_rows_forward, linear_backward, linear_forward, mse_backward,
-                         mse_forward, tanh_backward, tanh_forward)
-
 from .attention import attention_backward, attention_forward, attention_probs  # noqa: F401
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward  # noqa: F401
 from .dropout import dropout_backward, dropout_forward  # noqa: F401
@@ -20,6 +17,8 @@ from .layernorm import (dropout_residual_layernorm_backward, dropout_residual_la
                         layernorm_backward, layernorm_forward, residual_layernorm_backward,
                         residual_layernorm_forward)
 from .softmax import softmax_backward, softmax_forward  # noqa: F401
+
+ARRAY_LIBRARY = "numpy"          # the kernels take and return NumPy arrays (refbert.backends)
 
 # the ops computed by kernels here, and the file of each: every other name is refbert.ops' own function
 KERNELS = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",

@@ -235,3 +235,102 @@ def main(args=None):
         n += len(krows)
     print(f"\n{n - failed} passed, {failed} failed (gradients: tolerance {TOLERANCE:g}, float64 centred differences)")
     return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# refbert check --ops PATH [--model]: your ops against the oracle (refbert.testing)
+
+def ops_main(args):
+    """`refbert check --ops PATH`: every op PATH defines, graded by refbert.testing.check_op in each dtype, then
+    timed beside the oracle and PyTorch (unless --no-bench); with --model, the whole model on those ops. Exit 0 when
+    everything passes, 1 when anything fails; a PATH that cannot be loaded or defines no op is a ValueError (the
+    command line's one line and exit 2)."""
+    from . import testing as Tg
+    dtypes = tuple(args.dtypes or ("float32", "float64"))
+    module, reports = Tg.check_module(args.ops, dtypes=dtypes, examples=args.examples)
+    found = Tg.module_ops(module)
+    given = ", ".join(op + ("" if f and b else " (forward only)" if f else " (backward only)")
+                      for op, (f, b) in found.items())
+    lib = getattr(module, "ARRAY_LIBRARY", None)
+    print(f"refbert check --ops {args.ops}: {given}; arrays: "
+          f"{lib + ' (declared)' if lib else 'probed: ' + (', '.join(sorted({r.library for r in reports if r.library})) or 'numpy')}")
+    print(Tg.LEGEND + "\n")
+    print(Tg.format_reports(reports))
+    failed = sum(not r["ok"] for rep in reports for r in rep.rows)
+    n = sum(len(rep.rows) for rep in reports)
+    result = dict(ops=str(args.ops), reports=[json_loads(rep.to_json()) for rep in reports])
+    if not args.no_bench:
+        bw = Tg.copy_bandwidth(repeats=3)
+        rows = []
+        for op, (f, b) in found.items():
+            if not all(r.passed for r in reports if r.op == op):
+                rows.append((op, "-", "not timed: it fails the check", "", "", "", "", "", ""))
+                continue
+            rep = Tg.bench_op(op, f and Tg.declare(f, lib), b and Tg.declare(b, lib), repeats=3, rounds=1,
+                              min_time=0.05, bandwidth=bw)
+            e = rep.entries[0]
+            t = {r["impl"]: r for r in e["rows"]}
+            y = t.get("yours")
+            ms = lambda k: f"{t[k]['fwd_bwd_s'] * 1e3:.3f}" if k in t else "-"  # noqa: E731
+            rows.append((op, _params(e["params"]), ms("yours"), ms("numpy oracle"), ms("pytorch"),
+                         f"{y['GBps']:.2f}" if y else "-", f"{y['pct_copy']:.1f}" if y else "-",
+                         f"{y['x_numpy']:.2f}" if y else "-", f"{y['x_pytorch']:.2f}" if y and y["x_pytorch"] else "-"))
+            result.setdefault("bench", []).append(json_loads(rep.to_json()))
+        print(f"\ntiming, float32, forward + backward: the median of >= 3 calls after a warm-up call, on the same inputs "
+              f"(refbert.testing.bench_op; copy bandwidth {bw / 1e9:.2f} GB/s, probed in this run):\n")
+        print(text_table(("op", "params", "yours ms", "numpy ms", "pytorch ms", "GB/s", "% of copy", "x numpy",
+                          "x pytorch"), rows))
+    if args.model:
+        backend, runs = Tg.check_model_ops(module, dtypes=dtypes)
+        print(f"\nthe whole model on these ops ({backend.describe()}):")
+        print("every output, hidden state and parameter gradient against the float64 oracle, same weights, batch "
+              "(3 x 7, padding) and dropout masks (train mode, dropout 0.1); tolerance per tensor as above\n")
+        from .verify import _group, format_rows
+        mrows = []
+        for r in runs:
+            worst = max((x for x in r["rows"] if x["error"] is not None),
+                        key=lambda x: x["error"] / x["tolerance"], default=None)
+            bad = sum(not x["ok"] for x in r["rows"])
+            mrows.append((r["head"], r["config"], r["dtype"], str(len(r["rows"])),
+                          worst["key"] if worst else "-",
+                          f"{worst['error'] / Tg.EPS[r['dtype']]:.3g}" if worst else "-",
+                          f"{worst['tolerance'] / Tg.EPS[r['dtype']]:.3g}" if worst else "-",
+                          "pass" if r["ok"] else f"FAIL ({bad})"))
+        print(text_table(("model", "config", "dtype", "tensors", "worst (error / tolerance)", "ulps", "tolerance", ""),
+                         mrows))
+        for r in runs:
+            if r["ok"]:
+                continue
+            f = r["first_failure"]
+            print(f"\nFAIL {r['head']} ({r['config']}, {r['dtype']})" + (f": {r['error']}" if r["error"] else ""))
+            if f:
+                print(f"first failure: {f['where']} ({f['key']}): {f['why']}")
+            # the failing rows in the order the computation makes them: forward, then the backward's order
+            L = model_layers(r["config"])
+            order = lambda i_x: (i_x[1]["key"].startswith("grad/"),  # noqa: E731
+                                 _group(i_x[1]["key"][5:], L)[0] if i_x[1]["key"].startswith("grad/") else 0, i_x[0])
+            bad = [x for _, x in sorted(((i, x) for i, x in enumerate(r["rows"]) if not x["ok"]), key=order)]
+            print(format_rows(bad[:6]) + (f"\n... and {len(bad) - 6} more" if len(bad) > 6 else ""))
+        failed += sum(not r["ok"] for r in runs)
+        n += len(runs)
+        result["model"] = dict(backend=backend.describe(), runs=runs)
+    print(f"\n{n - failed} passed, {failed} failed")
+    if args.json:
+        from .fileio import write_text
+        from .testing import _dumps
+        write_text(args.json, _dumps(result))
+    return 1 if failed else 0
+
+
+def model_layers(config_name):
+    from .testing import model_configs
+    return model_configs()[config_name].num_hidden_layers
+
+
+def json_loads(text):
+    import json
+    return json.loads(text)
+
+
+def _params(p):
+    return ", ".join(f"{k}={v}" for k, v in p.items())

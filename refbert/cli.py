@@ -1,6 +1,8 @@
 """The `refbert` command line (also `python -m refbert ...`).
 
     refbert check | trace                         proofs: every backward against finite differences
+    refbert check --ops FILE [--model]            your ops (any subset of refbert.ops' names) graded and timed
+    refbert exercise init DIR                     backprop exercises: write the backward passes yourself
     refbert verify CKPT [--against DUMP]          a checkpoint: refbert vs finite differences and torch, or a dump
     refbert dump CKPT --out DUMP                  refbert's outputs and gradients, the format verify reads
     refbert demo-data DIR                         an offline corpus and fine-tuning sets from the stdlib's docstrings
@@ -27,12 +29,24 @@ def positive(text):
     return value
 
 
+def _backend_type(names):
+    """argparse type of --backend: one of `names`, or a path to a .py file of ops (refbert.backends)."""
+    def parse(text):
+        if text in names or text.endswith(".py") or os.path.isfile(text):
+            return text
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)} or a path to a .py file of ops, "
+                                         f"got {text!r}")
+    return parse
+
+
 def _backend_arg(p, cuda=False):
     """--backend; cuda=True adds "cuda" (the commands whose outputs are brought back to NumPy: pretrain, finetune)."""
-    p.add_argument("--backend", choices=["numpy", "numba", "cuda"] if cuda else ["numpy", "numba"], default="numpy",
+    names = ["numpy", "numba", "cuda"] if cuda else ["numpy", "numba"]
+    p.add_argument("--backend", type=_backend_type(names), default="numpy", metavar="{" + ",".join(names) + ",FILE.py}",
                    help="numpy: the oracle (default); numba: the fused CPU kernels (pip install 'refbert[kernels]')"
                         + ("; cuda: a GPU through CuPy and Numba CUDA kernels (pip install 'refbert[cuda]'; or "
-                           "Numba's CPU simulator with NUMBA_ENABLE_CUDASIM=1, tiny models only)" if cuda else ""))
+                           "Numba's CPU simulator with NUMBA_ENABLE_CUDASIM=1, tiny models only)" if cuda else "")
+                        + "; FILE.py: your ops (functions named as refbert.ops'), the rest the oracle's")
     return p
 
 
@@ -87,6 +101,26 @@ def build_parser():
                    help="also the reduced-precision study: fp16/bf16 storage against the float64 oracle, in ulps")
     from .precision import add_arguments as _precision_args
     _precision_args(p)                                  # --device cpu|cuda, --dtypes, --size, --ops, --json
+    for action in p._actions:                           # --ops and --dtypes serve `check --ops FILE` too
+        if action.dest == "ops":
+            action.choices, action.metavar = None, "FILE|OP"
+            action.help = ("a .py file (or importable module) of your ops: grade each against the oracle, then time "
+                           "it; or, with --precision / --device cuda, the ops of the precision study")
+        if action.dest == "dtypes":
+            action.choices = ["float16", "bfloat16", "float32", "float64"]
+            action.help = "--ops FILE: float32 and/or float64 (default both); the precision study: storage dtypes"
+    p.add_argument("--model", action="store_true", help="with --ops FILE: also the whole model on your ops (two "
+                                                         "heads, two configs, dropout on), tensor by tensor")
+    p.add_argument("--examples", type=positive, default=12, help="with --ops FILE: shapes drawn per op and dtype "
+                                                                  "(hypothesis when installed) besides the edge cases")
+    p.add_argument("--no-bench", action="store_true", help="with --ops FILE: skip the timing")
+    p = sub.add_parser("exercise", help="backprop exercises: write the backward passes of BERT's ops yourself")
+    esub = p.add_subparsers(dest="action", required=True)
+    e = esub.add_parser("init", help="write DIR/ops.py (forwards given, backwards blank) and DIR/README.md")
+    e.add_argument("dir")
+    from .exercise import ORDER
+    e.add_argument("--ops", nargs="+", choices=list(ORDER), help=f"the exercises (default all: {' '.join(ORDER)})")
+    e.add_argument("--force", action="store_true", help="overwrite DIR/ops.py and DIR/README.md if they exist")
     _backend_arg(sub.add_parser("trace", help="one forward and backward of a tiny model, op by op, with "
                                               "finite-difference checks"))
     p = sub.add_parser("verify", help="another implementation's dump against refbert (--against), or refbert's "
@@ -159,11 +193,31 @@ def run(args):
     c = args.command
     if c == "check":
         from . import check
+        if args.ops and len(args.ops) == 1 and not _precision_op(args.ops[0]):
+            bad = [d for d in args.dtypes or () if d not in ("float32", "float64")]
+            if bad:
+                raise ValueError(f"check --ops: --dtypes expected float32 and/or float64, got {', '.join(bad)}")
+            return check.ops_main(args.__class__(**{**vars(args), "ops": args.ops[0]}))
+        if args.model:
+            raise ValueError("check: --model expected --ops FILE (the ops to run the model on), got no file")
+        if "float64" in (args.dtypes or ()):
+            raise ValueError("check: --dtypes float64 is for --ops FILE; the precision study stores float16, "
+                             "bfloat16 or float32")
+        if args.ops and not all(map(_precision_op, args.ops)):
+            raise ValueError(f"check: --ops expected one file of ops, or op names of the precision study, got "
+                             f"{' '.join(args.ops)}")
         status = check.main(args)
         if args.precision or args.device == "cuda":     # the GPU kernels in every precision, and the study
             from . import precision
             status = max(status, precision.main(args))
         return status
+    if c == "exercise":
+        from .exercise import init
+        for path in init(args.dir, args.ops, force=args.force):
+            print(path)
+        print(f"next: fill in the backward passes of {args.dir}/ops.py, then refbert check --ops {args.dir}/ops.py "
+              f"(and --model); {args.dir}/README.md has the order")
+        return 0
     if c == "trace":
         from . import trace
         return trace.main(args)
@@ -195,11 +249,25 @@ def run(args):
         return {"predict": inference.predict, "fill-mask": inference.fill_mask, "embed": inference.embed}[c](args)
 
 
+def _precision_op(name):
+    from .precision import OPS
+    return name in OPS
+
+
+def _say_backend(args):
+    """One line on stderr when --backend names a file: which ops are yours."""
+    backend = getattr(args, "backend", None)
+    if isinstance(backend, str) and backend not in ("numpy", "numba", "cuda"):
+        from .model import get_backend
+        print(get_backend(backend).describe(), file=sys.stderr)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
+            _say_backend(args)
             code = run(args)
         sys.stdout.flush()                              # a closed pipe shows here, inside the handler below
         return code

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import ops as numpy_ops
+from .backends import get_backend as _backend
 from .philox import DropoutRNG
 from . import validate as V
 from .config import BertConfig
@@ -43,29 +43,16 @@ BACKENDS = ("numpy", "numba", "cuda")
 
 
 def get_backend(name):
-    """The module whose <op>_forward/<op>_backward the model calls: "numpy" is the oracle, refbert.ops; "numba" is
-    refbert_kernels.backend, the fused CPU kernels with the same names, signatures and semantics (matmuls stay on
-    NumPy's BLAS), which needs the `kernels` extra; "cuda" is refbert_kernels.cuda.backend, the same on a GPU
-    (CuPy arrays, cuBLAS matmuls, Numba CUDA kernels; the `cuda` extra), or on NumPy under Numba's CUDA simulator
-    (NUMBA_ENABLE_CUDASIM=1). A backend may define to_device / to_host: the model then keeps its parameters
-    where to_device puts them, and its outputs stay there (refbert.model.to_numpy brings them back)."""
-    if name == "numpy":
-        return numpy_ops
-    if name == "numba":
-        try:
-            from refbert_kernels import backend
-        except ImportError as e:
-            raise ValueError(f"backend: 'numba' needs numba (pip install 'refbert[kernels]'): {e}") from None
-        return backend
-    if name == "cuda":
-        try:
-            from refbert_kernels.cuda import backend
-        except ImportError as e:
-            raise ValueError(f"backend: 'cuda' needs a CUDA GPU with CuPy and numba-cuda (pip install "
-                             f"'refbert[cuda]'), or Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 set before numba "
-                             f"is imported): {e}") from None
-        return backend
-    raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    """The namespace whose <op>_forward/<op>_backward the model calls (a refbert.backends.Backend): "numpy" is the
+    oracle, refbert.ops; "numba" is refbert_kernels.backend, the fused CPU kernels with the same names, signatures
+    and semantics (matmuls stay on NumPy's BLAS), which needs the `kernels` extra; "cuda" is
+    refbert_kernels.cuda.backend, the same on a GPU (CuPy arrays, cuBLAS matmuls, Numba CUDA kernels; the `cuda`
+    extra), or on NumPy under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1). A module object or a path to a .py
+    file is a backend too: the ops it defines are its, a composed op it does not define is composed from its basic
+    ops, the rest are the oracle's (refbert.backends; `model.ops.describe()` says which). A backend may define
+    to_device / to_host: the model then keeps its parameters where to_device puts them, and its outputs stay there
+    (refbert.model.to_numpy brings them back)."""
+    return _backend(name)
 
 
 def to_device(ops, params):

@@ -4,18 +4,20 @@
     <op>_backward(dout, cache) -> the gradients of the forward's differentiable inputs, in the forward's order
                                   (one array when there is one such input, else a tuple)
 
-The cache is a flat tuple unpacked on the backward's first line (a NamedTuple where another function reads it
-by name: attention_probs). Backwards return fresh arrays and never write
+The cache is a flat tuple unpacked on the backward's first line (a NamedTuple where its fields are worth naming:
+SoftmaxCache, DropoutCache, AttentionCache). Backwards return fresh arrays and never write
 into their arguments. float32 and float64 both work and the output keeps the input's dtype.
 Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, V classes/vocabulary.
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
-derivations are collected in docs/backprop.md.
+derivations are collected in docs/backprop.md. The fused ops and the attention core are written once, in `compose(o)`,
+over the basic ops of any namespace `o`: refbert.ops composes its own, a backend module its (refbert.backends).
 
 References: Devlin et al. 2019, "BERT" (arXiv:1810.04805); Vaswani et al. 2017, "Attention is all you need";
 Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging Face transformers
 `models/bert/modeling_bert.py`, whose semantics (weight layout, eps, masks, ignore_index) these ops follow.
 """
 import math
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -306,64 +308,7 @@ def add_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# fused ops: what the kernels compute in one pass, composed here from the ops above (the spec of each kernel)
-
-def residual_layernorm_forward(x, a, w, b, eps=1e-12):
-    """out = LayerNorm(x + a): the residual sum and the post-LN of a BERT sublayer.
-
-    x, a: (..., C) equal shapes   w, b: (C,)   ->   out: (..., C)
-    Forward: s = x + a, out = layernorm(s).   Backward: ds = layernorm_backward(dout); the sum copies ds to both
-    inputs, so dx = da = ds (returned as one array twice: read them, do not write into them).
-    """
-    V.floats("residual_layernorm", x=x, a=a)
-    V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
-    out, ln_cache = layernorm_forward(x + a, w, b, eps)
-    return out, (ln_cache,)
-
-
-def residual_layernorm_backward(dout, cache):
-    (ln_cache,) = cache
-    ds, dw, db = layernorm_backward(dout, ln_cache)
-    return ds, ds, dw, db
-
-
-def dropout_residual_layernorm_forward(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
-    """out = LayerNorm(x + dropout(a)): a post-LN encoder sublayer's output (a = the sublayer's projection).
-
-    x, a: (..., C)   w, b: (C,)   p, rng, train: as dropout_forward   ->   out: (..., C)
-    Backward: ds = layernorm_backward(dout);  dx = ds;  da = dropout_backward(ds) = ds * keep / (1 - p).
-    """
-    V.floats("dropout_residual_layernorm", x=x, a=a)
-    V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
-    ad, do_cache = dropout_forward(a, p, rng, train)
-    out, ln_cache = layernorm_forward(x + ad, w, b, eps)
-    return out, (do_cache, ln_cache)
-
-
-def dropout_residual_layernorm_backward(dout, cache):
-    do_cache, ln_cache = cache
-    ds, dw, db = layernorm_backward(dout, ln_cache)
-    return ds, dropout_backward(ds, do_cache), dw, db
-
-
-def bias_gelu_forward(x, b, approximate="none"):
-    """out = gelu(x + b): the feed-forward's first bias and activation (the linear before it runs without bias).
-
-    x: (..., I)   b: (I,)   ->   out: (..., I)
-    Backward: du = gelu_backward(dout) at u = x + b;  dx = du;  db = du summed over every leading dim.
-    """
-    V.floats("bias_gelu", x=x, b=b)
-    V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
-    V.shape("bias_gelu", "b", b, (x.shape[-1],), "(I,)")
-    out, g_cache = gelu_forward(x + b, approximate)
-    return out, (g_cache,)
-
-
-def bias_gelu_backward(dout, cache):
-    (g_cache,) = cache
-    du = gelu_backward(dout, g_cache)
-    return du, du.reshape(-1, du.shape[-1]).sum(0)
-
+# row gather (the labelled positions of an MLM batch)
 
 def gather_rows_forward(x, rows):
     """out = x2[rows] with x2 = x flattened to (N, C): the labelled positions of an MLM batch, before the decoder.
@@ -391,70 +336,149 @@ def gather_rows_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# multi-head self-attention core: (q, k, v) already projected -> context, before the output projection
+# composed ops: the fused ops (what a kernel computes in one pass) and the attention core, each written once in
+# terms of the basic ops of a namespace `o`. refbert.ops binds compose(refbert.ops) below; a backend that defines
+# layernorm but not residual_layernorm runs compose(that backend)'s, so its layernorm is what every residual
+# LayerNorm of the model runs (refbert.backends).
 
-def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
-    """softmax(q k^T / sqrt(hs) + mask), dropped out, times v, per head; heads split from and merged into C.
-
-    q, k, v: (B, T, C)   n_heads: H with C % H == 0, hs = C // H
-    mask: additive, broadcastable to (B, H, T, T) — HF BERT passes (B, 1, 1, T)   ->   out: (B, T, C)
-    Forward per head: att = qh @ kh^T (B,H,T,T); p = softmax(att / sqrt(hs) + mask); pd = dropout(p); y = pd @ vh.
-    Backward, reversing each matmul (y = pd @ vh gives dpd = dy @ vh^T and dvh = pd^T @ dy):
-        dpd = dy @ vh^T          dvh = pd^T @ dy
-        dp  = dropout_backward(dpd)
-        datt = softmax_backward(dp)             (includes the 1/sqrt(hs) scale)
-        dqh = datt @ kh          dkh = datt^T @ qh
-    then merge heads back: (B, H, T, hs) -> (B, T, C).  The cache keeps p (B,H,T,T) and the dropout keep-mask.
-    """
-    V.floats("attention", q=q, k=k, v=v, mask=mask)
-    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
-    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
-    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
-    B, T, C = q.shape
-    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
-        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
-    H, hs = int(n_heads), C // int(n_heads)
-    qh = q.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
-    kh = k.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
-    vh = v.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
-    if mask is not None:
-        V.broadcasts_to("attention", "mask", mask, (B, H, T, T))
-    att = qh @ kh.transpose(0, 1, 3, 2)                  # (B, H, T, T)
-    p, sm_cache = softmax_forward(att, 1.0 / math.sqrt(hs), mask)
-    pd, do_cache = dropout_forward(p, dropout_p, rng, train)
-    y = pd @ vh                                         # (B, H, T, hs)
-    out = y.transpose(0, 2, 1, 3).reshape(B, T, C)     # (B, T, C)
-    return out, AttentionCache(qh, kh, vh, sm_cache, do_cache)
+COMPOSED = {"residual_layernorm": ("layernorm",), "dropout_residual_layernorm": ("dropout", "layernorm"),
+            "bias_gelu": ("gelu",), "attention": ("softmax", "dropout")}   # op -> the basic ops it is made of
 
 
 class AttentionCache(NamedTuple):
     qh: np.ndarray         # (B, H, T, hs) views of q, k, v split into heads
     kh: np.ndarray
     vh: np.ndarray
-    softmax: SoftmaxCache  # p: (B, H, T, T)
-    dropout: DropoutCache  # its keep-mask over (B, H, T, T)
+    p: np.ndarray          # (B, H, T, T) the probabilities before dropout (the softmax's output)
+    softmax: tuple         # the softmax's cache (refbert.ops: SoftmaxCache, holding the same p)
+    dropout: tuple         # the dropout's cache (refbert.ops: DropoutCache, its keep-mask over (B, H, T, T))
 
 
-def attention_backward(dout, cache):
-    qh, kh, vh, sm_cache, do_cache = cache
-    B, H, T, hs = qh.shape
-    V.dout("attention", dout, (B, T, H * hs), qh.dtype)
-    p = sm_cache.p
-    pd = p if do_cache.keep is None else _keep_scale(p, do_cache.keep, do_cache.scale)  # recompute dropout(p)
-    dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
-    dpd = dy @ vh.transpose(0, 1, 3, 2)                 # (B, H, T, T)
-    dvh = pd.transpose(0, 1, 3, 2) @ dy                 # (B, H, T, hs)
-    datt = softmax_backward(dropout_backward(dpd, do_cache), sm_cache)  # (B, H, T, T)
-    dqh = datt @ kh                                     # (B, H, T, hs)
-    dkh = datt.transpose(0, 1, 3, 2) @ qh               # (B, H, T, hs)
-    merge = lambda g: g.transpose(0, 2, 1, 3).reshape(B, T, H * hs)  # noqa: E731  (B, H, T, hs) -> (B, T, C)
-    return merge(dqh), merge(dkh), merge(dvh)
+def compose(o):
+    """The composed ops over the namespace `o` (a module or object with <op>_forward / <op>_backward of the basic
+    ops), each looked up in `o` when called. -> {function name: function}, the names as in refbert.ops."""
+
+    def residual_layernorm_forward(x, a, w, b, eps=1e-12):
+        """out = LayerNorm(x + a): the residual sum and the post-LN of a BERT sublayer.
+
+        x, a: (..., C) equal shapes   w, b: (C,)   ->   out: (..., C)
+        Forward: s = x + a, out = layernorm(s).   Backward: ds = layernorm_backward(dout); the sum copies ds to both
+        inputs, so dx = da = ds (returned as one array twice: read them, do not write into them).
+        """
+        V.floats("residual_layernorm", x=x, a=a)
+        V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
+        out, ln_cache = o.layernorm_forward(x + a, w, b, eps)
+        return out, (ln_cache,)
+
+    def residual_layernorm_backward(dout, cache):
+        (ln_cache,) = cache
+        ds, dw, db = o.layernorm_backward(dout, ln_cache)
+        return ds, ds, dw, db
+
+    def dropout_residual_layernorm_forward(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+        """out = LayerNorm(x + dropout(a)): a post-LN encoder sublayer's output (a = the sublayer's projection).
+
+        x, a: (..., C)   w, b: (C,)   p, rng, train: as dropout_forward   ->   out: (..., C)
+        Backward: ds = layernorm_backward(dout);  dx = ds;  da = dropout_backward(ds) = ds * keep / (1 - p).
+        """
+        V.floats("dropout_residual_layernorm", x=x, a=a)
+        V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
+        ad, do_cache = o.dropout_forward(a, p, rng, train)
+        out, ln_cache = o.layernorm_forward(x + ad, w, b, eps)
+        return out, (do_cache, ln_cache)
+
+    def dropout_residual_layernorm_backward(dout, cache):
+        do_cache, ln_cache = cache
+        ds, dw, db = o.layernorm_backward(dout, ln_cache)
+        return ds, o.dropout_backward(ds, do_cache), dw, db
+
+    def bias_gelu_forward(x, b, approximate="none"):
+        """out = gelu(x + b): the feed-forward's first bias and activation (the linear before it runs without bias).
+
+        x: (..., I)   b: (I,)   ->   out: (..., I)
+        Backward: du = gelu_backward(dout) at u = x + b;  dx = du;  db = du summed over every leading dim.
+        """
+        V.floats("bias_gelu", x=x, b=b)
+        V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
+        V.shape("bias_gelu", "b", b, (x.shape[-1],), "(I,)")
+        out, g_cache = o.gelu_forward(x + b, approximate)
+        return out, (g_cache,)
+
+    def bias_gelu_backward(dout, cache):
+        (g_cache,) = cache
+        du = o.gelu_backward(dout, g_cache)
+        return du, du.reshape(-1, du.shape[-1]).sum(0)
+
+    def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+        """softmax(q k^T / sqrt(hs) + mask), dropped out, times v, per head; heads split from and merged into C.
+
+        q, k, v: (B, T, C)   n_heads: H with C % H == 0, hs = C // H
+        mask: additive, broadcastable to (B, H, T, T) — HF BERT passes (B, 1, 1, T)   ->   out: (B, T, C)
+        Forward per head: att = qh @ kh^T (B,H,T,T); p = softmax(att / sqrt(hs) + mask); pd = dropout(p); y = pd @ vh.
+        Backward, reversing each matmul (y = pd @ vh gives dpd = dy @ vh^T and dvh = pd^T @ dy):
+            dpd = dy @ vh^T          dvh = pd^T @ dy
+            dp  = dropout_backward(dpd)
+            datt = softmax_backward(dp)             (includes the 1/sqrt(hs) scale)
+            dqh = datt @ kh          dkh = datt^T @ qh
+        then merge heads back: (B, H, T, hs) -> (B, T, C).  The cache keeps p (B,H,T,T) and the dropout's cache; the
+        backward recomputes pd = dropout(p) as dropout_backward(p): dropout is linear and diagonal, so its backward
+        applied to p is the same product p * keep / (1 - p).
+        """
+        V.floats("attention", q=q, k=k, v=v, mask=mask)
+        V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
+        V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
+        V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
+        B, T, C = q.shape
+        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
+            raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
+        H, hs = int(n_heads), C // int(n_heads)
+        qh = q.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+        kh = k.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+        vh = v.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+        if mask is not None:
+            V.broadcasts_to("attention", "mask", mask, (B, H, T, T))
+        att = qh @ kh.transpose(0, 1, 3, 2)                  # (B, H, T, T)
+        p, sm_cache = o.softmax_forward(att, 1.0 / math.sqrt(hs), mask)
+        pd, do_cache = o.dropout_forward(p, dropout_p, rng, train)
+        y = pd @ vh                                         # (B, H, T, hs)
+        out = y.transpose(0, 2, 1, 3).reshape(B, T, C)     # (B, T, C)
+        return out, AttentionCache(qh, kh, vh, p, sm_cache, do_cache)
+
+    def attention_backward(dout, cache):
+        qh, kh, vh, p, sm_cache, do_cache = cache
+        B, H, T, hs = qh.shape
+        V.dout("attention", dout, (B, T, H * hs), qh.dtype)
+        pd = o.dropout_backward(p, do_cache)                # recompute dropout(p): see the forward's docstring
+        dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+        dpd = dy @ vh.transpose(0, 1, 3, 2)                 # (B, H, T, T)
+        dvh = pd.transpose(0, 1, 3, 2) @ dy                 # (B, H, T, hs)
+        datt = o.softmax_backward(o.dropout_backward(dpd, do_cache), sm_cache)  # (B, H, T, T)
+        dqh = datt @ kh                                     # (B, H, T, hs)
+        dkh = datt.transpose(0, 1, 3, 2) @ qh               # (B, H, T, hs)
+        merge = lambda g: g.transpose(0, 2, 1, 3).reshape(B, T, H * hs)  # noqa: E731  (B, H, T, hs) -> (B, T, C)
+        return merge(dqh), merge(dkh), merge(dvh)
+
+    def attention_probs(cache):
+        """The attention probabilities after dropout, (B, H, T, T), as HF returns under output_attentions."""
+        _, _, _, p, _, do_cache = cache
+        return o.dropout_backward(p, do_cache)              # dropout(p), as in the backward
+
+    return {f.__name__: f for f in (residual_layernorm_forward, residual_layernorm_backward,
+                                    dropout_residual_layernorm_forward, dropout_residual_layernorm_backward,
+                                    bias_gelu_forward, bias_gelu_backward, attention_forward, attention_backward,
+                                    attention_probs)}
 
 
-def attention_probs(cache):
-    """The attention probabilities after dropout, (B, H, T, T), as HF returns under output_attentions."""
-    p, keep = cache.softmax.p, cache.dropout.keep
-    return p if keep is None else _keep_scale(p, keep, cache.dropout.scale)
+_composed = compose(sys.modules[__name__])        # over this module: the oracle's own basic ops
+residual_layernorm_forward = _composed["residual_layernorm_forward"]
+residual_layernorm_backward = _composed["residual_layernorm_backward"]
+dropout_residual_layernorm_forward = _composed["dropout_residual_layernorm_forward"]
+dropout_residual_layernorm_backward = _composed["dropout_residual_layernorm_backward"]
+bias_gelu_forward = _composed["bias_gelu_forward"]
+bias_gelu_backward = _composed["bias_gelu_backward"]
+attention_forward = _composed["attention_forward"]
+attention_backward = _composed["attention_backward"]
+attention_probs = _composed["attention_probs"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ check of that very call (float64, centred differences along one random direction
 The reading companion of docs/backprop.md: run it, then follow a row's gradient through the derivation.
 """
 import inspect
-import sys
 
 import numpy as np
 
@@ -42,7 +41,7 @@ class TracingOps:
         if op == "linear" and params and params[0].endswith("word_embeddings.weight"):
             where = "cls.predictions.decoder (tied to word_embeddings)"
             self.where = "cls.predictions"              # the gather and the loss that follow belong to the head
-        rec = dict(op=op, fn=fn, args=dict(bound.arguments), where=where,
+        rec = dict(op=op, fn=fn, backward=getattr(self.ops, f"{op}_backward"), args=dict(bound.arguments), where=where,
                    rng_state=rng.state if isinstance(rng, DropoutRNG) else None)
         out, cache = fn(*args, **kwargs)
         rec["shapes"] = [np.shape(v) for v in bound.arguments.values() if isinstance(v, np.ndarray)]
@@ -68,7 +67,7 @@ def spot_check(rec, seed=0):
     wrt = tuple(floats[:rec["n_grads"]])                 # the differentiable inputs lead the signature
     fixed = {k: v for k, v in args.items() if k not in wrt}
     state = rec["rng_state"]
-    backward = getattr(sys.modules[fn.__module__], fn.__name__.replace("_forward", "_backward"))  # same backend
+    backward = rec["backward"]                           # the same backend's (a composed op's: its composition)
 
     def forward(**x):
         kw = dict(fixed)

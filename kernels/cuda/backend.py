@@ -28,9 +28,10 @@ What runs where
                   order of additions into a repeated id's row is not fixed), the pooler's tanh, add, gather_rows,
                   mse and bce_with_logits: a few CuPy element-wise calls each, written here (the oracle's checks
                   and messages, on any array module).
-    fallbacks     a kernel module that is missing or fails to import is replaced by the oracle run on host
-                  copies of its inputs, its outputs moved back to the device (FALLBACKS names each such op and
-                  why): slow, but the model still runs and stays correct.
+    fallbacks     a kernel module that is missing or fails to import leaves its ops undefined here (FALLBACKS
+                  names each and why), and get_backend("cuda") fills them in as it does for any module
+                  (refbert.backends.Backend): the oracle, run on host copies of its inputs, its outputs moved back
+                  to the device — slow, but the model still runs and stays correct.
 
 Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set before numba is first imported): the array module is NumPy,
 the kernels run simulated on the CPU (one Python thread per GPU thread: tiny shapes only) and the matmuls are
@@ -43,7 +44,6 @@ import importlib
 
 import numpy as np
 
-from refbert import ops as oracle
 from refbert import validate as V
 
 
@@ -75,6 +75,7 @@ def _device():
 
 MODE, xp = _device()
 SIM = MODE == "sim"
+ARRAY_LIBRARY = "numpy" if SIM else "cupy"   # the library of the model's arrays (to_device keeps them there)
 
 
 def device_name():
@@ -333,45 +334,10 @@ _FUSED = {
 }
 
 KERNELS = {}        # op -> "refbert_kernels.cuda.<module>": ops whose Numba CUDA kernel runs
-FALLBACKS = {}      # op -> why the oracle runs instead (on host copies, outputs moved back to the device)
+FALLBACKS = {}      # op -> why it has no kernel here (refbert.backends runs the oracle on host copies instead)
 
 # forwards whose additive mask comes from the model as a host array: (keyword, position) moved to the device
 _MOVE = {"softmax_forward": ("mask", 2), "attention_forward": ("mask", 4)}
-
-
-def _host_tree(a):
-    if isinstance(a, (tuple, list)):
-        return type(a)(_host_tree(v) for v in a)
-    if isinstance(a, dict):
-        return {k: _host_tree(v) for k, v in a.items()}
-    return to_host(a) if _on_device(a) else a
-
-
-def _dev_tree(a):
-    if isinstance(a, (tuple, list)):
-        return type(a)(_dev_tree(v) for v in a)
-    if isinstance(a, np.ndarray) and a.dtype.kind == "f":
-        return _dev(a)
-    return a
-
-
-def _oracle_on_host(name):
-    """refbert.ops.<name> on host copies of the arguments; float array results moved to the device. A forward's
-    cache stays on the host (only its backward reads it)."""
-    fn = getattr(oracle, name)
-    if xp is np:
-        return fn
-    if name.endswith("_forward"):
-        def forward(*args, **kw):
-            out, cache = fn(*_host_tree(args), **_host_tree(kw))
-            return _dev_tree(out), cache
-        forward.__name__ = name
-        return forward
-
-    def other(*args, **kw):
-        return _dev_tree(fn(*_host_tree(args), **_host_tree(kw)))
-    other.__name__ = name
-    return other
 
 
 def _entry(name, fn):
@@ -409,12 +375,10 @@ def _load():
         if isinstance(m, Exception) or missing:
             FALLBACKS[op] = (f"refbert_kernels.cuda.{mod}: {type(m).__name__}: {m}" if isinstance(m, Exception)
                              else f"refbert_kernels.cuda.{mod} has no {', '.join(missing)}")
-            fns = {n: _oracle_on_host(n) for n in names}
-        else:
-            KERNELS[op] = f"refbert_kernels.cuda.{mod}"
-            fns = {n: getattr(m, n) for n in names}
-        for n, f in fns.items():
-            globals()[n] = _entry(n, f)
+            continue                                      # left undefined: the Backend runs the oracle on the host
+        KERNELS[op] = f"refbert_kernels.cuda.{mod}"
+        for n in names:
+            globals()[n] = _entry(n, getattr(m, n))
 
 
 _load()

@@ -1,0 +1,430 @@
+"""refbert.testing (check_op, bench_op, the shape of an error), refbert.backends (any module as the model's ops) and
+`refbert check --ops FILE [--model]`.
+
+What is proven here, and how:
+- the oracle's own functions, given as "yours", pass every op's cases (the harness accepts what is right), and each
+  of the synthetic mistakes below fails on the tensor it breaks (it rejects what is wrong); the shape-of-the-error
+  lines are checked on differences built from known patterns, never from the code under test;
+- refbert's own Numba kernels (the version each backend runs) pass the same check the user gets;
+- a set of ops written with PyTorch (tests/data/torch_ops.py: autograd backward, refbert's Philox masks) passes
+  `check --ops` in float32 and float64 and `--model` (two heads, two configs, dropout on, every tensor), through
+  the array conversion (declared "torch");
+- a layernorm written as Numba CUDA kernels with CuPy-style launchers (tests/data/cuda_layernorm_ops.py) passes
+  `check --ops --model` in Numba's CUDA simulator. There the arrays are NumPy's: CuPy creates no array without a
+  CUDA driver (cupy-cuda12x 14.2 on this machine: CUDARuntimeError cudaErrorInsufficientDriver), so the CuPy side of
+  refbert.backends.convert is not exercised without a GPU; its torch side (DLPack, zero copy) is, below;
+- a module as the model's backend: its ops are what the model runs, the composed ops (residual LayerNorm, bias +
+  GELU, attention) are built from its basic ones, the rest are the oracle's, and with the oracle's functions inside
+  the outputs are the numpy backend's bit for bit.
+Hypothesis draws few shapes here (examples=2..3), under the ci profile's derandomized settings.
+"""
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+
+import refbert
+from refbert import ops
+from refbert import testing as T
+from refbert.backends import Backend, convert, get_backend
+
+import cudachild
+
+DATA = __import__("os").path.join(__import__("os").path.dirname(__file__), "data")
+
+
+def oracle_pair(op):
+    return getattr(ops, f"{op}_forward"), getattr(ops, f"{op}_backward")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# check_op accepts what is right ...
+
+@pytest.mark.parametrize("op", T.OPS)
+def test_the_oracle_passes_its_own_check(op):
+    """Every op of refbert.ops, handed in as "yours" (probed as NumPy): every case passes, float32 and float64."""
+    for dtype in ("float32", "float64"):
+        rep = T.check_op(op, *oracle_pair(op), dtype=dtype, examples=2)
+        assert rep.passed, str(rep)
+        assert {r["tensor"] for r in rep.rows} >= {"out"}
+        # the yardstick: the oracle in float32 is the float32 noise itself, so its error never exceeds it
+        if dtype == "float32":
+            for c in rep.cases:
+                for t in c.tensors:
+                    assert t.ulps <= t.refbert + 1e-9 or t.ulps <= 1.0, (c.label, t)
+
+
+def test_only_a_backward_or_only_a_forward():
+    f, b = oracle_pair("layernorm")
+    rep = T.check_op("layernorm", backward=b, examples=1)
+    assert rep.passed and {r["tensor"] for r in rep.rows} == {"dx", "dw", "db"} and rep.given == "backward only"
+    rep = T.check_op("layernorm", forward=f, examples=1)
+    assert rep.passed and {r["tensor"] for r in rep.rows} == {"out"} and rep.given == "forward only"
+    with pytest.raises(ValueError, match="expected a forward, a backward or both"):
+        T.check_op("layernorm")
+    with pytest.raises(ValueError, match="argument 'op' expected one of"):
+        T.check_op("layer_norm", f, b)
+    with pytest.raises(ValueError, match="argument 'dtype' expected"):
+        T.check_op("layernorm", f, b, dtype="float16")
+
+
+def test_the_report_table_and_json():
+    rep = T.check_op("softmax", *oracle_pair("softmax"), examples=2)
+    text = str(rep)
+    assert text.splitlines()[0].split()[:4] == ["op", "tensor", "dtype", "cases"]
+    assert "softmax  out" in text and "softmax  dx" in text and "pass" in text
+    data = json.loads(rep.to_json())
+    assert data["passed"] is True and data["op"] == "softmax"
+    labels = [c["label"] for c in data["cases"]]
+    assert "a fully padded row" in labels and "logits 1e4" in labels and "T = 1" in labels
+    assert any(lab.startswith("drawn") for lab in labels)           # hypothesis-drawn shapes beside the edges
+
+
+def test_numba_kernels_pass_the_same_check():
+    """refbert's own fused kernels (the version the numba backend runs) pass what a user's kernel must pass."""
+    pytest.importorskip("numba")
+    B = get_backend("numba")
+    for op in B.KERNELS:
+        f, b = getattr(B, f"{op}_forward"), getattr(B, f"{op}_backward")
+        rep = T.check_op(op, f, b, dtype="float32", examples=1)
+        assert rep.passed, str(rep)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ... and rejects what is wrong, saying where and how
+
+def _ce_without_dloss(dloss, cache):
+    return ops.cross_entropy_backward(1.0, cache)
+
+
+def _transposed_attention(dout, cache):
+    dq, dk, dv = ops.attention_backward(dout, cache)
+    return dk, dq, dv
+
+
+def _gelu_plus_x(dout, cache):
+    x, out, approximate = cache
+    return ops.gelu_backward(dout, cache) + 0.5 * dout * x
+
+
+@pytest.mark.parametrize("op, backward, tensor, phrase", [
+    ("cross_entropy", _ce_without_dloss, "dlogits", "uniform factor, = 1/dloss (dloss = 0.75)"),
+    ("attention", _transposed_attention, "dq", "worst elements"),
+    ("gelu", _gelu_plus_x, "dx", "g(x) = 0.5 x"),
+])
+def test_a_wrong_backward_fails_on_its_tensor(op, backward, tensor, phrase):
+    rep = T.check_op(op, backward=backward, examples=1)
+    assert not rep.passed
+    bad = {r["tensor"] for r in rep.rows if not r["ok"]}
+    assert tensor in bad, str(rep)
+    text = str(rep)
+    assert f"FAIL {op} {tensor} (float32)" in text and phrase in text, text
+
+
+def test_nan_dtype_count_and_written_inputs_fail_with_a_reason():
+    f, b = oracle_pair("tanh")
+    cases = [dict(shape=(3, 7))]
+    rep = T.check_op("tanh", f, lambda d, c: b(d, c).astype(np.float64), cases=cases)
+    assert "returned float64 for float32 inputs" in str(rep)
+    rep = T.check_op("tanh", f, lambda d, c: b(d, c) * np.nan, cases=cases)
+    assert not rep.passed and "not finite" in str(rep)
+    rep = T.check_op("linear", backward=lambda d, c: ops.linear_backward(d, c)[:2],
+                     cases=[dict(lead=(3,), C_in=4, C_out=5)])
+    assert "backward returned 2 gradient(s), expected 3 (dx, dw, db)" in str(rep)
+
+    def scribbling_forward(x):
+        out, cache = f(x)
+        x *= 2                                         # writes into its argument
+        return out, cache
+    rep = T.check_op("tanh", scribbling_forward, b, cases=cases)
+    assert not rep.passed and "wrote into its argument(s) x" in str(rep)
+
+    def raising(dout, cache):
+        raise RuntimeError("boom")
+    rep = T.check_op("tanh", backward=raising, cases=cases)
+    assert "backward raised RuntimeError: boom" in str(rep) and rep.given == "backward only"
+
+
+def test_hypothesis_shrinks_a_failing_shape():
+    """A softmax backward that is wrong only for rows longer than 5: the drawn failure is shrunk to T = 6."""
+    pytest.importorskip("hypothesis")
+    f, b = oracle_pair("softmax")
+
+    def long_rows_wrong(dout, cache):
+        dx = b(dout, cache)
+        return dx * 2 if dx.shape[-1] > 5 else dx
+    spec = T.SPECS["softmax"]
+    res = T.drawn_results(spec, lambda c: T.run_case(spec, c, None, T.adapt(long_rows_wrong, "numpy"),
+                                                     np.dtype(np.float32)), 25)
+    shrunk = [r for r in res if r.label.startswith("drawn, shrunk")]
+    assert shrunk and not shrunk[0].ok and shrunk[0].params["T"] == 6, [(r.label, r.params) for r in res]
+
+
+# the shape of an error, on differences with a known pattern (generic: no op's answer is written in explain)
+
+def _pattern(got, ref, **context):
+    return T.explain(got, ref, context)[-1]
+
+
+def test_explain_names_each_pattern():
+    r = np.random.default_rng(0)
+    ref = r.standard_normal((6, 9))
+    assert "sign flip" in _pattern(-ref, ref)
+    assert "got = 0.7 x expected everywhere: a uniform factor, = 1 - p (p = 0.3)" in \
+        _pattern(0.7 * ref, ref, scalars={"p": 0.3})
+    sq = r.standard_normal((5, 5))
+    assert "transposed" in _pattern(sq.T, sq)
+    assert "constant within each row" in _pattern(ref + r.standard_normal((6, 1)), ref)
+    assert "along axis 0" in _pattern(ref + r.standard_normal((1, 9)), ref)
+    out = r.random((6, 9))
+    assert "the forward's output times an amount per row" in _pattern(ref + out * r.standard_normal((6, 1)), ref,
+                                                                      out=out)
+    x = r.standard_normal((6, 9))
+    assert "0.25 x the input" in _pattern(ref + 0.25 * x, ref, x=x)
+    assert "affine function of the input" in _pattern(ref + (x - x.mean(-1, keepdims=True)) * 3.0, ref, x=x)
+    x, dout = r.standard_normal(400) * 3, r.standard_normal(400)
+    line = _pattern(ref[0, 0] + dout * np.exp(-x * x / 2) * 0 + dout * x * np.exp(-x * x / 2),
+                    np.full(400, ref[0, 0]), x=x, dout=dout)
+    assert "dout * g(x)" in line and "odd in x" in line and "g -> 0 for |x| > 4" in line, line
+    zeros = np.where(ref > 0, ref, 0.0)
+    assert "where the expected value is 0" in _pattern(np.where(ref > 0, ref, 1.0), zeros)
+    assert T.explain_shape(ref.T, ref)[0].endswith("you computed the transpose")
+    assert "summed over them it equals the expected gradient" in T.explain_shape(np.stack([ref, ref]), 2 * ref)[0]
+
+
+def test_ulps_judges_infinities_exactly():
+    """A reference +-inf passes only with the same infinity; a NaN or an inf where the reference is finite fails."""
+    ref = np.array([1.0, np.inf, -np.inf])
+    assert T.ulps(ref, ref, np.float32) == 0.0
+    assert T.ulps(np.array([1.0, np.inf, np.inf]), ref, np.float32) == math.inf
+    assert T.ulps(np.array([1.0, 3.0, -np.inf]), ref, np.float32) == math.inf
+    assert T.ulps(np.array([np.nan]), np.array([1.0]), np.float32) == math.inf
+    assert T.ulps(np.array([1.0 + 2 ** -22]), np.array([1.0]), np.float32) == 2.0   # 2 ulps at scale 1
+    # a tensor that is 0 in exact arithmetic is judged on the scale of its largest sibling
+    assert T.ulps(np.array([1e-17]), np.array([0.0]), np.float64, sibling=2.0) < 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arrays of other libraries
+
+def test_torch_functions_are_probed_and_share_memory(torch):
+    a = np.arange(6.0).reshape(2, 3)
+    t = convert(a, "torch")
+    assert isinstance(t, torch.Tensor) and np.shares_memory(t.numpy(), a)     # DLPack: no copy
+    back = convert(t * 2, "numpy")
+    assert isinstance(back, np.ndarray) and back[1, 2] == 10
+    ro = np.broadcast_to(np.arange(3.0), (2, 3))                              # read-only view: copied, not refused
+    assert convert(ro, "torch").shape == (2, 3)
+
+    def softmax_forward(x, scale=1.0, mask=None):              # torch-only code: fails on NumPy, probed to torch
+        z = x * scale + (0 if mask is None else mask)
+        p = torch.softmax(z, dim=-1)
+        return p, (p, scale)
+
+    def softmax_backward(dout, cache):
+        p, scale = cache
+        return p * (dout - (dout * p).sum(dim=-1, keepdim=True)) * scale
+    rep = T.check_op("softmax", softmax_forward, softmax_backward, examples=2)
+    assert rep.passed, str(rep)
+    assert rep.library == "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# any module is a backend
+
+class _Counting(types.ModuleType):
+    """A module whose layernorm, gelu_backward and softmax are the oracle's, counted."""
+
+    def __init__(self):
+        super().__init__("counting_ops")
+        self.calls = {}
+        for name in ("layernorm_forward", "layernorm_backward", "gelu_backward", "softmax_forward",
+                     "softmax_backward"):
+            setattr(self, name, self._count(name, getattr(ops, name)))
+
+    def _count(self, name, fn):
+        def call(*a, **k):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a, **k)
+        call.__name__ = name
+        return call
+
+
+def test_a_module_is_the_model_backend_and_its_basic_ops_make_the_composed_ones():
+    from refbert.check import model_batch, tiny_config
+    mod = _Counting()
+    cfg = tiny_config("BertForPreTraining")
+    x = model_batch(cfg, "BertForPreTraining")
+    outs = []
+    for backend in ("numpy", mod):
+        m = refbert.BertForPreTraining(cfg, seed=3, dtype=np.float32, backend=backend)
+        outs.append((m(**x), m.backward(), m))
+    (o_ref, g_ref, _), (o, g, m) = outs
+    assert float(o.loss) == float(o_ref.loss)                                  # bit for bit: the same functions
+    assert all(np.array_equal(g[k], g_ref[k]) for k in g_ref)
+    L = cfg.num_hidden_layers
+    # every LayerNorm ran through the module: embeddings, 2 per layer (composed residual ones), the MLM transform
+    assert mod.calls["layernorm_forward"] == 1 + 2 * L + 1 and mod.calls["layernorm_backward"] == 1 + 2 * L + 1
+    assert mod.calls["gelu_backward"] == L + 1                                 # bias + GELU: the layers and the head
+    assert mod.calls["softmax_forward"] == L and mod.calls["softmax_backward"] == L   # inside every attention
+    B = m.ops
+    assert isinstance(B, Backend) and B.origin["layernorm_forward"] == "own"
+    assert B.origin["gelu_forward"] == "oracle" and B.origin["gelu_backward"] == "own"
+    assert B.origin["residual_layernorm_forward"] == "composed" and B.origin["attention_backward"] == "composed"
+    assert B.linear_forward is ops.linear_forward
+    text = B.describe()
+    assert "own ops: gelu (backward only), layernorm, softmax" in text
+    assert "composed from its own: attention (from softmax), bias_gelu (from gelu), dropout_residual_layernorm " \
+           "(from layernorm), residual_layernorm (from layernorm)" in text
+
+
+def test_half_pairs_in_another_library(torch):
+    """A module with only a torch softmax_backward (probed), and one with only a torch layernorm_forward: the
+    oracle's other half reads (or makes) a cache of the other library, converted at the call; the model's outputs
+    and gradients are the numpy backend's within float64 rounding."""
+    from refbert.check import model_batch, tiny_config
+
+    def softmax_backward(dout, cache):
+        p, scale = cache
+        return p * (dout - (dout * p).sum(dim=-1, keepdim=True)) * scale
+
+    def layernorm_forward(x, w, b, eps=1e-12):
+        out = torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+        mean = x.mean(-1, keepdim=True)
+        return out, (x, w, mean, 1 / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps))
+    cfg = tiny_config("BertForSequenceClassification")
+    x = model_batch(cfg, "BertForSequenceClassification")
+    ref = refbert.BertForSequenceClassification(cfg, seed=2, dtype=np.float64)
+    ref_out, ref_g = ref(**x), ref.backward()
+    for fns in ({"softmax_backward": softmax_backward}, {"layernorm_forward": layernorm_forward}):
+        mod = types.SimpleNamespace(**fns)
+        m = refbert.BertForSequenceClassification(cfg, seed=2, dtype=np.float64, backend=mod)
+        out, g = m(**x), m.backward()
+        assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-12 * abs(float(ref_out.loss))
+        for k in ref_g:   # float64 rounding in another order: relative to the largest gradient
+            assert np.abs(g[k] - ref_g[k]).max() <= 1e-12 * max(np.abs(v).max() for v in ref_g.values()), k
+        assert m.ops.ops_of("own") == [next(iter(fns)).rsplit("_", 1)[0]]
+
+
+def test_backend_from_a_path_and_its_errors(tmp_path, capsys):
+    good = tmp_path / "mine.py"
+    good.write_text("from refbert.ops import layernorm_forward as _f, layernorm_backward as _b\n"
+                    "def layernorm_forward(x, w, b, eps=1e-12):\n    return _f(x, w, b, eps)\n"
+                    "def layernorm_backward(dout, cache):\n    return _b(dout, cache)\n")
+    B = get_backend(str(good))
+    assert B.origin["layernorm_forward"] == "own" and B.ops_of("own") == ["layernorm"]
+    model = refbert.BertModel(refbert.BertConfig.preset("tiny"), backend=str(good))
+    assert model.ops.ops_of("own") == ["layernorm"]
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = refbert.BertModel.from_pretrained(tmp_path / "ckpt", backend=str(good))
+    assert loaded.ops.ops_of("own") == ["layernorm"]
+    from refbert.cli import main                       # --backend FILE on a command: one line says what is yours
+    assert main(["trace", "--backend", str(good)]) == 0
+    assert "own ops: layernorm" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected a .py file, got nothing"):
+        get_backend(str(tmp_path / "missing.py"))
+    bad = tmp_path / "broken.py"
+    bad.write_text("def layernorm_forward(:\n")
+    with pytest.raises(ValueError, match="broken.py' could not be loaded: SyntaxError"):
+        get_backend(str(bad))
+    with pytest.raises(ValueError, match="backend: expected one of 'numpy', 'numba', 'cuda', got 'tpu'"):
+        get_backend("tpu")
+
+
+def test_numba_and_numpy_backends_are_instances_of_the_mechanism():
+    B = get_backend("numpy")
+    assert isinstance(B, Backend) and B.ops_of("own") == [] and B.residual_layernorm_forward is \
+        ops.residual_layernorm_forward
+    pytest.importorskip("numba")
+    N = get_backend("numba")
+    assert set(N.ops_of("own")) == set(N.KERNELS) and N.linear_forward is ops.linear_forward
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# refbert check --ops FILE [--model]
+
+def _cli(capsys, *args):
+    """refbert's command line, in this process: (exit status, stdout, stderr)."""
+    from refbert.cli import main
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def test_check_ops_torch_file_passes_ops_and_model(tmp_path, torch, capsys):
+    """The PyTorch-written ops: every op and dtype, then the whole model on them (float32 and float64)."""
+    out = tmp_path / "report.json"
+    r = _cli(capsys, "check", "--ops", f"{DATA}/torch_ops.py", "--model", "--examples", "1", "--no-bench", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    text = r.stdout
+    assert "arrays: torch (declared)" in text
+    for op in ("linear", "layernorm", "softmax", "gelu", "dropout", "attention", "cross_entropy"):
+        assert f"\n{op} " in text
+    assert "composed from its own: bias_gelu (from gelu), dropout_residual_layernorm (from dropout, layernorm), " \
+           "residual_layernorm (from layernorm)" in text
+    assert text.count("BertForPreTraining ") == 4 and text.count("BertForSequenceClassification ") == 4
+    rep = json.loads(out.read_text())
+    assert len(rep["model"]["runs"]) == 8 and all(run["ok"] for run in rep["model"]["runs"])
+    assert "FAIL" not in text
+
+
+def test_check_ops_exit_codes(tmp_path, capsys):
+    bad = tmp_path / "bad_ops.py"
+    bad.write_text("from refbert import ops\n"
+                   "def dropout_backward(dout, cache):\n"
+                   "    keep, scale, shape, dtype = cache\n"
+                   "    return dout.copy() if keep is None else dout * keep   # no 1/(1-p)\n")
+    r = _cli(capsys, "check", "--ops", str(bad), "--examples", "1", "--no-bench", "--dtypes", "float32")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAIL dropout dx (float32)" in r.stdout and "= 1 - p (p = 0.3)" in r.stdout
+    empty = tmp_path / "nothing.py"
+    empty.write_text("x = 1\n")
+    for path, msg in ((empty, "defines no op"), (tmp_path / "missing.py", "expected a .py file, got nothing"),
+                      ("no_such_module_xyz", "expected a .py file or an importable module")):
+        r = _cli(capsys, "check", "--ops", str(path))
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _cli(capsys, "check", "--model")
+    assert r.returncode == 2 and "--model expected --ops FILE" in r.stderr
+
+
+def test_check_ops_times_what_passes(tmp_path, capsys):
+    f = tmp_path / "tanh_ops.py"
+    f.write_text("from refbert.ops import tanh_forward, tanh_backward as _b\n"
+                 "def tanh_backward(dout, cache):\n    return _b(dout, cache)\n")
+    r = _cli(capsys, "check", "--ops", str(f), "--examples", "1", "--dtypes", "float32")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "timing, float32, forward + backward" in r.stdout and "copy bandwidth" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("tanh ") and "shape=" in line)
+    assert len(row.split()) >= 8, row
+
+
+def test_bench_op_writes_md_json_png(tmp_path):
+    f, b = oracle_pair("layernorm")
+    rep = T.bench_op("layernorm", f, b, shapes=[dict(lead=(64,), C=32)], repeats=2, rounds=1, min_time=0.0,
+                     bandwidth=1e10)
+    impls = [r["impl"] for r in rep.entries[0]["rows"]]
+    assert "yours" in impls and "numpy oracle" in impls and rep.entries[0]["validation"] == "pass"
+    paths = rep.save(tmp_path)
+    assert paths[0].endswith("layernorm.md") and "| yours |" in open(paths[0]).read()
+    assert json.loads(open(paths[1]).read())["op"] == "layernorm"
+    wrong = T.bench_op("layernorm", f, lambda d, c: tuple(2 * g for g in b(d, c)), shapes=[dict(lead=(8,), C=4)],
+                       repeats=1, rounds=1, min_time=0.0, bandwidth=1e10)
+    assert wrong.entries[0]["validation"].startswith("FAIL") and \
+        "yours" not in [r["impl"] for r in wrong.entries[0]["rows"]]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_a_cuda_kernel_op_in_the_simulator():
+    """tests/data/cuda_layernorm_ops.py: Numba CUDA kernels launched CuPy-style, in Numba's CUDA simulator, through
+    check --ops and --model (the model's residual LayerNorms composed from it)."""
+    r = cudachild.run("""
+    import sys
+    from refbert.cli import main
+    sys.exit(main(["check", "--ops", "tests/data/cuda_layernorm_ops.py", "--model", "--examples", "1",
+                   "--no-bench", "--dtypes", "float32"]))
+    """, sim=True, timeout=600)
+    out = cudachild.check(r)
+    assert "composed from its own: dropout_residual_layernorm (from layernorm), residual_layernorm (from layernorm)" \
+        in out and "layernorm  dx" in out and "0 failed" in out, out
