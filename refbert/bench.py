@@ -506,7 +506,7 @@ def run_kernels(args, info, command):
                     entry["timing"] = time_spec(spec, shape, ok, repeats, rounds, min_time, bw, bar, settle)
             entry["timing"]["others_cpu_share"] = load.share
             if load.busy:
-                bar.write(f"{label}: {_busy_note(load.share).strip('*')}")
+                bar.write(f"{label}: {_busy_note(load.share).replace('**', '')}")
         except Exception as e:
             entry["timing"] = dict(shape=shape, error=f"{type(e).__name__}: {e}", rows=[])
             bar.write(f"{label}: timing failed: {entry['timing']['error']}")
@@ -881,7 +881,7 @@ def run_step(args, info, command):
                             times[label].append(time.perf_counter() - t0)
                             bar.step(what=f"{size} {mode} {label}")
                 if load.busy:
-                    bar.write(f"{size} {mode}: {_busy_note(load.share).strip('*')}")
+                    bar.write(f"{size} {mode}: {_busy_note(load.share).replace('**', '')}")
                 med = {k: statistics.median(v) for k, v in times.items()}
                 rows = []
                 for label, t in med.items():
