@@ -12,7 +12,9 @@ A run directory holds
 Checkpoints are written into a temporary folder beside their final place and renamed into it, and latest.json is
 replaced atomically after that, so a run killed at any moment leaves the previous checkpoint intact and pointed to.
 `--resume` continues from latest.json bit-exactly: the same parameters, optimizer moments, dropout generator and
-data order, hence the same losses as a run that was never interrupted.
+data order, hence the same losses as a run that was never interrupted. A new run that fails, or is interrupted,
+before its first checkpoint (finetune: before its first best model) has nothing to resume: it removes what it wrote
+(FirstCheckpoint), so that the same command can run again.
 """
 import contextlib
 import csv
