@@ -29,9 +29,12 @@ setup(
                 # NVRTC (with a CUDA toolkit's NVVM) lets tests/test_cuda_ptx.py compile every kernel without a GPU
                 # (it skips where no libnvvm is found; NVRTC has no macOS wheel)
                 "numba-cuda", "ml_dtypes", "nvidia-cuda-nvrtc>=13,<14; platform_system != 'Darwin'"],
-        "kernels": ["numba>=0.59"],  # the fused CPU kernels: backend="numba", refbert bench
-        # a prebuilt CuPy wheel for CUDA 13, never the source package `cupy` (CUDA 12: install cupy-cuda12x instead)
-        "cuda": ["numba>=0.59", "numba-cuda", "cupy-cuda13x", "ml_dtypes"],
+        # the fused CPU kernels: backend="numba", refbert bench; scipy because Numba's np.dot (attention v3-v5's
+        # BLAS tiles and gemm calls) calls SciPy's BLAS, and fails at run time without it
+        "kernels": ["numba>=0.59", "scipy>=1.10"],
+        # a prebuilt CuPy wheel for CUDA 13, never the source package `cupy` (CUDA 12: install cupy-cuda12x instead);
+        # the CUDA kernels import the CPU kernels' files, and `refbert check` runs those too: scipy as for kernels
+        "cuda": ["numba>=0.59", "scipy>=1.10", "numba-cuda", "cupy-cuda13x", "ml_dtypes"],
     },
     entry_points={"console_scripts": ["refbert=refbert.cli:main"]},
 )

@@ -29,6 +29,12 @@ memory   Peak memory of attention forward + backward (B=1, H=12, hs=64, float32)
          peak (NumPy's allocations are traced; Numba's NRT allocations are not) and the growth of the resident-set
          high-water mark (VmHWM, which sees everything).
 
+Every timed section also records the share of the machine's CPU time that other processes used while it ran
+(/proc; `Interference`) and is marked unreliable above 10%: on a shared 2-core machine that, not the code, decides
+the numbers (a --quick run once timed the same GEMM floor at 963 ms in one section and 40 ms in the next). The step
+section also flags a GEMM floor whose eval and train times differ by more than 1.3x: the same work, so only the
+machine can have changed.
+
 The exit status is 1 when a kernel version or a step check failed validation (after writing every file), else 0.
 """
 import argparse
@@ -168,6 +174,54 @@ class _Progress:
             self.bar.close()
 
 
+def _cpu_ticks():
+    """(ticks the whole machine spent busy or stolen, ticks this process ran), from /proc/stat's cpu line (user,
+    nice, system, idle, iowait, irq, softirq, steal; the total of all 8 is cores x elapsed) and /proc/self/stat
+    (utime, stime: every thread of this process). None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()          # after the command name: fields 3, 4, ... of proc(5)
+        return sum(v), sum(v) - v[3] - v[4], int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Interference:
+    """`with Interference() as load:` around a timed section; then load.share is the fraction of the machine's CPU
+    time (all cores) that other processes used (or the hypervisor stole) meanwhile: ~0 on a quiet machine. A timing
+    is only as good as that: BLAS's threads wait for each other, so one descheduled thread stalls a GEMM, and on
+    this project's shared 2-core machine the --quick step's GEMM floor (B2 T64 mini) took 963 ms in one section and
+    40 ms in the next, and 5.2 s while other jobs kept the load average at ~15. None off Linux."""
+    BUSY = 0.10                 # above this share, a section's times are flagged as measured on a busy machine
+
+    def __enter__(self):
+        self.start, self.share = _cpu_ticks(), None
+        return self
+
+    def __exit__(self, *exc):
+        end = _cpu_ticks()
+        if self.start and end and end[0] > self.start[0]:
+            total, busy, own = (b - a for a, b in zip(self.start, end))
+            self.share = max(0.0, (busy - own) / total)
+        return False
+
+    @property
+    def busy(self):
+        return self.share is not None and self.share > self.BUSY
+
+
+def _busy_note(share):
+    """The line a results file shows under a timed section."""
+    if share is None:
+        return "Other processes' CPU use while timed: unknown (no /proc)."
+    if share > Interference.BUSY:
+        return (f"**Unreliable: other processes used {100 * share:.0f}% of the machine's CPU time while these were "
+                f"timed** (above {100 * Interference.BUSY:.0f}%); rerun on a quiet machine.")
+    return f"Other processes used {100 * share:.0f}% of the machine's CPU time while these were timed (quiet)."
+
+
 def _header(title, info, command, quick):
     lines = [f"# {title}", "", "Command:", "", f"    {command}", "",
              f"Machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), "
@@ -193,13 +247,15 @@ def _write(out, name, title, info, command, quick, md_lines, data, plot=None):
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-            fig = plot(plt)
-            if fig is not None:
-                paths.append(os.path.join(out, f"{name}.png"))
-                fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-                plt.close(fig)
-        except ImportError:
-            pass
+        except ImportError as e:                             # an optional dependency: say what is missing
+            print(f"{name}.png not written: {e.name or 'matplotlib'} is not installed (pip install matplotlib; "
+                  f"--no-plot asks for no PNG)", flush=True)
+            return paths
+        fig = plot(plt)
+        if fig is not None:
+            paths.append(os.path.join(out, f"{name}.png"))
+            fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+            plt.close(fig)
     return paths
 
 
@@ -440,13 +496,17 @@ def run_kernels(args, info, command):
         ok = [r["version"] for r in entry["validation"] if r["status"] == "PASS"]
         shape = bench_shape(spec, quick)
         try:
-            try:
-                entry["timing"] = time_spec(spec, shape, ok, repeats, rounds, min_time, bw, bar, settle)
-            except Exception:
-                if shape == spec.bench_shape:
-                    raise
-                shape = spec.shapes[-1]                      # a shrunk shape the spec rejects: its last small one
-                entry["timing"] = time_spec(spec, shape, ok, repeats, rounds, min_time, bw, bar, settle)
+            with Interference() as load:
+                try:
+                    entry["timing"] = time_spec(spec, shape, ok, repeats, rounds, min_time, bw, bar, settle)
+                except Exception:
+                    if shape == spec.bench_shape:
+                        raise
+                    shape = spec.shapes[-1]                  # a shrunk shape the spec rejects: its last small one
+                    entry["timing"] = time_spec(spec, shape, ok, repeats, rounds, min_time, bw, bar, settle)
+            entry["timing"]["others_cpu_share"] = load.share
+            if load.busy:
+                bar.write(f"{label}: {_busy_note(load.share).replace('**', '')}")
         except Exception as e:
             entry["timing"] = dict(shape=shape, error=f"{type(e).__name__}: {e}", rows=[])
             bar.write(f"{label}: timing failed: {entry['timing']['error']}")
@@ -510,6 +570,8 @@ def _kernels_md(d):
                       _fmt(r["GBps"], ".2f"), _fmt(r["pct_copy"], ".1f"), _fmt(r["GFLOPs"], ".1f"),
                       _fmt(r["speedup_vs_numpy"], ".2f") + "×", _fmt(r["speedup_vs_torch"], ".2f") + "×"]
                      for r in t["rows"]])
+        if t["rows"]:
+            L += ["", _busy_note(t.get("others_cpu_share"))]
         failed = [f"v{r['version']}" for r in k["validation"] if r["status"] != "PASS"]
         if failed:
             L += ["", f"Not timed (failed validation): {', '.join(failed)}."]
@@ -740,7 +802,10 @@ def _step_peak_child(path, framework, size, decode):
 
 def run_step(args, info, command):
     quick = args.quick
-    repeats = args.repeats or (2 if quick else 7)
+    # --quick: 3 repeats, so that the median drops an outlier (of 2 it is their mean), and the same pause before
+    # each run as a full bench: another framework's worker threads still spinning slow the next run down
+    repeats = args.repeats or (3 if quick else 7)
+    settle = SETTLE_S
     sizes = args.sizes or (["mini"] if quick else ["mini", "base"])
     try:
         import torch
@@ -788,40 +853,35 @@ def run_step(args, info, command):
                 # validate before timing; refbert's dropout masks come from its counter-based generator, so
                 # every refbert run from the same seed draws the same masks (torch's are its own: train checks
                 # refbert against itself, and torch's loss only for being finite)
-                losses, checks = {}, []
+                losses = {}
                 for label, (fn, _) in runs.items():
                     if label.startswith("refbert"):
                         ours[label.split()[1]].dropout_rng = DropoutRNG(0)
                     if not label.startswith("GEMM"):
                         losses[label] = fn()
-                ref = losses["refbert numpy (all)"]
+                checks = loss_checks(losses, mode)
                 bad = set()
-                for label, loss in losses.items():
-                    if label == "HF + PyTorch":
-                        ok = _rel(ref, loss) <= 1e-4 if mode == "eval" else math.isfinite(loss)
-                        what = "refbert numpy (all) vs HF, rel <= 1e-4" if mode == "eval" else "finite"
-                    elif label != "refbert numpy (all)":
-                        ok, what = _rel(loss, ref) <= 1e-4, "vs refbert numpy (all), rel <= 1e-4"
-                    else:
-                        continue
-                    checks.append(dict(run=label, loss=loss, ref=ref, rel=_rel(loss, ref), check=what,
-                                       ok=bool(ok)))
-                    if not ok:
-                        bad.add("refbert numpy (all)" if label == "HF + PyTorch" and mode == "eval" else label)
+                for c in checks:
+                    if not c["ok"]:
+                        # HF disagreeing in eval puts refbert's reference itself in doubt
+                        bad.add("refbert numpy (all)" if c["run"] == "HF + PyTorch" and mode == "eval" else c["run"])
                         failed = True
-                        bar.write(f"{size} {mode}: CHECK FAILED {label}: loss {loss:.6g} vs {ref:.6g}")
+                        bar.write(f"{size} {mode}: CHECK FAILED {_check_text(c)}")
                 timed = {k: v for k, v in runs.items() if k not in bad}
                 for fn, _ in timed.values():                 # warm-up (the validation call warmed refbert/torch)
                     fn()
                 times = {k: [] for k in timed}
                 order = list(timed)
-                for r in range(repeats):                     # interleaved, start rotated: drift hits all alike
-                    for label in order[r % len(order):] + order[:r % len(order)]:
-                        time.sleep(0 if quick else SETTLE_S)
-                        t0 = time.perf_counter()
-                        timed[label][0]()
-                        times[label].append(time.perf_counter() - t0)
-                        bar.step(what=f"{size} {mode} {label}")
+                with Interference() as load:
+                    for r in range(repeats):                 # interleaved, start rotated: drift hits all alike
+                        for label in order[r % len(order):] + order[:r % len(order)]:
+                            time.sleep(settle)
+                            t0 = time.perf_counter()
+                            timed[label][0]()
+                            times[label].append(time.perf_counter() - t0)
+                            bar.step(what=f"{size} {mode} {label}")
+                if load.busy:
+                    bar.write(f"{size} {mode}: {_busy_note(load.share).replace('**', '')}")
                 med = {k: statistics.median(v) for k, v in times.items()}
                 rows = []
                 for label, t in med.items():
@@ -839,6 +899,7 @@ def run_step(args, info, command):
                 results.append(dict(size=size, preset=s["preset"], B=B, T=T, layers=cfg.num_hidden_layers,
                                     hidden=cfg.hidden_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
                                     n_labelled=n, mode=mode, dropout=p, repeats=repeats, checks=checks, rows=rows,
+                                    others_cpu_share=load.share,
                                     floor_gflop={k: gemm_flops(v) / 1e9 for k, v in prods.items()},
                                     floor_products={k: len(v) for k, v in prods.items()}))
             mem = {}
@@ -859,6 +920,30 @@ def run_step(args, info, command):
                    info, command, quick, _step_md(data), data,
                    None if args.no_plot else lambda plt: _step_png(plt, data))
     return paths, failed
+
+
+def loss_checks(losses, mode, rtol=1e-4):
+    """The checks made before any step is timed: every run's loss against refbert numpy (all)'s, relative
+    difference <= rtol (float32 losses of one batch computed in other orders agree to ~1e-7; 1e-4 leaves room
+    for the kernels' per-op float32 error), except HF + PyTorch in train mode, whose dropout masks are torch's own:
+    its loss is only required to be finite. -> [dict(run, loss, ref, rel, check, ok)]"""
+    ref = losses["refbert numpy (all)"]
+    checks = []
+    for label, loss in losses.items():
+        if label == "refbert numpy (all)":
+            continue
+        if label == "HF + PyTorch" and mode != "eval":
+            ok, what = math.isfinite(loss), "loss finite (its dropout masks are torch's own: not compared)"
+        else:
+            ok, what = _rel(loss, ref) <= rtol, f"vs refbert numpy (all), rel <= {rtol:.0e}".replace("e-0", "e-")
+        checks.append(dict(run=label, loss=loss, ref=ref, rel=_rel(loss, ref), check=what, ok=bool(ok)))
+    return checks
+
+
+def _check_text(c):
+    """One check as a clause: "refbert numba (all) vs refbert numpy (all), rel <= 1e-4: 8.5e-08 ok"."""
+    value = f"{c['loss']:.6g}" if c["check"].startswith("loss finite") else f"{c['rel']:.1e}"
+    return f"{c['run']} {c['check']}: {value} {'ok' if c['ok'] else 'FAIL'}"
 
 
 def _step_md(d):
@@ -885,8 +970,16 @@ def _step_md(d):
                       _fmt(r["floor_gflop"]["labelled" if "labelled" in x["run"] else "all"] / x["ms"] * 1e3, ".1f")
                       if x["ms"] else "—"]
                      for x in r["rows"]])
-        L += ["", "Checks: " + "; ".join(f"{c['run']} {c['check']}: {c['rel']:.1e} {'ok' if c['ok'] else 'FAIL'}"
-                                         for c in r["checks"]), ""]
+        L += ["", _busy_note(r.get("others_cpu_share"))]
+        L += ["", "Checks, before timing:", ""] + [f"- {_check_text(c)}" for c in r["checks"]] + [""]
+        floors = {x["mode"]: next((y["ms"] for y in x["rows"] if y["run"] == "GEMM floor" and y["ms"]), None)
+                  for x in d["results"] if x["size"] == r["size"]}
+        if r["mode"] == "train" and all(floors.get(m) for m in ("eval", "train")):
+            lo, hi = sorted((floors["eval"], floors["train"]))
+            if hi > 1.3 * lo:                # the same products on the same buffers: only the machine can differ
+                L += [f"**Unsteady machine: the GEMM floor, the same products in eval and in train, took "
+                      f"{floors['eval']:.1f} ms and {floors['train']:.1f} ms** (×{hi / lo:.1f}); compare ratios "
+                      f"within one mode only, and rerun.", ""]
         if r.get("peak_mib_eval"):
             L += ["Peak memory of one eval step (resident-set high-water growth, fresh process per run): "
                   + ", ".join(f"{k} +{_fmt(v, '.0f')} MiB" for k, v in r["peak_mib_eval"].items()), ""]

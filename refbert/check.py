@@ -5,7 +5,10 @@ Each row is one differentiable input of one op: the shape it was checked at and 
 (refbert.gradcheck.rel_error) against the numerical gradient. Any error above gradcheck.TOLERANCE fails the run.
 The shapes are deliberately small and irregular (odd sizes, padding, a row with one real token, logits of 1e4).
 """
+import sys
+import time
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from . import model as M
@@ -190,19 +193,28 @@ def format_table(rows):
     return text_table(head, body)
 
 
-def kernel_rows():
+def kernel_rows(progress=None):
     """One row per kernel version and dtype: the fused Numba kernels (refbert_kernels) against their oracle op,
     forward and backward, on each spec's small irregular shapes: (kernel, dtype, max |diff|, max err/tol, ok).
-    Empty when numba is not installed."""
+    None when numba is not installed. progress(line), if given, hears of each kernel file as it is checked: the
+    first run compiles every version (minutes), which would otherwise pass in silence."""
     try:
         from refbert_kernels import _harness, backend
     except ImportError:
         return None
-    rows, seen = [], set()
+    say = progress or (lambda line: None)
+    specs, seen = [], set()
     for spec in backend.specs():
-        if spec.name in seen:          # the same op listed again for another bench shape (cross_entropy's V=512 rows)
-            continue
-        seen.add(spec.name)
+        if spec.name not in seen:      # the same op listed again for another bench shape (cross_entropy's V=512 rows)
+            seen.add(spec.name)
+            specs.append(spec)
+    n = sum(len(s.versions) for s in specs)
+    say(f"checking {n} fused kernel versions against their ops, float64 and float32; each compiles on its first "
+        f"call (up to ~2.5 minutes on a cold cache; Numba keeps them, so later runs take seconds)")
+    rows, start = [], time.perf_counter()
+    for i, spec in enumerate(specs, 1):            # said as each starts: what is compiling now, and for how long
+        say(f"  [{i}/{len(specs)}] {spec.name}: {len(spec.versions)} version(s) x 2 dtypes "
+            f"({time.perf_counter() - start:.0f} s so far)")
         for v in sorted(spec.versions):
             for dtype in (np.float64, np.float32):
                 ratio = diff = 0.0
@@ -210,6 +222,7 @@ def kernel_rows():
                     r, d = _harness.validate(spec, v, dtype, shape)
                     ratio, diff = max(ratio, r), max(diff, d)
                 rows.append((f"{spec.name} v{v}", np.dtype(dtype).name, diff, ratio, ratio <= 1))
+    say(f"  kernels checked in {time.perf_counter() - start:.0f} s")
     return rows
 
 
@@ -219,12 +232,17 @@ def format_kernel_table(rows):
     return text_table(head, body)
 
 
+def _to_stderr(line):
+    """Progress goes to stderr, so that stdout stays the table alone (`refbert check > table.txt`)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(args=None):
     rows = run(op_cases()) + model_rows()
-    print(format_table(rows))
+    print(format_table(rows), flush=True)                # seen while the kernels compile
     failed = sum(not r[4] for r in rows)
     n = len(rows)
-    krows = kernel_rows() if getattr(args, "kernels", True) else []
+    krows = kernel_rows(progress=_to_stderr) if getattr(args, "kernels", True) else []
     if krows is None:
         print("\n(kernels: numba is not installed, so the fused kernels were not checked: pip install 'refbert[kernels]')")
     elif krows:

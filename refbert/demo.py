@@ -29,10 +29,10 @@ import inspect
 import json
 import os
 import re
+import subprocess
+import sys
 import warnings
 import zlib
-
-import numpy as np
 
 TOPICS = {
     "files": ["os", "posixpath", "shutil", "pathlib", "glob", "tempfile", "zipfile", "tarfile", "gzip", "fnmatch",
@@ -80,7 +80,26 @@ def _sentences(doc):
 
 def stdlib_docs():
     """[(module the object is defined in, object name, [sentences], public names of its module)], deduplicated,
-    in a fixed order."""
+    in a fixed order.
+
+    The walk runs in a fresh interpreter (isolated: no site-packages, no environment variables): what a module
+    holds depends on what was imported before it (concurrent.futures gains ThreadPoolExecutor once something has
+    asked for it, a package gains its imported submodules), so the same walk inside pytest, or after numpy, found
+    other docstrings than from the command line. A fresh `python -I -S` imports the same modules in the same order
+    wherever it is started from."""
+    code = ("import sys; sys.path = [p for p in sys.path if p]\n"    # not the current folder (-I: from 3.11 on)
+            "import json, runpy\n"
+            f"walk = runpy.run_path({os.path.abspath(__file__)!r}, run_name='refbert_demo_walk')['_walk']\n"
+            "sys.stdout.write(json.dumps([(m, n, s, sorted(p)) for m, n, s, p in walk()]))\n")
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, encoding="utf-8")
+    if p.returncode != 0:
+        raise RuntimeError(f"demo-data: the walk of the standard library failed in a fresh interpreter: "
+                           f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return [(m, n, s, set(pub)) for m, n, s, pub in json.loads(p.stdout)]
+
+
+def _walk():
+    """stdlib_docs' walk, in the process it runs in (see stdlib_docs)."""
     seen, docs = set(), []
     for m in _MODULES:
         try:
@@ -118,6 +137,7 @@ def _split(name, dev_fraction=0.15):
 
 def write_demo_data(out_dir, seed=0):
     """Write the corpus and the four fine-tuning sets (see the module docstring). Returns {file name: rows}."""
+    import numpy as np                      # here: the walk runs this file in an interpreter without site-packages
     from .train import _qa_normalize        # SQuAD's answer normalising (train.py's exact match)
     rng = np.random.default_rng(seed)
     docs = stdlib_docs()

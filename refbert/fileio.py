@@ -10,10 +10,23 @@ import shutil
 import tempfile
 
 
+def parent_folder(path):
+    """The folder the file `path` goes into, which must exist. Checked before the temporary file is made: without
+    it, a missing folder is reported as the temporary file's name ('No such file or directory: out/.x.json.k2j.tmp'),
+    a file the user never asked for."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        shown = os.path.dirname(path) or directory
+        raise FileNotFoundError(f"cannot write '{path}': the folder '{shown}' "
+                                f"{'is a file' if os.path.exists(directory) else 'does not exist'}")
+    return directory
+
+
 def write_text(path, text):
     """Replace the file `path` with `text` (UTF-8) atomically. The umask decides the permissions, as for open()."""
     path = os.fspath(path)
-    directory, name = os.path.split(os.path.abspath(path))
+    directory, name = parent_folder(path), os.path.basename(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:

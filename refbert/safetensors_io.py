@@ -17,6 +17,8 @@ import secrets
 
 import numpy as np
 
+from .fileio import parent_folder
+
 # dtype code -> NumPy dtype of the stored bytes (BF16 is read as its raw uint16 bits, then widened to float32)
 _DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
            "I8": "|i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1"}
@@ -151,7 +153,7 @@ def save_file(tensors, path, metadata=None):
         end += a.nbytes
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     head += b" " * (-len(head) % 8)           # pad so the data buffer starts 8-byte aligned
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    tmp = os.path.join(parent_folder(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     f = open(tmp, "xb")                       # "x": never clobber another writer's file; umask applies as usual
     try:
         with f:

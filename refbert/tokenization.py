@@ -38,6 +38,7 @@ from about Unicode 8 (and a newer one for lower-casing), so on characters assign
 the tests compare on every character where the tables agree.
 """
 import collections
+import itertools
 import json
 import os
 import unicodedata
@@ -829,8 +830,15 @@ def train_vocab(files, out_dir, vocab_size=8000, lowercase=True, min_frequency=2
 
     trainer = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=None, clean_text=True,
                                      handle_chinese_chars=True)
+    alphabet, continuing = _fixed_alphabet(files, trainer, limit_alphabet)
+    # The trainer (a BPE trainer underneath) breaks ties between equally frequent pairs by their ids, and numbers
+    # the "##c" pieces in the order it walks a hash map of the corpus's words, which differs from process to
+    # process: the same corpus gave different vocabularies. Naming every "##c" piece up front, in sorted order,
+    # after the special tokens fixes all ids before the first merge; the alphabet is fixed the same way (the
+    # trainer cuts it at limit_alphabet by count with ties in hash order). The tokens learned are the trainer's.
     trainer.train(files, vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
-                  special_tokens=SPECIAL_TOKENS, show_progress=False, wordpieces_prefix="##")
+                  initial_alphabet=alphabet, special_tokens=SPECIAL_TOKENS + continuing, show_progress=False,
+                  wordpieces_prefix="##")
     vocab = trainer.get_vocab()
     lines = _lines_of(vocab, "from the trainer")
     if lines[:len(SPECIAL_TOKENS)] != SPECIAL_TOKENS:
@@ -844,6 +852,31 @@ def train_vocab(files, out_dir, vocab_size=8000, lowercase=True, min_frequency=2
     tok = BertTokenizer(vocab, do_lower_case=lowercase)
     tok.save_pretrained(out_dir)
     return os.path.join(os.fspath(out_dir), VOCAB_FILES_NAMES["vocab_file"])
+
+
+def _fixed_alphabet(files, trainer, limit_alphabet, chunk=4096):
+    """The alphabet the WordPiece trainer would keep (the `limit_alphabet` most frequent characters of the
+    normalised, pre-tokenised words; ties by code point) and the "##c" pieces it would create (each kept character
+    that occurs after the first character of a word), both sorted: computed with the trainer's own normaliser and
+    pre-tokeniser, so that they are the trainer's, in an order that does not depend on hashing."""
+    normalize, split = trainer.normalizer.normalize_str, trainer.pre_tokenizer.pre_tokenize_str
+    words = collections.Counter()
+    for file in files:
+        try:
+            with open(file, encoding="utf-8") as f:
+                while lines := list(itertools.islice(f, chunk)):
+                    words.update(w for w, _ in split(normalize("".join(lines))))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"train_vocab: argument 'files' expected UTF-8 text, got '{file}', which is not "
+                             f"({e.reason})") from None
+    counts = collections.Counter()                     # character -> occurrences in the corpus's words
+    inner = set()                                      # characters seen after a word's first
+    for word, n in words.items():
+        for ch in word:
+            counts[ch] += n
+        inner.update(word[1:])
+    kept = sorted(counts, key=lambda ch: (-counts[ch], ch))[:limit_alphabet]
+    return sorted(kept), ["##" + ch for ch in sorted(inner.intersection(kept))]
 
 
 def _has_text(file):

@@ -103,6 +103,14 @@ def trace(config=None, B=2, T=8, seed=0, dtype=np.float64, backend="numpy"):
     return tracer.records, float(out.loss)
 
 
+def noise_floor(dtype=np.float64):
+    """A gradient whose norm is below this fraction of the largest one leaving the same op call is rounding noise
+    around an exact zero: 1000 eps of the dtype (float64: 2.2e-13), far below any gradient the math makes nonzero
+    in these calls (the smallest, a pooler bias, is ~1e-2 of its call's largest) and far above the noise of a
+    zero sum (~eps times the terms summed)."""
+    return 1e3 * np.finfo(dtype).eps
+
+
 def main(args=None):
     backend = getattr(args, "backend", "numpy") or "numpy"
     records, loss = trace(backend=backend)
@@ -113,7 +121,7 @@ def main(args=None):
     W = max(len(r["where"]) for r in records) + 2
     O = max(len(r["op"]) for r in records) + 2
     print(f"{'op':<{O}}{'where':<{W}}{'inputs -> output':<46}{'|dout|':>9}  {'|d in|':<28}{'FD err':>8}")
-    block, failed = None, 0
+    block, failed, zeros, forward_only = None, 0, [], []
     for rec in records:
         w = rec["where"]
         b = w.split(".layer.")[1].split(".")[0] if ".layer." in w else ("heads" if w.startswith("cls") else "embeddings"
@@ -124,8 +132,43 @@ def main(args=None):
         err = spot_check(rec)
         failed += err is not None and err > TOLERANCE
         shapes = " ".join(str(s).replace(" ", "") for s in rec["shapes"]) + f" -> {str(rec['out']).replace(' ', '')}"
-        grads = " ".join(f"{g:.2e}" for g in rec.get("grad_norms", []))
-        print(f"{rec['op']:<{O}}{rec['where']:<{W}}{shapes:<46}{rec.get('dout_norm', float('nan')):>9.2e}  {grads:<28}"
-              f"{'-' if err is None else f'{err:.1e}':>8}")
+        norms = rec.get("grad_norms", [])
+        grads = []
+        for i, g in enumerate(norms):               # "*": zero in exact arithmetic, what is left is rounding
+            zero = g <= noise_floor() * max(norms)
+            grads.append(f"{g:.2e}{'*' if zero else ''}")
+            if zero:
+                zeros.append((rec, i))
+        if "n_grads" not in rec:
+            forward_only.append(rec)
+        dout = f"{rec['dout_norm']:>9.2e}" if "dout_norm" in rec else f"{'—':>9}"
+        fd = "-" if err is None else f"{err:.1e}"
+        print(f"{rec['op']:<{O}}{rec['where']:<{W}}{shapes:<46}{dout}  {' '.join(grads) or 'forward only':<28}{fd:>8}")
     print(f"\n{len(records)} op calls, {failed} spot check(s) above {TOLERANCE:g}")
+    for line in notes(zeros, forward_only):
+        print(line)
     return 1 if failed else 0
+
+
+def notes(zeros, forward_only):
+    """The footnotes of the table: what a "*" and a "forward only" row mean, and why."""
+    lines = []
+    if zeros:
+        which = sorted({rec["where"] + (".bias" if rec["op"] == "linear" and i == 2 else f" input {i}")
+                        for rec, i in zeros})
+        lines += ["", f"* zero in exact arithmetic; the norm printed is float64 rounding (below {noise_floor():.1e} "
+                      f"of the largest gradient of its call):"] + [f"    {w}" for w in which]
+        if any(rec["where"].endswith("attention.self.key") for rec, _ in zeros):
+            lines += ["  The key bias b_k adds q_i . b_k to every score s_ij of query i, the same for every key j, and",
+                      "  softmax ignores a constant added to a row: softmax(s + c) = softmax(s). So the loss does not",
+                      "  depend on b_k: dL/db_k = sum_i q_i (sum_j ds_ij) = 0, since softmax's backward leaves every row",
+                      "  of ds summing to zero. Computed, each such sum is ~eps times its terms instead of 0; AdamW's",
+                      "  eps (1e-6) outweighs that noise, so b_k barely moves from its initial value. (docs/backprop.md,",
+                      "  section 4.)"]
+    if forward_only:
+        lines += ["", "forward only: a call whose output no loss reads, so no gradient comes back to it: "
+                      + ", ".join(sorted({r["where"] for r in forward_only})) + "."]
+        if any("decoder" in r["where"] for r in forward_only):
+            lines += ["  The decoder's call on all B*T rows makes prediction_logits (HF's output); the MLM loss reads",
+                      "  the labelled rows, decoded again below it (mlm_decode=\"labelled\" skips the full call)."]
+    return lines

@@ -12,7 +12,9 @@ A run directory holds
 Checkpoints are written into a temporary folder beside their final place and renamed into it, and latest.json is
 replaced atomically after that, so a run killed at any moment leaves the previous checkpoint intact and pointed to.
 `--resume` continues from latest.json bit-exactly: the same parameters, optimizer moments, dropout generator and
-data order, hence the same losses as a run that was never interrupted.
+data order, hence the same losses as a run that was never interrupted. A new run that fails, or is interrupted,
+before its first checkpoint (finetune: before its first best model) has nothing to resume: it removes what it wrote
+(FirstCheckpoint), so that the same command can run again.
 """
 import contextlib
 import csv
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import string
+import sys
 import tempfile
 import time
 
@@ -59,6 +62,48 @@ def prepare_out(out, resume, overwrite=False, resumable=True):
     check_out(out, resume, overwrite, resumable)
     if not resume:
         os.makedirs(out, exist_ok=True)
+
+
+class FirstCheckpoint:
+    """`with FirstCheckpoint(out) as run:` around a new run, from before its first write; set `run.kept = True`
+    once it has saved something worth keeping (pretrain: its first checkpoint, which --resume continues; finetune:
+    its first best model). A failure before that (an exception, Ctrl-C) removes what the run wrote — the whole
+    folder if the run made it, else the entries it added to a folder that was there (empty, or --overwrite) — so
+    that the same command can simply be run again: a folder holding only logs would be refused as a new run, and
+    --resume would not recognise it. A resumed run (new_run=False) has its checkpoint already: nothing is removed."""
+
+    def __init__(self, out, new_run=True, command="run"):
+        self.out, self.command, self.kept = out, command, not new_run
+        self.before = set(os.listdir(out)) if os.path.isdir(out) else None    # None: the run makes the folder
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and not self.kept:
+            self.discard()
+        return False
+
+    def discard(self):
+        """Remove what the run wrote (see the class), and say so on stderr."""
+        if not os.path.isdir(self.out):
+            return
+        if self.before is None:
+            shutil.rmtree(self.out, ignore_errors=True)
+            what = f"removed {self.out!r}"
+        else:
+            added = sorted(set(os.listdir(self.out)) - self.before)
+            for name in added:
+                path = os.path.join(self.out, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+            what = f"removed what it had written into {self.out!r} ({', '.join(added) or 'nothing'})"
+        print(f"refbert {self.command}: the run stopped before its first "
+              f"{'checkpoint' if self.command == 'pretrain' else 'saved model'}; {what}, so the same command can run "
+              f"again", file=sys.stderr)
 
 
 def _write_json(path, obj):
@@ -313,12 +358,24 @@ def pretrain(args):
         if not resume:
             model = _pretrain_model(a, tokenizer, a["backend"])
             opt_state, state = None, dict(step=0, epoch=0, batch=0)
-        prepare_out(out, resume, a["overwrite"])
-        if vocab_tmp is not None:                       # the vocabulary trained on the corpus joins the run
-            shutil.move(os.path.join(vocab_tmp, "tokenizer"), os.path.join(out, "tokenizer"))
-    finally:
+    except BaseException:
         if vocab_tmp is not None:
             shutil.rmtree(vocab_tmp, ignore_errors=True)
+        raise
+    with FirstCheckpoint(out, new_run=not resume, command="pretrain") as run:
+        try:
+            prepare_out(out, resume, a["overwrite"])
+            if vocab_tmp is not None:                   # the vocabulary trained on the corpus joins the run
+                shutil.move(os.path.join(vocab_tmp, "tokenizer"), os.path.join(out, "tokenizer"))
+        finally:
+            if vocab_tmp is not None:
+                shutil.rmtree(vocab_tmp, ignore_errors=True)
+        return _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, eval_data,
+                               len(train_docs), n_eval, run)
+
+
+def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, eval_data, n_train_docs, n_eval, run):
+    """pretrain's loop, from the run folder's first write on (`run` learns when the first checkpoint is saved)."""
     steps_per_epoch = max(1, math.ceil(len(data) / a["batch_size"]))
     total = a["steps"] or a["epochs"] * steps_per_epoch
     model.mlm_decode = "labelled"                       # decode the masked positions alone, as the original BERT
@@ -333,7 +390,7 @@ def pretrain(args):
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
                   state["step"] if resume else None)
     print(f"pretraining {model.num_parameters():,} parameters on {len(data)} sequences "
-          f"({len(train_docs)} documents; {n_eval} held out), {total} steps of {a['batch_size']}; "
+          f"({n_train_docs} documents; {n_eval} held out), {total} steps of {a['batch_size']}; "
           f"unigram baseline for the MLM loss: {baseline:.3f} nats")
     step, epoch, skip = state["step"], state["epoch"], state["batch"]
     stop = min(total, a["stop_after"]) if a["stop_after"] else total
@@ -369,6 +426,7 @@ def pretrain(args):
             if step % a["save_every"] == 0 or step == total:
                 st = dict(position, args=a, dropout_rng=model.dropout_rng.state)
                 save_checkpoint(out, f"checkpoint-{step:07d}", model, tokenizer, opt, st)
+                run.kept = True                          # a run --resume continues: it stays, whatever follows
         else:
             epoch, skip = epoch + 1, 0
             continue
@@ -378,8 +436,12 @@ def pretrain(args):
         save_checkpoint(out, "model", model, tokenizer)
         plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
         print(f"done: {step} steps; the model is in {os.path.join(out, 'model')}")
-    else:
+    elif run.kept:
         print(f"stopped after step {step} (--stop-after); continue with --resume")
+    else:                                              # nothing --resume could start from
+        print(f"stopped after step {step} (--stop-after), before the first checkpoint (--save-every "
+              f"{a['save_every']})")
+        run.discard()
     return 0
 
 
@@ -678,15 +740,23 @@ def finetune(args):
     tr, _ = encode_rows(train_rows, task, tokenizer, args.max_seq_length, label2id)
     dv, dv_extra = encode_rows(dev_rows, task, tokenizer, args.max_seq_length, label2id)
     n, B = len(train_rows), args.batch_size
-    steps_per_epoch = math.ceil(n / B)
-    total = steps_per_epoch * args.epochs
-    opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = LinearWarmupDecay(args.lr, int(0.1 * total), total)
-    metric = {"classification": "accuracy", "pair": "accuracy", "ner": "f1", "qa": "f1"}[task]
+    total = math.ceil(n / B) * args.epochs
     base = baseline(task, train_rows, dev_rows)
     print(f"fine-tuning {TASKS[task][0]} on {n} rows ({args.epochs} epochs, {total} steps); dev {len(dev_rows)} rows; "
           f"baseline {base}")
-    prepare_out(out, False, args.overwrite, resumable=False)       # every check done: the first write
+    with FirstCheckpoint(out, new_run=True, command="finetune") as run:
+        prepare_out(out, False, args.overwrite, resumable=False)   # every check done: the first write
+        return _finetune_epochs(args, task, model, tokenizer, tr, (dev_rows, dv, dv_extra), id2label, base, total,
+                                run)
+
+
+def _finetune_epochs(args, task, model, tokenizer, tr, dev, id2label, base, total, run):
+    """finetune's loop, from the run folder's first write on (`run` learns when the first best model is saved)."""
+    out, (dev_rows, dv, dv_extra) = args.out, dev
+    n, B = len(tr["input_ids"]), args.batch_size
+    opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = LinearWarmupDecay(args.lr, int(0.1 * total), total)
+    metric = {"classification": "accuracy", "pair": "accuracy", "ner": "f1", "qa": "f1"}[task]
     log = CsvLog(os.path.join(out, "log.csv"), ["step", "epoch", "lr", "loss"])
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "epoch", "loss", *sorted(evaluate_keys(task))])
     rng = np.random.default_rng(args.seed or 0)
@@ -715,6 +785,7 @@ def finetune(args):
         if scores[metric] > best:
             best = scores[metric]
             save_checkpoint(out, "best", model, tokenizer)
+            run.kept = True                              # a model worth keeping: the folder stays
         plot(out, f"refbert finetune {task}")
     bar.close()
     print(f"best dev {metric} {best:.4f} (baseline {base}); the best model is in {os.path.join(out, 'best')}")

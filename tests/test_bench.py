@@ -147,3 +147,79 @@ def test_gemm_floor_covers_every_matmul_of_the_step():
     # and the floor runs them all, with consistent shapes
     bench.gemm_floor(P)()
     assert bench.gemm_flops(P) > bench.gemm_flops(bench.gemm_products(cfg, B, T, n, decode="labelled"))
+
+
+def test_step_checks_read_as_one_clause_each():
+    """Every check line of step.md names the run, what it was compared with and the number that decided it."""
+    losses = {"refbert numpy (all)": 11.0769, "refbert numba (all)": 11.0769 * (1 + 8.5e-8),
+              "refbert numba (labelled)": 11.0769 * (1 + 3e-4), "HF + PyTorch": 11.0769 * (1 - 8.6e-8)}
+    ev = {c["run"]: c for c in bench.loss_checks(losses, "eval")}
+    assert ev["refbert numba (all)"]["ok"] and ev["HF + PyTorch"]["ok"]
+    assert not ev["refbert numba (labelled)"]["ok"]                   # 3e-4 > 1e-4
+    assert bench._check_text(ev["HF + PyTorch"]) == "HF + PyTorch vs refbert numpy (all), rel <= 1e-4: 8.6e-08 ok"
+    assert bench._check_text(ev["refbert numba (labelled)"]).endswith("rel <= 1e-4: 3.0e-04 FAIL")
+    tr = {c["run"]: c for c in bench.loss_checks({**losses, "HF + PyTorch": 11.0635}, "train")}
+    assert tr["HF + PyTorch"]["ok"]                                   # torch's own masks: only finite
+    assert bench._check_text(tr["HF + PyTorch"]) == ("HF + PyTorch loss finite (its dropout masks are torch's own: "
+                                                     "not compared): 11.0635 ok")
+    assert not bench.loss_checks({**losses, "HF + PyTorch": float("nan")}, "train")[-1]["ok"]
+    result = dict(size="tiny", preset="tiny", B=2, T=8, layers=2, hidden=128, heads=2, vocab=100, n_labelled=3,
+                  mode="eval", dropout=0.0, repeats=1, checks=list(ev.values()), rows=[],
+                  floor_gflop=dict(all=1.0, labelled=0.5), floor_products=dict(all=60, labelled=60))
+    md = "\n".join(bench._step_md(dict(unavailable={}, results=[result], products={})))
+    assert "- HF + PyTorch vs refbert numpy (all), rel <= 1e-4: 8.6e-08 ok" in md
+    assert "- refbert numba (all) vs refbert numpy (all), rel <= 1e-4: 8.5e-08 ok" in md
+
+
+def test_bench_says_when_it_writes_no_png(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)     # import matplotlib -> ImportError
+    paths = bench._write(str(tmp_path), "step", "title", bench.machine(), "refbert bench", False, ["x"], {},
+                         plot=lambda plt: None)
+    assert [os.path.basename(p) for p in paths] == ["step.md", "step.json"]
+    assert "step.png not written: matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "step.png").exists()
+
+
+def test_timings_say_when_other_processes_used_the_machine(monkeypatch):
+    """The share of CPU time others used while a section was timed: the measure behind the --quick bench's GEMM
+    floor of 963 ms in one section and 40 ms in the next (another process held a core: BLAS's threads wait for each
+    other). Our own ticks do not count; the hypervisor's steal does."""
+    ticks = iter([(1000, 100, 50), (1400, 300, 250)])                # total, busy + steal, own: 400, 200, 200
+    monkeypatch.setattr(bench, "_cpu_ticks", lambda: next(ticks))
+    with bench.Interference() as load:
+        pass
+    assert load.share == 0.0 and not load.busy                       # all of the busy time was ours
+    ticks = iter([(1000, 100, 50), (1400, 500, 150)])                # 400 busy, 100 ours: others 300 of 400
+    with bench.Interference() as load:
+        pass
+    assert load.share == pytest.approx(0.75) and load.busy
+    assert "Unreliable: other processes used 75%" in bench._busy_note(load.share)
+    monkeypatch.undo()
+    # measured for real: a child spinning on every core while this process sleeps is seen as others' use
+    import subprocess
+    import sys
+    import time
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\n"
+    kids = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    time.sleep(0.3)                                                  # the children are up and spinning
+    with bench.Interference() as load:
+        time.sleep(0.8)
+    for k in kids:
+        k.wait()
+    if bench._cpu_ticks() is not None:                               # Linux
+        assert load.share > 0.5 and load.busy, load.share
+
+
+def test_step_md_flags_a_floor_that_changed_between_modes():
+    def result(mode, floor_ms):
+        return dict(size="mini", preset="mini", B=2, T=64, layers=4, hidden=256, heads=4, vocab=30522, n_labelled=9,
+                    mode=mode, dropout=0.0, repeats=3, checks=[], others_cpu_share=0.0,
+                    rows=[dict(run="GEMM floor", ms=floor_ms, x_floor=1.0)],
+                    floor_gflop=dict(all=1.0, labelled=0.5), floor_products=dict(all=108, labelled=108))
+    steady = "\n".join(bench._step_md(dict(unavailable={}, products={},
+                                           results=[result("eval", 41.0), result("train", 40.0)])))
+    assert "Unsteady machine" not in steady and "(quiet)" in steady
+    md = "\n".join(bench._step_md(dict(unavailable={}, products={}, results=[result("eval", 963.0),
+                                                                             result("train", 40.0)])))
+    assert "Unsteady machine: the GEMM floor, the same products in eval and in train, took 963.0 ms and 40.0 ms" in md

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from refbert import check, ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +20,12 @@ def test_refbert_check_lists_every_op_and_exits_0():
     assert "FAIL" not in res.stdout and " 0 failed" in res.stdout
     kernel_lines = re.findall(r"^(\w+ v\d+)\s+(float\d+)\s", res.stdout, re.M)    # the numba kernels' table
     assert len(kernel_lines) == len(set(kernel_lines)), "a kernel version listed twice"
+    if kernel_lines:               # the kernels' progress (minutes on a cold cache) on stderr, one line per file
+        assert "compiles on its first call" in res.stderr
+        n = len(re.findall(r"^  \[\d+/(\d+)\] \w+: \d+ version", res.stderr, re.M))
+        assert n == int(re.search(r"^  \[\d+/(\d+)\]", res.stderr, re.M).group(1)) >= 5, res.stderr
+        assert "kernels checked in" in res.stderr
+        assert "version(s)" not in res.stdout and "compiles" not in res.stdout      # the table stays clean
 
 
 def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):
@@ -58,6 +66,29 @@ def test_refbert_trace_prints_every_layer_and_passes():
                  "bert.encoder.layer.1.attention.self.query", "cls.predictions.decoder (tied to word_embeddings)",
                  " 0 spot check(s) above"):
         assert part in res.stdout, part
+    # no bare nan: the decoder's call on all rows has no gradient and says so; the key biases are flagged and
+    # explained (zero in exact arithmetic), and no other gradient is
+    assert "nan" not in res.stdout
+    assert re.search(r"^linear +cls\.predictions\.decoder .* — +forward only +-$", res.stdout, re.M)
+    flagged = re.findall(r"^\w+ +(\S+) .*\d\*", res.stdout, re.M)
+    assert flagged == ["bert.encoder.layer.0.attention.self.key", "bert.encoder.layer.1.attention.self.key"]
+    assert "zero in exact arithmetic" in res.stdout and "softmax(s + c) = softmax(s)" in res.stdout
+
+
+def test_trace_key_bias_gradient_is_rounding_noise():
+    """What trace's note says, measured: each key bias's gradient is float64 rounding (~eps of the weight's, as a
+    zero sum computed), every other bias's is not; in float32 the same holds at float32's eps."""
+    from refbert import trace
+    for dtype in (np.float64, np.float32):
+        records, _ = trace.trace(dtype=dtype)
+        linears = [r for r in records if r["op"] == "linear" and r.get("n_grads") == 3]
+        for r in linears:
+            dx, dw, db = r["grad_norms"]
+            if r["where"].endswith("attention.self.key"):
+                assert db <= trace.noise_floor(dtype) * dw, (r["where"], db, dw)
+            else:
+                assert db > 1e-3 * dw, (r["where"], db, dw)          # a real gradient: far above the noise
+        assert sum(r["where"].endswith("attention.self.key") for r in linears) == 2
 
 
 def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
@@ -88,3 +119,19 @@ def test_output_piped_into_head_ends_quietly():
     p.stderr.close()
     assert first == b"row 0\n"
     assert err == "" and code == 1, err                # 1, as Python's own recipe exits on EPIPE
+
+
+def test_ci_smoke_runs_every_extra_alone():
+    """.ci/run runs the README's block 2 first, then .ci/smoke_extras.sh, which installs each extra of setup.py
+    (but dev, the suite's own) in a fresh environment: a new extra without a smoke run fails here."""
+    import ast
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    extras = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call) for kw in node.keywords
+                  if kw.arg == "extras_require")
+    names = {ast.literal_eval(k) for k in extras.keys} - {"dev"}
+    smoke = (ROOT / ".ci/smoke_extras.sh").read_text(encoding="utf-8")
+    fresh = set(re.findall(r'^\s*fresh \w+ "([\w,]+)"$', smoke, re.M))
+    assert names == fresh, (names, fresh)
+    assert re.search(r'^\s*step base "\$work/base/bin/pip" install -q "\$wheel"$', smoke, re.M)  # no extra at all
+    run = (ROOT / ".ci/run").read_text(encoding="utf-8")
+    assert run.index('bash -e -c "$block"') < run.index("bash .ci/smoke_extras.sh")

@@ -258,3 +258,21 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch, fail):
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["model.safetensors"]
     assert same(sio.load_file(path)["w"], np.arange(8, dtype=np.float32))
+
+
+def test_a_missing_folder_is_named_as_such(tmp_path):
+    """An atomic write into a folder that does not exist names that folder, not the hidden temporary file it would
+    have made there ('No such file or directory: .../.model.safetensors.3fa2.tmp')."""
+    from refbert import fileio
+    from refbert.config import BertConfig
+    target = tmp_path / "missing" / "model.safetensors"
+    writes = [lambda: sio.save_file({"w": np.ones(2)}, target), lambda: fileio.write_text(target, "x"),
+              lambda: BertConfig().to_json_file(str(target))]
+    for write in writes:
+        with pytest.raises(FileNotFoundError) as e:
+            write()
+        assert str(e.value) == f"cannot write '{target}': the folder '{tmp_path / 'missing'}' does not exist"
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FileNotFoundError, match="the folder '.*afile' is a file"):
+        fileio.write_text(tmp_path / "afile" / "x.json", "{}")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]              # nothing made on the way

@@ -323,3 +323,122 @@ def test_pretrain_on_the_numba_backend_gives_the_numpy_losses(demo, tmp_path):
         assert a["step"] == b["step"] and a["lr"] == b["lr"]
         for k in ("loss", "mlm_loss", "nsp_loss"):
             assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-4, abs=1e-5), (a["step"], k)
+
+
+class _FailAt:
+    """clip_grad_norm that raises at its n-th call (a crash inside training step n: Numba missing SciPy's BLAS,
+    say), and is the real one before."""
+
+    def __init__(self, n):
+        from refbert import optim
+        self.n, self.calls, self.real = n, 0, optim.clip_grad_norm
+
+    def __call__(self, grads, max_norm):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise RuntimeError("a crash inside the step")
+        return self.real(grads, max_norm)
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_out(demo, tmp_path, monkeypatch, capsys):
+    from refbert import train
+    out = tmp_path / "run"
+    args = ["pretrain", "--corpus", str(demo / "small.txt"), "--out", str(out), "--config", str(demo / "config.json"),
+            "--vocab-size", "400", "--max-seq-length", "32", "--batch-size", "8", "--steps", "3", "--save-every", "2"]
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(1))          # inside the first step
+    with pytest.raises(RuntimeError, match="a crash inside the step"):
+        cli.main(args)
+    assert not out.exists()                                             # log.csv, eval.csv, tokenizer/: all gone
+    assert "stopped before its first checkpoint; removed" in capsys.readouterr().err
+    # an empty folder that was there stays, empty
+    out.mkdir()
+    with pytest.raises(RuntimeError):
+        cli.main(args)
+    assert out.is_dir() and os.listdir(out) == []
+    # so the same command simply runs again
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(10 ** 9))
+    assert cli.main(args) == 0 and (out / "model" / "model.safetensors").exists()
+    # after its first checkpoint, a failing run stays, and --resume continues it
+    out2 = tmp_path / "run2"
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(3))          # step 3, after checkpoint-0000002
+    with pytest.raises(RuntimeError):
+        cli.main([*args[:4], str(out2), *args[5:]])
+    assert json.load(open(out2 / "latest.json")) == {"checkpoint": "checkpoint-0000002"}
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(10 ** 9))
+    assert cli.main(["pretrain", "--out", str(out2), "--resume"]) == 0
+    assert [int(r["step"]) for r in rows(out2 / "log.csv")] == [1, 2, 3]
+    # --stop-after before the first checkpoint: nothing to resume from, so nothing is left either
+    out3 = tmp_path / "run3"
+    assert cli.main([*args[:4], str(out3), *args[5:], "--stop-after", "1"]) == 0
+    assert not out3.exists()
+
+
+def test_a_finetune_that_fails_before_its_first_best_model_leaves_no_out(demo, tmp_path, monkeypatch):
+    from refbert import train
+    pre = tmp_path / "pre"
+    assert cli.main(pretrain_args(demo, pre, "--steps", "2")) == 0
+    out = tmp_path / "cls"
+    args = ["finetune", "--task", "classification", "--train", str(demo / "classification_train.jsonl"), "--dev",
+            str(demo / "classification_dev.jsonl"), "--init", str(pre / "model"), "--out", str(out), "--epochs", "2",
+            "--batch-size", "64", "--max-seq-length", "32"]
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(2))          # in the first epoch (200 rows: 4 steps)
+    with pytest.raises(RuntimeError):
+        cli.main(args)
+    assert not out.exists()
+    monkeypatch.setattr(train, "clip_grad_norm", _FailAt(6))          # in the second epoch, after the first best
+    with pytest.raises(RuntimeError):
+        cli.main(args)
+    assert (out / "best" / "model.safetensors").exists()
+
+
+def test_demo_data_is_the_same_in_any_process(demo, tmp_path):
+    """demo-data walks the standard library in a fresh interpreter: inside pytest (which has imported much more,
+    and asked concurrent.futures for its lazily loaded executors) it writes what the command line writes, with
+    another hash seed."""
+    import concurrent.futures
+    concurrent.futures.ThreadPoolExecutor, concurrent.futures.ProcessPoolExecutor   # noqa: B018 (loads them)
+    from refbert.demo import write_demo_data
+    write_demo_data(tmp_path / "here")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    subprocess.run([sys.executable, "-m", "refbert", "demo-data", str(tmp_path / "cli")], env=env, check=True,
+                   capture_output=True)
+    names = sorted(os.listdir(tmp_path / "cli"))
+    assert names == sorted(os.listdir(tmp_path / "here")) and "corpus.txt" in names
+    for name in names:
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
+
+
+def test_a_vocabulary_trained_twice_is_the_same(demo, tmp_path):
+    """The tokenizers trainer breaks ties by ids it assigns in hash-map order; train_vocab fixes them first. On the
+    demo corpus at 2,000 tokens, five trainings without that gave three different vocabularies."""
+    from refbert.tokenization import train_vocab
+    first = None
+    for i in range(4):
+        text = open(train_vocab([str(demo / "corpus.txt")], tmp_path / f"v{i}", vocab_size=2000), "rb").read()
+        first = first or text
+        assert text == first, f"training {i} gave another vocabulary"
+    assert len(first.splitlines()) == 2000
+
+
+def test_pretraining_is_the_same_under_any_hash_seed(demo, tmp_path):
+    """Two `refbert pretrain` runs on the whole demo corpus, each training its own vocabulary, in processes with
+    different PYTHONHASHSEED (run side by side): the same vocab.txt, the same number of sequences, bit-identical
+    weights after a step. (T 16 and one step of 512 keep each run to a few seconds; the vocabulary and the data are
+    what varied.)"""
+    runs = {}
+    for seed in ("1", "2"):
+        out = tmp_path / f"run{seed}"
+        runs[out] = subprocess.Popen(
+            [sys.executable, "-m", "refbert", "pretrain", "--corpus", str(demo / "corpus.txt"), "--out", str(out),
+             "--preset", "tiny", "--vocab-size", "2000", "--max-seq-length", "16", "--batch-size", "512", "--steps",
+             "1"], env={**os.environ, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+    lines = []
+    for out, p in runs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr
+        lines.append(next(line for line in stdout.splitlines() if line.startswith("pretraining ")))
+    assert lines[0] == lines[1]                               # "... on N sequences (D documents; E held out) ..."
+    a, b = runs
+    for f in ("tokenizer/vocab.txt", "model/model.safetensors", "eval.csv"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
