@@ -80,6 +80,10 @@ def add_arguments(p):
     p.add_argument("--attention-T", nargs="+", type=int, help="--device cuda: attention sequence lengths")
     p.add_argument("--step-T", nargs="+", type=int, help="--device cuda: pretraining-step sequence lengths at B=4")
     p.add_argument("--no-torch", action="store_true", help="--device cuda: skip the PyTorch peers")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                   help="the step section in mixed precision: refbert's models with precision bf16-mixed / "
+                        "fp16-mixed (the spec, on the CPU), HF + PyTorch under torch.autocast('cpu', bfloat16 / "
+                        "float16); no: float32 (default)")
     p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
                    choices=["float64", "float32", "float16", "bfloat16"],
                    help="--device cuda: dtypes each version is validated in")

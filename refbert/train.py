@@ -33,7 +33,8 @@ from .config import PRESETS, BertConfig
 from .defaults import CONTROL, PRETRAIN, SCHEDULE
 from .errors import UserError
 from .fileio import write_text
-from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
+from .mixed import FLAGS as MIXED_FLAGS
+from .optim import AdamW, GradScaler, LinearWarmupDecay, clip_grad_norm
 from .philox import DropoutRNG
 
 
@@ -313,6 +314,7 @@ def pretrain(args):
         if not resume:
             model = _pretrain_model(a, tokenizer, a["backend"])
             opt_state, state = None, dict(step=0, epoch=0, batch=0)
+        model.precision = MIXED_FLAGS[a["mixed_precision"]]   # the run's own: --resume refuses a change
         prepare_out(out, resume, a["overwrite"])
         if vocab_tmp is not None:                       # the vocabulary trained on the corpus joins the run
             shutil.move(os.path.join(vocab_tmp, "tokenizer"), os.path.join(out, "tokenizer"))
@@ -327,8 +329,10 @@ def pretrain(args):
         opt.load_state_dict(opt_state)
         model.dropout_rng.state = state["dropout_rng"]
     sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
+    scaler = _scaler(a["mixed_precision"], state.get("grad_scaler") if resume else None)
     baseline = unigram_baseline(data, tokenizer, a["batch_size"])
     fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
+    fields += ["loss_scale"] if scaler.is_enabled() else []
     log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if resume else None)
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
                   state["step"] if resume else None)
@@ -347,16 +351,15 @@ def pretrain(args):
                 break
             model.train()
             o = model(**batch)
-            grads = model.backward()
-            norm = clip_grad_norm(grads, 1.0)
-            lr = sched.lr(step)
-            opt.step(grads, lr=lr)
+            lr, scale = sched.lr(step), scaler.get_scale()
+            norm = _update(model, opt, scaler, lr)
             step += 1
             met = pretraining_metrics(o, batch)
             tps = int(batch["attention_mask"].sum() / max(time.perf_counter() - t0, 1e-9))
             t0 = time.perf_counter()
             log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}", grad_norm=f"{norm:.4f}",
-                           tokens_per_s=tps, **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
+                           tokens_per_s=tps, loss_scale=f"{scale:.17g}",
+                           **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
             bar.set_postfix(loss=f"{float(o.loss):.3f}", mlm_acc=f"{met['mlm_acc']:.2f}", nsp_acc=f"{met['nsp_acc']:.2f}",
                             tok_s=tps)
             bar.update(1)
@@ -368,6 +371,8 @@ def pretrain(args):
                 plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
             if step % a["save_every"] == 0 or step == total:
                 st = dict(position, args=a, dropout_rng=model.dropout_rng.state)
+                if scaler.is_enabled():
+                    st["grad_scaler"] = scaler.state_dict()
                 save_checkpoint(out, f"checkpoint-{step:07d}", model, tokenizer, opt, st)
         else:
             epoch, skip = epoch + 1, 0
@@ -381,6 +386,25 @@ def pretrain(args):
     else:
         print(f"stopped after step {step} (--stop-after); continue with --resume")
     return 0
+
+
+def _scaler(flag, state=None):
+    """The loss scaler of a run: torch's dynamic fp16 loss scaling for --mixed-precision fp16 (its state restored
+    on --resume), a pass-through otherwise (bf16 has float32's range)."""
+    scaler = GradScaler(enabled=flag == "fp16")
+    if state is not None:
+        scaler.load_state_dict(state)
+    return scaler
+
+
+def _update(model, opt, scaler, lr):
+    """Backward, unscale, clip to norm 1, AdamW step (skipped with fp16 when a gradient overflowed: the scaler then
+    halves its scale), scaler update. Returns the gradient norm before clipping (NaN for a skipped step)."""
+    grads = model.backward(scaler.get_scale())          # dloss = the loss scale (1 unless fp16)
+    norm = math.nan if scaler.unscale_(grads) else clip_grad_norm(grads, 1.0)
+    scaler.step(opt, grads, lr=lr)
+    scaler.update()
+    return norm
 
 
 def evaluate_pretraining(model, data, batch_size):
@@ -671,7 +695,8 @@ def finetune(args):
     labels = label_set(train_rows, task)
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
-    model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend)
+    model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend,
+                                precision=MIXED_FLAGS[getattr(args, "mixed_precision", "no")])
     if args.seed is not None:
         model.dropout_rng = DropoutRNG(args.seed)
     label2id = {v: k for k, v in id2label.items()}
@@ -682,6 +707,7 @@ def finetune(args):
     total = steps_per_epoch * args.epochs
     opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = LinearWarmupDecay(args.lr, int(0.1 * total), total)
+    scaler = _scaler(getattr(args, "mixed_precision", "no"))
     metric = {"classification": "accuracy", "pair": "accuracy", "ner": "f1", "qa": "f1"}[task]
     base = baseline(task, train_rows, dev_rows)
     print(f"fine-tuning {TASKS[task][0]} on {n} rows ({args.epochs} epochs, {total} steps); dev {len(dev_rows)} rows; "
@@ -699,10 +725,8 @@ def finetune(args):
             idx = order[i:i + B]
             model.train()
             o = model(**{k: v[idx] for k, v in tr.items()})
-            grads = model.backward()
-            clip_grad_norm(grads, 1.0)
             lr = sched.lr(step)
-            opt.step(grads, lr=lr)
+            _update(model, opt, scaler, lr)
             step += 1
             losses.append(float(o.loss))
             log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}"))
