@@ -683,9 +683,12 @@ def step_refbert(model, x, decode="all"):
     return float(out.loss)
 
 
-def step_torch(model, tx):
+def step_torch(model, tx, autocast=None):
+    """One HF + PyTorch step; autocast: a torch dtype (bfloat16, float16) to run under torch.autocast("cpu")."""
+    import torch
     model.zero_grad(set_to_none=True)
-    out = model(**tx)
+    with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        out = model(**tx)
     out.loss.backward()
     return out.loss.item()
 
@@ -762,6 +765,11 @@ def run_step(args, info, command):
         backends.append("numba")
     except Exception as e:
         unavailable["numba"] = f"{type(e).__name__}: {e}"
+    precision = {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}[getattr(args, "mixed_precision", "no")]
+    autocast = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+    # the losses' agreement: float32 runs 1e-4; mixed ones within 4 u of each other (u = half an ulp of 1 of the
+    # compute dtype: refbert's spec and autocast round at other places; the study measures ~0.05 u)
+    loss_tol = {"fp32": 1e-4, "bf16-mixed": 4 * 2.0 ** -8, "fp16-mixed": 4 * 2.0 ** -11}[precision]
     n_runs = len(backends) * 2 + 3
     bar = _Progress(len(sizes) * 2 * (repeats + 1) * n_runs, "step")
     for k, e in unavailable.items():
@@ -773,7 +781,8 @@ def run_step(args, info, command):
         cfg = refbert.BertConfig.preset(s["preset"])
         with tempfile.TemporaryDirectory(prefix="refbert-bench-") as d:
             hf = hf_model(cfg, d)
-            ours = {be: refbert.BertForPreTraining.from_pretrained(d, dtype=np.float32, backend=be)
+            ours = {be: refbert.BertForPreTraining.from_pretrained(d, dtype=np.float32, backend=be,
+                                                                   precision=precision)
                     for be in backends}
             x = batch(B, T, cfg.vocab_size)
             tx = {k: torch.tensor(v) for k, v in x.items()}
@@ -784,7 +793,7 @@ def run_step(args, info, command):
             for be, m in ours.items():
                 for dec in ("all", "labelled"):
                     runs[f"refbert {be} ({dec})"] = ((lambda m=m, dec=dec: step_refbert(m, x, dec)), dec)
-            runs["HF + PyTorch"] = ((lambda: step_torch(hf, tx)), "all")
+            runs["HF + PyTorch"] = ((lambda: step_torch(hf, tx, autocast)), "all")
             runs["GEMM floor"] = (floors["all"], "all")
             runs["GEMM floor (labelled)"] = (floors["labelled"], "labelled")
             for mode, train, p in (("eval", False, 0.0), ("train", True, 0.1)):
@@ -802,8 +811,8 @@ def run_step(args, info, command):
                 bad = set()
                 for label, loss in losses.items():
                     if label == "HF + PyTorch":
-                        ok = _rel(ref, loss) <= 1e-4 if mode == "eval" else math.isfinite(loss)
-                        what = "refbert numpy (all) vs HF, rel <= 1e-4" if mode == "eval" else "finite"
+                        ok = _rel(ref, loss) <= loss_tol if mode == "eval" else math.isfinite(loss)
+                        what = f"refbert numpy (all) vs HF, rel <= {loss_tol:.2g}" if mode == "eval" else "finite"
                     elif label != "refbert numpy (all)":
                         ok, what = _rel(loss, ref) <= 1e-4, "vs refbert numpy (all), rel <= 1e-4"
                     else:
@@ -840,13 +849,14 @@ def run_step(args, info, command):
                               f"{_fmt(rows[-1]['x_floor'], '.2f')}x floor  {_fmt(rows[-1]['x_torch'], '.2f')}x torch")
                 rows += [dict(run=k, ms=None, loss=losses.get(k), error="failed validation: not timed")
                          for k in runs if k in bad]
-                results.append(dict(size=size, preset=s["preset"], B=B, T=T, layers=cfg.num_hidden_layers,
+                results.append(dict(size=size, preset=s["preset"], B=B, T=T, precision=precision,
+                                    layers=cfg.num_hidden_layers,
                                     hidden=cfg.hidden_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
                                     n_labelled=n, mode=mode, dropout=p, repeats=repeats, checks=checks, rows=rows,
                                     floor_gflop={k: gemm_flops(v) / 1e9 for k, v in prods.items()},
                                     floor_products={k: len(v) for k, v in prods.items()}))
             mem = {}
-            if not quick:
+            if not quick and precision == "fp32":        # (the children load float32 models)
                 bar.write(f"{size}: peak memory of one eval step, each in a fresh process...")
                 for fw, dec in [(be, dec) for be in backends for dec in ("all", "labelled")] + [("torch", "all")]:
                     mem[f"{fw} ({dec})" if fw != "torch" else "HF + PyTorch"] = step_peak_memory(d, fw, size, dec)
@@ -858,15 +868,24 @@ def run_step(args, info, command):
         r = next(r for r in results if r["size"] == size)
         products[size] = [dict(name=nm, batch=b, m=m, k=k, n=nn, a_T=at, b_T=bt) for nm, (b, m, k, nn), at, bt
                           in gemm_products(refbert.BertConfig.preset(r["preset"]), r["B"], r["T"], r["n_labelled"])]
-    data = dict(sizes={k: SIZES[k] for k in sizes}, unavailable=unavailable, results=results, products=products)
-    paths = _write(args.out, "step", "One pretraining step: refbert vs HF + PyTorch (CPU, float32) and the GEMM floor",
+    data = dict(sizes={k: SIZES[k] for k in sizes}, unavailable=unavailable, results=results, products=products,
+                precision=precision)
+    what = "float32" if precision == "fp32" else f"{precision}: refbert's spec, HF under torch.autocast"
+    paths = _write(args.out, "step" if precision == "fp32" else f"step-{precision}",
+                   f"One pretraining step: refbert vs HF + PyTorch (CPU, {what}) and the GEMM floor",
                    info, command, quick, _step_md(data), data,
                    None if args.no_plot else lambda plt: _step_png(plt, data))
     return paths, failed
 
 
 def _step_md(d):
-    L = ["BertForPreTraining forward + backward (MLM + NSP loss), float32, the same weights (an HF model with random "
+    prec = d.get("precision", "fp32")
+    L = [] if prec == "fp32" else [
+        f"Precision {prec}: refbert's models with precision={prec!r} (the spec of refbert.ops, on the CPU: every "
+        f"op's inputs and output rounded in NumPy around its float32 arithmetic, so slower than float32 here), "
+        f"HF + PyTorch under torch.autocast('cpu', {'bfloat16' if 'bf16' in prec else 'float16'}) (no loss "
+        f"scaling in the timed step); the GEMM floor stays float32.", ""]
+    L += ["BertForPreTraining forward + backward (MLM + NSP loss), float32, the same weights (an HF model with random "
          "weights, refbert loaded from its folder) and the same batch (15% MLM labels, half the rows padded to 3/4). "
          "eval: dropout 0 on both and eval mode; train: dropout 0.1 on both and train mode. (all) is HF's path "
          "(logits at every position); (labelled) decodes the labelled rows only. The losses are checked before "

@@ -128,6 +128,13 @@ class MixedOps:
             else:
                 fn, self.how[name] = wrap_backward(getattr(base, name), name, compute), "rounded"
             setattr(self, name, fn)
+        rounded = [n for n, how in self.how.items() if how != "own"]
+        if getattr(base, "home", "numpy") != "numpy" and rounded:
+            # R works on NumPy arrays: a device backend (its arrays CuPy's) must bring every op's 16-bit version
+            raise ValueError(f"mixed precision: backend {getattr(base, 'name', base)!r} keeps its arrays on a device "
+                             f"({base.home}); expected its own 16-bit ops (<name>_mixed) for every op, got none for "
+                             f"{', '.join(dict.fromkeys(_op(n) for n in rounded))} (the GPU's 16-bit path is "
+                             f"issue 14's items 3-4; the spec runs on the numpy and numba backends)")
 
     def __getattr__(self, attr):                          # only called for what __init__ did not set
         if attr.startswith("__") or attr == "base":

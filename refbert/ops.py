@@ -11,9 +11,13 @@ Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
 derivations are collected in docs/backprop.md. The fused ops and the attention core are written once, in `compose(o)`,
 over the basic ops of any namespace `o`: refbert.ops composes its own, a backend module its (refbert.backends).
+The last section is the spec of mixed precision (precision="bf16-mixed" / "fp16-mixed"): where every rounding to
+bfloat16 or float16 happens, the roundings themselves, and FlashAttention-2's attention arithmetic (refbert.mixed
+runs it around any backend's ops).
 
 References: Devlin et al. 2019, "BERT" (arXiv:1810.04805); Vaswani et al. 2017, "Attention is all you need";
-Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging Face transformers
+Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Micikevicius et al. 2018, "Mixed
+precision training"; Dao 2023, "FlashAttention-2"; Hugging Face transformers
 `models/bert/modeling_bert.py`, whose semantics (weight layout, eps, masks, ignore_index) these ops follow.
 """
 import math

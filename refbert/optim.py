@@ -1,4 +1,5 @@
-"""Training: AdamW with decoupled weight decay, BERT's learning-rate schedule, and global gradient-norm clipping.
+"""Training: AdamW with decoupled weight decay, BERT's learning-rate schedule, global gradient-norm clipping, and
+fp16 loss scaling (GradScaler, torch.amp.GradScaler's state machine).
 
 Everything works on the plain dicts the models hand out: `model.parameters()` (name -> the live array) and
 `model.backward()` (name -> gradient, the same keys). A training step is

@@ -5,7 +5,7 @@ A run directory holds
     loss.png                   the curves, redrawn at every evaluation
     checkpoint-{step}/         an HF folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json)
                                plus optimizer.safetensors (AdamW moments) and trainer_state.json (step, epoch,
-                               batch, RNG states, arguments)
+                               batch, RNG states, arguments; with --mixed-precision fp16 the loss scaler's)
     latest.json                {"checkpoint": "checkpoint-..."}: the newest complete checkpoint
     model (pretrain), best (finetune)      the final / best model: a symbolic link to the HF folder model-{n} /
                                            best-{n} of its newest version, swapped atomically on each save
