@@ -291,7 +291,7 @@ def terms(case, rounded, dout, storage):
         du = d * (g1_terms + r * np.abs(g2) * u_abs)                            # dout gelu'(u)
         return [o, du, du.reshape(-1, du.shape[-1]).sum(0)]
     if case.op == "attention":
-        qh, kh, vh, sm, do = cache
+        qh, kh, vh, _, sm, do = cache                                          # (p: sm holds it too)
         B, H, T, hs = qh.shape
         p, scale = sm
         mask = 0.0 if f.get("mask") is None else np.abs(f["mask"])
