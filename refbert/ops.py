@@ -600,7 +600,8 @@ def _scalar_dout(op, d, dtype):
 #      embedding sum word + type + position; a gradient reaching a tensor along several paths: the residual and
 #      the feed-forward, the skip and the three projections, the sequence and the pooled [CLS]) adds the
 #      compute-dtype terms in float32, left to right as the model writes them, and the next op's entry rounds
-#      the sum once: x = R((we + te) + pe), dx = R(((dskip + dq) + dk) + dv).
+#      the sum once: x = R((we + te) + pe), dx = R(((dskip + dx_q) + dx_k) + dx_v) (dx_q: the query
+#      projection's dx).
 #   5. Losses: float32. The cross-entropy (mse, bce) reads compute-dtype logits and computes its log-sum-exp, the
 #      loss and the sum of losses (MLM + NSP) in float32; the loss is not rounded. Its backward takes dloss in
 #      float32 (1, or the fp16 loss scale: refbert.optim.GradScaler) and writes dlogits = R(dloss (softmax - onehot)
@@ -611,8 +612,9 @@ def _scalar_dout(op, d, dtype):
 #      embeddings' scatter-add, all accumulated in float32 from compute-dtype operands; the tied word embedding
 #      sums its two float32 shares. AdamW and the gradient clipping run on the float32 masters and gradients.
 #   7. Attention is FlashAttention-2's arithmetic (attention_forward_mixed below), one key block per row: scores
-#      and the softmax statistics in float32 (never stored), the probabilities and dS rounded where a tensor core
-#      reads them, the output and the gradients of q, k, v rounded once; the additive mask float32.
+#      in float32, never stored; the row max and sum float32, kept for the backward; the probabilities and dS
+#      rounded where a tensor core reads them; the output and the gradients of q, k, v rounded once; the additive
+#      mask float32.
 #   8. Backward caches: an op's backward reads its compute-dtype inputs and the float32 statistics its forward kept
 #      (layernorm's mean and rstd, the attention's row max and sum); anything else it recomputes in float32 (so a
 #      kernel that recomputes instead of storing agrees up to float32 rounding).
@@ -643,12 +645,31 @@ def round_bfloat16(x):
 
 
 def round_float16(x):
-    """x (float32) rounded to the nearest IEEE half (NumPy's float16: 5 exponent, 10 mantissa bits, ulp(1) =
-    2^-10, largest finite 65504, subnormals down to 2^-24), ties to even, returned as float32 on that grid.
-    |x| >= 65520 (the halfway point past 65504) becomes inf: the overflow fp16 loss scaling watches for."""
+    """x (float32) rounded to the nearest IEEE half (float16: 5 exponent, 10 stored mantissa bits, ulp(1) = 2^-10,
+    largest finite 65504, subnormals down to 2^-24), ties to even, returned as float32 on that grid.
+
+    The same bit trick as round_bfloat16 where the result is a normal half (|x| >= 2^-14): add 0xFFF plus the
+    lowest kept bit (u >> 13) & 1, clear the low 13 bits. A rounded magnitude of 2^16 or more is inf: |x| >= 65520,
+    the halfway point past 65504, overflows, the overflow fp16 loss scaling watches for. Below 2^-14 the halves are
+    evenly spaced by 2^-24: (|x| + 1/2) - 1/2 in float32 (whose spacing at 1/2 is 2^-24) rounds |x| to that grid,
+    ties to even, exactly. NaN stays a (quiet) NaN with its sign. Bit for bit NumPy's own float32 -> float16 cast
+    (x.astype(np.float16)), several times faster (tests: Python's half packing; benchmarks/check_rounding.py: torch's
+    conversion on all 2^32 patterns).
+    """
     x = _f32("round_float16", x)
-    with np.errstate(over="ignore", invalid="ignore"):     # overflow to inf and NaN are results here, not errors
-        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32)
+    sign = u & np.uint32(0x80000000)
+    r = (u + (np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1)))) & np.uint32(0xFFFFE000)
+    r = np.where((r & np.uint32(0x7FFFFFFF)) >= np.uint32(0x47800000), sign | np.uint32(0x7F800000), r)
+    a = u & np.uint32(0x7FFFFFFF)
+    half = np.float32(0.5)
+    with np.errstate(invalid="ignore"):                     # (a signalling NaN; replaced below)
+        sub = ((a.view(np.float32) + half) - half).view(np.uint32) | sign
+    r = np.where(a < np.uint32(0x38800000), sub, r)         # |x| < 2^-14: the subnormal halves (and 0)
+    nan = a > np.uint32(0x7F800000)
+    if nan.any():
+        r[nan] = sign[nan] | np.uint32(0x7FC00000)
+    return r.view(np.float32)
 
 
 ROUND = {"bfloat16": round_bfloat16, "float16": round_float16}   # compute dtype -> R

@@ -46,6 +46,7 @@ dtype (fp16 runs through a loss scale, as GradScaler would).
 import argparse
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -563,6 +564,7 @@ def format_model_study(d):
             + ", ".join(f"{r} 2^{int(math.log2(v))}" for r, v in d["scales"].items() if "fp16" in r)
             + ". HF: transformers' BertForPreTraining (sdpa), float32 parameters, under torch.autocast('cpu').",
             ""]
+    head = textwrap.wrap(head[0], 118) + head[1:]
     for r, why in d["notes"].items():
         head.append(f"{r}: not run ({why})")
     def cell(r, e):

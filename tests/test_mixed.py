@@ -88,6 +88,14 @@ def test_round_float16_is_correctly_rounded():
     assert bad.size == 0, [(float(x[i]), float(got[i]), float(want[i])) for i in bad[:5]]
     assert ops.round_float16(np.array([65519.99, 65520.0, np.nan], np.float32))[:2].tolist() == [65504.0, np.inf]
     assert np.isnan(ops.round_float16(np.array([np.nan], np.float32)))[0]
+    # and NumPy's own cast, on every pattern of the sample (NaN: NaN, sign kept)
+    x = patterns().view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = x.astype(np.float16).astype(np.float32)
+    got = ops.round_float16(x)
+    nan = np.isnan(cast)
+    assert np.array_equal(got[~nan].view(np.uint32), cast[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all() and np.array_equal(np.signbit(got[nan]), np.signbit(x[nan]))
 
 
 @pytest.mark.parametrize("compute", COMPUTE)
@@ -298,20 +306,20 @@ def run(precision, dtype=np.float32, backend="numpy", train=False, dloss=1.0, se
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 def test_model_against_float64(precision):
-    """The mixed model on float32 masters that hold the float64 model's values: its loss within 4 u of float64's
-    (u = 2^-8 in bfloat16, 2^-11 in float16: half an ulp of 1; the loss is a float32 mean of well-conditioned
-    terms, each moved by a few roundings of its logits), each gradient within 32 u of its tensor's scale (the
+    """The mixed model on float32 masters that hold the float64 model's values: its loss within 1 u of float64's
+    (u = 2^-8 in bfloat16, 2^-11 in float16: half an ulp of 1; the loss averages well-conditioned terms, each moved
+    by a few roundings of its logits: measured 0.01-0.02 u), each gradient within 8 u of its tensor's scale (the
     largest entry, floored at 1% of the model's largest gradient, as refbert verify judges a cancelling gradient):
-    two layers, each of ~10 roundings in sequence, measured 2-6 u. Hidden states and logits lie on the compute
-    grid, the loss and every gradient are float32, and the gradients are not those of the float32 model (which
-    are within 2e-5: the mixed error is measured, not the float32 one)."""
+    two layers of ~10 roundings in sequence, measured at most 2.3 u (bf16) and 2.7 u (fp16). Hidden states and
+    logits lie on the compute grid, the loss and every gradient are float32, and the gradients are not those of the
+    float32 model (which are within 2e-5: the mixed error is measured, not the float32 one)."""
     compute = mixed.PRECISIONS[precision]
     u = ULP1[compute] / 2
     m64, o64, g64 = run("fp32", np.float64)
     _, o32, g32 = run("fp32", params=m64.params)
     m, o, g = run(precision, params=m64.params)
     assert m.precision == precision and m.ops.compute == compute
-    assert abs(float(o.loss) - float(o64.loss)) <= 4 * u * float(o64.loss)
+    assert abs(float(o.loss) - float(o64.loss)) <= u * float(o64.loss)
     assert o.loss.dtype == np.float32 and not on_grid(np.asarray(o.loss), compute)
     assert all(on_grid(h, compute) for h in (*o.hidden_states, o.prediction_logits, o.seq_relationship_logits))
     floor = 0.01 * max(np.abs(v).max() for v in g64.values())
@@ -321,7 +329,7 @@ def test_model_against_float64(precision):
         err = np.abs(g[k] - g64[k]).max() / scale
         worst32 = max(worst32, np.abs(g32[k] - g64[k]).max() / scale)
         worst = max(worst, err)
-        assert g[k].dtype == np.float32 and err <= 32 * u, (k, err / u)
+        assert g[k].dtype == np.float32 and err <= 8 * u, (k, err / u)
     assert worst32 <= 2e-5 < worst
 
 
@@ -380,9 +388,10 @@ def test_fp16_overflow_is_found_and_the_step_skipped():
 def test_numba_backend_gives_the_numpy_spec():
     """The numba kernels wrapped by the same rule, against the numpy backend (the spec), train mode with dropout:
     the same roundings at the same places, so the two differ only where a float32 value lies within float32
-    accumulation noise of a rounding boundary (measured: ~1e-5 of the elements per tensor); every gradient within
-    a quarter of the spec's own error against float64 (1/4 so that a missing rounding, which is as large as that
-    error, fails) and within one ulp of the compute dtype at its tensor's scale."""
+    accumulation noise of a rounding boundary (measured: the same hidden states and loss, gradients at most 2% of
+    the spec's own error apart, from their float32 sums); every gradient within a quarter of the spec's own error
+    against float64 (so that a missing rounding, which is as large as that error, fails) and within one ulp of
+    the compute dtype at its tensor's scale."""
     pytest.importorskip("numba")
     for precision in ("bf16-mixed", "fp16-mixed"):
         compute = mixed.PRECISIONS[precision]
