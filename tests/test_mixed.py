@@ -411,12 +411,11 @@ def test_numba_backend_gives_the_numpy_spec():
 # ----------------------------------------------------------------------------------------------------------------
 # the loss scaler: torch's state machine step for step
 
-def test_grad_scaler_follows_torch_step_for_step():
+def test_grad_scaler_follows_torch_step_for_step(torch):
     """A scripted run of finite and overflowing steps through torch.amp.GradScaler("cpu") and refbert's, with a
     growth interval of 3 so that growth happens: after every step the same scale, growth tracker, skip decision,
     unscaled gradients and parameters (SGD-like AdamW stand-in: torch's own SGD on torch's side, the same update
     written out on ours)."""
-    torch = pytest.importorskip("torch")
     script = ["ok", "ok", "ok", "inf", "ok", "nan", "ok", "ok", "ok", "ok", "ok", "ok", "inf", "inf", "ok"]
     kw = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     ts = torch.amp.GradScaler("cpu", **kw)
