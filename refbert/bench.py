@@ -86,6 +86,10 @@ def add_arguments(p):
     p.add_argument("--attention-T", nargs="+", type=int, help="--device cuda: attention sequence lengths")
     p.add_argument("--step-T", nargs="+", type=int, help="--device cuda: pretraining-step sequence lengths at B=4")
     p.add_argument("--no-torch", action="store_true", help="--device cuda: skip the PyTorch peers")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                   help="the step section in mixed precision: refbert's models with precision bf16-mixed / "
+                        "fp16-mixed (the spec, on the CPU), HF + PyTorch under torch.autocast('cpu', bfloat16 / "
+                        "float16); no: float32 (default)")
     p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
                    choices=["float64", "float32", "float16", "bfloat16"],
                    help="--device cuda: dtypes each version is validated in")
@@ -741,9 +745,12 @@ def step_refbert(model, x, decode="all"):
     return float(out.loss)
 
 
-def step_torch(model, tx):
+def step_torch(model, tx, autocast=None):
+    """One HF + PyTorch step; autocast: a torch dtype (bfloat16, float16) to run under torch.autocast("cpu")."""
+    import torch
     model.zero_grad(set_to_none=True)
-    out = model(**tx)
+    with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        out = model(**tx)
     out.loss.backward()
     return out.loss.item()
 
@@ -823,6 +830,11 @@ def run_step(args, info, command):
         backends.append("numba")
     except Exception as e:
         unavailable["numba"] = f"{type(e).__name__}: {e}"
+    precision = {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}[getattr(args, "mixed_precision", "no")]
+    autocast = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+    # the losses' agreement: float32 runs 1e-4; mixed ones within 4 u of each other (u = half an ulp of 1 of the
+    # compute dtype: refbert's spec and autocast round at other places; the study measures ~0.05 u)
+    loss_tol = {"fp32": 1e-4, "bf16-mixed": 4 * 2.0 ** -8, "fp16-mixed": 4 * 2.0 ** -11}[precision]
     n_runs = len(backends) * 2 + 3
     bar = _Progress(len(sizes) * 2 * (repeats + 1) * n_runs, "step")
     for k, e in unavailable.items():
@@ -834,7 +846,8 @@ def run_step(args, info, command):
         cfg = refbert.BertConfig.preset(s["preset"])
         with tempfile.TemporaryDirectory(prefix="refbert-bench-") as d:
             hf = hf_model(cfg, d)
-            ours = {be: refbert.BertForPreTraining.from_pretrained(d, dtype=np.float32, backend=be)
+            ours = {be: refbert.BertForPreTraining.from_pretrained(d, dtype=np.float32, backend=be,
+                                                                   precision=precision)
                     for be in backends}
             x = batch(B, T, cfg.vocab_size)
             tx = {k: torch.tensor(v) for k, v in x.items()}
@@ -845,7 +858,7 @@ def run_step(args, info, command):
             for be, m in ours.items():
                 for dec in ("all", "labelled"):
                     runs[f"refbert {be} ({dec})"] = ((lambda m=m, dec=dec: step_refbert(m, x, dec)), dec)
-            runs["HF + PyTorch"] = ((lambda: step_torch(hf, tx)), "all")
+            runs["HF + PyTorch"] = ((lambda: step_torch(hf, tx, autocast)), "all")
             runs["GEMM floor"] = (floors["all"], "all")
             runs["GEMM floor (labelled)"] = (floors["labelled"], "labelled")
             for mode, train, p in (("eval", False, 0.0), ("train", True, 0.1)):
@@ -859,7 +872,7 @@ def run_step(args, info, command):
                         ours[label.split()[1]].dropout_rng = DropoutRNG(0)
                     if not label.startswith("GEMM"):
                         losses[label] = fn()
-                checks = loss_checks(losses, mode)
+                checks = loss_checks(losses, mode, hf_rtol=loss_tol)
                 bad = set()
                 for c in checks:
                     if not c["ok"]:
@@ -896,14 +909,15 @@ def run_step(args, info, command):
                               f"{_fmt(rows[-1]['x_floor'], '.2f')}x floor  {_fmt(rows[-1]['x_torch'], '.2f')}x torch")
                 rows += [dict(run=k, ms=None, loss=losses.get(k), error="failed validation: not timed")
                          for k in runs if k in bad]
-                results.append(dict(size=size, preset=s["preset"], B=B, T=T, layers=cfg.num_hidden_layers,
+                results.append(dict(size=size, preset=s["preset"], B=B, T=T, precision=precision,
+                                    layers=cfg.num_hidden_layers,
                                     hidden=cfg.hidden_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
                                     n_labelled=n, mode=mode, dropout=p, repeats=repeats, checks=checks, rows=rows,
                                     others_cpu_share=load.share,
                                     floor_gflop={k: gemm_flops(v) / 1e9 for k, v in prods.items()},
                                     floor_products={k: len(v) for k, v in prods.items()}))
             mem = {}
-            if not quick:
+            if not quick and precision == "fp32":        # (the children load float32 models)
                 bar.write(f"{size}: peak memory of one eval step, each in a fresh process...")
                 for fw, dec in [(be, dec) for be in backends for dec in ("all", "labelled")] + [("torch", "all")]:
                     mem[f"{fw} ({dec})" if fw != "torch" else "HF + PyTorch"] = step_peak_memory(d, fw, size, dec)
@@ -915,18 +929,22 @@ def run_step(args, info, command):
         r = next(r for r in results if r["size"] == size)
         products[size] = [dict(name=nm, batch=b, m=m, k=k, n=nn, a_T=at, b_T=bt) for nm, (b, m, k, nn), at, bt
                           in gemm_products(refbert.BertConfig.preset(r["preset"]), r["B"], r["T"], r["n_labelled"])]
-    data = dict(sizes={k: SIZES[k] for k in sizes}, unavailable=unavailable, results=results, products=products)
-    paths = _write(args.out, "step", "One pretraining step: refbert vs HF + PyTorch (CPU, float32) and the GEMM floor",
+    data = dict(sizes={k: SIZES[k] for k in sizes}, unavailable=unavailable, results=results, products=products,
+                precision=precision)
+    what = "float32" if precision == "fp32" else f"{precision}: refbert's spec, HF under torch.autocast"
+    paths = _write(args.out, "step" if precision == "fp32" else f"step-{precision}",
+                   f"One pretraining step: refbert vs HF + PyTorch (CPU, {what}) and the GEMM floor",
                    info, command, quick, _step_md(data), data,
                    None if args.no_plot else lambda plt: _step_png(plt, data))
     return paths, failed
 
 
-def loss_checks(losses, mode, rtol=1e-4):
+def loss_checks(losses, mode, rtol=1e-4, hf_rtol=1e-4):
     """The checks made before any step is timed: every run's loss against refbert numpy (all)'s, relative
     difference <= rtol (float32 losses of one batch computed in other orders agree to ~1e-7; 1e-4 leaves room
-    for the kernels' per-op float32 error), except HF + PyTorch in train mode, whose dropout masks are torch's own:
-    its loss is only required to be finite. -> [dict(run, loss, ref, rel, check, ok)]"""
+    for the kernels' per-op float32 error), HF + PyTorch's in eval within hf_rtol (a mixed-precision step's loss:
+    torch's autocast rounds in other places than refbert's spec), and in train mode, whose dropout masks are
+    torch's own, only required to be finite. -> [dict(run, loss, ref, rel, check, ok)]"""
     ref = losses["refbert numpy (all)"]
     checks = []
     for label, loss in losses.items():
@@ -935,7 +953,8 @@ def loss_checks(losses, mode, rtol=1e-4):
         if label == "HF + PyTorch" and mode != "eval":
             ok, what = math.isfinite(loss), "loss finite (its dropout masks are torch's own: not compared)"
         else:
-            ok, what = _rel(loss, ref) <= rtol, f"vs refbert numpy (all), rel <= {rtol:.0e}".replace("e-0", "e-")
+            tol = hf_rtol if label == "HF + PyTorch" else rtol
+            ok, what = _rel(loss, ref) <= tol, f"vs refbert numpy (all), rel <= {tol:.0e}".replace("e-0", "e-")
         checks.append(dict(run=label, loss=loss, ref=ref, rel=_rel(loss, ref), check=what, ok=bool(ok)))
     return checks
 
@@ -947,7 +966,13 @@ def _check_text(c):
 
 
 def _step_md(d):
-    L = ["BertForPreTraining forward + backward (MLM + NSP loss), float32, the same weights (an HF model with random "
+    prec = d.get("precision", "fp32")
+    L = [] if prec == "fp32" else [
+        f"Precision {prec}: refbert's models with precision={prec!r} (the spec of refbert.ops, on the CPU: every "
+        f"op's inputs and output rounded in NumPy around its float32 arithmetic, so slower than float32 here), "
+        f"HF + PyTorch under torch.autocast('cpu', {'bfloat16' if 'bf16' in prec else 'float16'}) (no loss "
+        f"scaling in the timed step); the GEMM floor stays float32.", ""]
+    L += ["BertForPreTraining forward + backward (MLM + NSP loss), float32, the same weights (an HF model with random "
          "weights, refbert loaded from its folder) and the same batch (15% MLM labels, half the rows padded to 3/4). "
          "eval: dropout 0 on both and eval mode; train: dropout 0.1 on both and train mode. (all) is HF's path "
          "(logits at every position); (labelled) decodes the labelled rows only. The losses are checked before "

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .backends import get_backend as _backend
+from .mixed import MixedOps, compute_dtype, mixed_ops
 from .philox import DropoutRNG
 from . import validate as V
 from .config import BertConfig
@@ -393,7 +394,7 @@ class BertPreTrainedModel:
     """Shared machinery: parameters, train/eval, the encoder pass, backward bookkeeping, checkpoints."""
     prefix = "bert."
 
-    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy"):
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", precision="fp32"):
         if not isinstance(config, BertConfig):
             raise ValueError(f"{type(self).__name__}: argument 'config' expected a refbert.BertConfig, "
                              f"got {type(config).__name__}")
@@ -408,6 +409,24 @@ class BertPreTrainedModel:
         self.dropout_rng = DropoutRNG.from_seed_sequence(dropout_ss)  # counter-based: same masks on every backend
         self.training = True                                  # as a freshly built torch module
         self._cache = None
+        self.precision = precision
+
+    @property
+    def precision(self):
+        """"fp32" (the default), "bf16-mixed" or "fp16-mixed": what the forward and backward compute (refbert.ops,
+        "mixed precision: the spec"; refbert.mixed). Mixed precision keeps the parameters (the float32 masters)
+        as they are and wraps the backend's ops; assigning another value switches the next forward."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision):
+        name = type(self).__name__
+        compute = compute_dtype(precision, name)
+        if compute is not None and self.dtype != np.float32:
+            raise ValueError(f"{name}: argument 'precision' {precision!r} expected dtype float32 (the masters), "
+                             f"got dtype {self.dtype}")
+        base = self.ops.base if isinstance(self.ops, MixedOps) else self.ops
+        self.ops, self._precision = mixed_ops(base, precision), precision
 
     # -- the API that carries the backward --
     def parameters(self):
@@ -481,9 +500,12 @@ class BertPreTrainedModel:
 
     # -- checkpoints (refbert.checkpoint) --
     @classmethod
-    def from_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None):
+    def from_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None, precision="fp32"):
         from .checkpoint import load_pretrained
-        return load_pretrained(cls, path, dtype=dtype, backend=backend, id2label=id2label)
+        compute_dtype(precision, f"{cls.__name__}.from_pretrained")     # a bad value fails before any file is read
+        model = load_pretrained(cls, path, dtype=dtype, backend=backend, id2label=id2label)
+        model.precision = precision
+        return model
 
     def save_pretrained(self, path):
         from .checkpoint import save_pretrained
@@ -539,9 +561,9 @@ class BertModel(BertPreTrainedModel):
     """The encoder: last_hidden_state (B, T, C) and pooler_output (B, C)."""
     prefix = ""
 
-    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", add_pooling_layer=True):
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", add_pooling_layer=True, precision="fp32"):
         self.add_pooling_layer = add_pooling_layer
-        super().__init__(config, seed, dtype, backend)
+        super().__init__(config, seed, dtype, backend, precision)
         if not add_pooling_layer:
             for k in ("pooler.dense.weight", "pooler.dense.bias"):
                 del self.params[k]
@@ -761,11 +783,11 @@ class BertForQuestionAnswering(_Head):
     clamped to [0, T] and T (outside the input) is ignored."""
     pooler = False
 
-    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy"):
+    def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", precision="fp32"):
         if config.num_labels != 2:
             raise ValueError(f"BertForQuestionAnswering: config.num_labels expected 2 (start and end logits), "
                              f"got {config.num_labels}")
-        super().__init__(config, seed, dtype, backend)
+        super().__init__(config, seed, dtype, backend, precision)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
                 end_positions=None, output_hidden_states=False, output_attentions=False):

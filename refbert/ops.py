@@ -11,9 +11,13 @@ Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
 derivations are collected in docs/backprop.md. The fused ops and the attention core are written once, in `compose(o)`,
 over the basic ops of any namespace `o`: refbert.ops composes its own, a backend module its (refbert.backends).
+The last section is the spec of mixed precision (precision="bf16-mixed" / "fp16-mixed"): where every rounding to
+bfloat16 or float16 happens, the roundings themselves, and FlashAttention-2's attention arithmetic (refbert.mixed
+runs it around any backend's ops).
 
 References: Devlin et al. 2019, "BERT" (arXiv:1810.04805); Vaswani et al. 2017, "Attention is all you need";
-Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Hugging Face transformers
+Hendrycks & Gimpel 2016, "GELU"; Ba et al. 2016, "Layer normalization"; Micikevicius et al. 2018, "Mixed
+precision training"; Dao 2023, "FlashAttention-2"; Hugging Face transformers
 `models/bert/modeling_bert.py`, whose semantics (weight layout, eps, masks, ignore_index) these ops follow.
 """
 import math
@@ -572,3 +576,247 @@ def _scalar_dout(op, d, dtype):
     if np.ndim(d) != 0:
         raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {np.shape(d)}")
     return dtype.type(d)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mixed precision: the spec (refbert.mixed runs it around any backend's ops; README "Mixed precision")
+#
+# precision="bf16-mixed" | "fp16-mixed" on a model means exactly this, and nothing else:
+#
+#   1. Masters. The parameters and AdamW's moments are float32. An op reads a parameter rounded to the compute
+#      dtype (bfloat16 or float16), the "compute copy": R(w), with R = round_bfloat16 or round_float16.
+#   2. Compute-dtype tensors. Every activation an op reads or writes, and every gradient of an activation, is a
+#      compute-dtype tensor: here a float32 array whose values lie on the compute dtype's grid (R(t) == t), so the
+#      float32 oracle and kernels run it unchanged. An op's floating inputs are rounded on entry (every one but the
+#      constants of MIXED_CONSTANTS: the additive attention mask, float32 as HF builds it, and regression targets),
+#      its output is rounded once on exit; what happens in between is float32 (step 3).
+#   3. Inside an op: float32. linear: x2 @ w^T summed in float32 (products of two 16-bit numbers are exact in
+#      float32), the bias added in float32 (a GEMM epilogue), then one rounding: out = R(x2 @ R(w)^T + R(b)).
+#      The fused ops keep their intermediates in float32 and round only what they write: layernorm's mean, rstd and
+#      x̂; residual_layernorm's x + a; dropout_residual_layernorm's dropout(a) and x + dropout(a) (the dropped-out
+#      sublayer output is never stored); bias_gelu's u = x + b and gelu(u); softmax's max, exp and sum; the
+#      cross-entropy's log-sum-exp. A standalone dropout (embeddings, classifier) writes R(x * keep / (1 - p)).
+#   4. Between ops: float32 sums, rounded where they are read. The model's own arithmetic between ops (the
+#      embedding sum word + type + position; a gradient reaching a tensor along several paths: the residual and
+#      the feed-forward, the skip and the three projections, the sequence and the pooled [CLS]) adds the
+#      compute-dtype terms in float32, left to right as the model writes them, and the next op's entry rounds
+#      the sum once: x = R((we + te) + pe), dx = R(((dskip + dx_q) + dx_k) + dx_v) (dx_q: the query
+#      projection's dx).
+#   5. Losses: float32. The cross-entropy (mse, bce) reads compute-dtype logits and computes its log-sum-exp, the
+#      loss and the sum of losses (MLM + NSP) in float32; the loss is not rounded. Its backward takes dloss in
+#      float32 (1, or the fp16 loss scale: refbert.optim.GradScaler) and writes dlogits = R(dloss (softmax - onehot)
+#      / n): compute dtype, the operand of the decoder's backward GEMMs.
+#   6. Gradients. An activation's gradient is written in the compute dtype: R(dout @ R(w)) for linear's dx, R(dx)
+#      of every fused op. A parameter's gradient is float32 and never rounded: linear's dw = dout2^T @ x2 and
+#      db = sum(dout2), layernorm's dw, db, bias_gelu's db = sum of the float32 du (before du is rounded), the
+#      embeddings' scatter-add, all accumulated in float32 from compute-dtype operands; the tied word embedding
+#      sums its two float32 shares. AdamW and the gradient clipping run on the float32 masters and gradients.
+#   7. Attention is FlashAttention-2's arithmetic (attention_forward_mixed below), one key block per row: scores
+#      in float32, never stored; the row max and sum float32, kept for the backward; the probabilities and dS
+#      rounded where a tensor core reads them; the output and the gradients of q, k, v rounded once; the additive
+#      mask float32.
+#   8. Backward caches: an op's backward reads its compute-dtype inputs and the float32 statistics its forward kept
+#      (layernorm's mean and rstd, the attention's row max and sum); anything else it recomputes in float32 (so a
+#      kernel that recomputes instead of storing agrees up to float32 rounding).
+#
+# An implementation (a GPU's) that rounds at these places and nowhere else agrees with this spec up to float32
+# accumulation order: a compute-dtype value then differs by at most 1 ulp, and only where the float32 value sits
+# within float32 noise of a rounding boundary.
+
+def round_bfloat16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, returned as float32 on the bfloat16 grid.
+
+    bfloat16 is float32's upper 16 bits: 1 sign, 8 exponent, 7 stored mantissa bits (ulp(1) = 2^-7), the same
+    exponent range, subnormals included. On the bit pattern u (uint32): add 0x7FFF plus the lowest kept bit
+    (u >> 16) & 1, then clear the low 16 bits. A low half above 0x8000 carries into the kept bits (rounds up),
+    below it does not; exactly 0x8000 (a tie) carries only when the kept lowest bit is 1 (to even). A carry out of
+    the mantissa raises the exponent (1.11..1 -> 10.0), and past the largest finite value gives inf, as rounding
+    should. NaN is the one pattern the addition would corrupt (it could carry into inf or the sign): it becomes
+    the quiet NaN 0x7FC00000 with its sign, as ml_dtypes' conversion does (tests check every class of pattern
+    against ml_dtypes bit for bit; benchmarks/check_rounding.py all 2^32).
+    """
+    x = _f32("round_bfloat16", x)
+    u = x.view(np.uint32)
+    r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        r = np.where(nan, (u & np.uint32(0x80000000)) | np.uint32(0x7FC00000), r)
+    return r.view(np.float32)
+
+
+def round_float16(x):
+    """x (float32) rounded to the nearest IEEE half (float16: 5 exponent, 10 stored mantissa bits, ulp(1) = 2^-10,
+    largest finite 65504, subnormals down to 2^-24), ties to even, returned as float32 on that grid.
+
+    The same bit trick as round_bfloat16 where the result is a normal half (|x| >= 2^-14): add 0xFFF plus the
+    lowest kept bit (u >> 13) & 1, clear the low 13 bits. A rounded magnitude of 2^16 or more is inf: |x| >= 65520,
+    the halfway point past 65504, overflows, the overflow fp16 loss scaling watches for. Below 2^-14 the halves are
+    evenly spaced by 2^-24: (|x| + 1/2) - 1/2 in float32 (whose spacing at 1/2 is 2^-24) rounds |x| to that grid,
+    ties to even, exactly. NaN stays a (quiet) NaN with its sign. Bit for bit NumPy's own float32 -> float16 cast
+    (x.astype(np.float16)), several times faster (tests: Python's half packing; benchmarks/check_rounding.py: torch's
+    conversion on all 2^32 patterns).
+    """
+    x = _f32("round_float16", x)
+    u = x.view(np.uint32)
+    sign = u & np.uint32(0x80000000)
+    r = (u + (np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1)))) & np.uint32(0xFFFFE000)
+    r = np.where((r & np.uint32(0x7FFFFFFF)) >= np.uint32(0x47800000), sign | np.uint32(0x7F800000), r)
+    a = u & np.uint32(0x7FFFFFFF)
+    half = np.float32(0.5)
+    with np.errstate(invalid="ignore"):                     # (a signalling NaN; replaced below)
+        sub = ((a.view(np.float32) + half) - half).view(np.uint32) | sign
+    r = np.where(a < np.uint32(0x38800000), sub, r)         # |x| < 2^-14: the subnormal halves (and 0)
+    nan = a > np.uint32(0x7F800000)
+    if nan.any():
+        r[nan] = sign[nan] | np.uint32(0x7FC00000)
+    return r.view(np.float32)
+
+
+ROUND = {"bfloat16": round_bfloat16, "float16": round_float16}   # compute dtype -> R
+
+
+def _f32(who, x):
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        if isinstance(x, (float, np.floating)) or (isinstance(x, np.ndarray) and x.ndim == 0 and
+                                                  x.dtype.kind == "f"):
+            return np.asarray(x, np.float32)
+        raise ValueError(f"{who}: argument 'x' expected a float32 numpy array (the float32 value to round), "
+                         f"got {V._desc(x)}")
+    return x
+
+
+def round_compute(x, compute):
+    """R(x): x rounded to the compute dtype ("bfloat16" or "float16"), as float32."""
+    if compute not in ROUND:
+        raise ValueError(f"round_compute: argument 'compute' expected one of {', '.join(ROUND)}, got {compute!r}")
+    return ROUND[compute](x)
+
+
+# What the generic rule of the spec needs to know about each op (refbert.mixed applies it to any backend):
+MIXED_PARAMS = {                 # op -> its inputs that are parameters: read as R(master), their gradient float32
+    "linear": ("w", "b"), "embedding": ("w",), "layernorm": ("w", "b"), "residual_layernorm": ("w", "b"),
+    "dropout_residual_layernorm": ("w", "b"), "bias_gelu": ("b",)}
+MIXED_CONSTANTS = ("mask", "target", "targets")   # float inputs that are not compute-dtype tensors: never rounded
+MIXED_LOSSES = ("cross_entropy", "mse", "bce_with_logits")   # loss and dloss in float32 (gradients: compute dtype)
+GRADS_OF = {                     # op -> the inputs whose gradients its backward returns, in order
+    "linear": ("x", "w", "b"), "embedding": ("w",), "layernorm": ("x", "w", "b"), "softmax": ("x",), "gelu": ("x",),
+    "tanh": ("x",), "dropout": ("x",), "add": ("a", "b"), "gather_rows": ("x",), "attention": ("q", "k", "v"),
+    "residual_layernorm": ("x", "a", "w", "b"), "dropout_residual_layernorm": ("x", "a", "w", "b"),
+    "bias_gelu": ("x", "b"), "cross_entropy": ("logits",), "bce_with_logits": ("logits",), "mse": ("pred", "target")}
+
+
+class MixedAttentionCache(NamedTuple):
+    qh: np.ndarray         # (B, H, T, hs) compute-dtype q, k, v split into heads
+    kh: np.ndarray
+    vh: np.ndarray
+    out: np.ndarray        # (B, H, T, hs) the compute-dtype output (read back for D = rowsum(dO * O))
+    m: np.ndarray          # (B, H, T, 1) float32 row max of the scores
+    l: np.ndarray          # (B, H, T, 1) float32 sum of exp(s - m)
+    keep: np.ndarray       # (B, H, T, T) bool keep-mask, or None (eval, p = 0)
+    scale: float           # 1 / sqrt(hs)
+    mask: np.ndarray       # the additive float32 mask (or None)
+    dropout_p: float       # the p applied: 0 in eval
+    compute: str
+
+
+def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
+    """The attention core in mixed precision: FlashAttention-2's forward (Dao 2023, flash_fwd_kernel.h) with one
+    key block per query row.
+
+    q, k, v: (B, T, C) float32 on the compute grid (rounded here anyway)   mask: additive float32 (B, 1, 1, T)
+    With R the rounding to `compute`, per head, everything float32 but what R writes:
+        s   = (q k^T) * scale + mask          scores, never stored (products exact, sums in float32)
+        m   = max_j s,  pt = exp(s - m),  l = sum_j pt          l sums the unrounded pt, dropped ones included
+        out = R( (sum_j keep_ij R(pt_ij) v_j) * (1 / l) * (1 / (1 - p)) )
+        m, l                                  kept (float32) for the backward
+    R(pt) is the operand of the tensor-core product P V, as FA2 converts P to 16 bits before it; dropout zeroes
+    elements of that rounded P and its 1 / (1 - p) joins the final normalisation. The keep-mask is the next
+    Philox stream of rng, as ops.attention_forward's dropout draws it (so a mixed and a float32 model drop the
+    same units). FA2 walks key blocks with a running max m' <= m and rounds exp(s - m') before rescaling: with
+    more than one key block it differs from this by the rounding of the pt it rescales (<= 1 ulp of a term).
+    """
+    R = ROUND[compute]
+    V.floats("attention", q=q, k=k, v=v, mask=mask)
+    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
+    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
+    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
+    B, T, C = q.shape
+    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
+        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
+    if q.dtype != np.float32:
+        raise ValueError(f"attention: argument 'q' expected float32 (mixed precision), got {q.dtype}")
+    if mask is not None:
+        V.broadcasts_to("attention", "mask", mask, (B, n_heads, T, T))
+    H, hs = int(n_heads), C // int(n_heads)
+    scale = 1.0 / math.sqrt(hs)
+    heads = lambda a: R(a).reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # noqa: E731  (B, H, T, hs)
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    s = _scores(qh, kh, scale, mask)                                  # (B, H, T, T) float32
+    m = s.max(-1, keepdims=True)
+    if not np.isfinite(m).all():
+        raise ValueError("attention: argument 'q' (with 'mask') expected every row to have a finite maximum score, "
+                         "got a row that is entirely -inf, or a NaN/+inf score")
+    pt = np.exp(s - m)                                                # (B, H, T, T) in (0, 1], max 1 per row
+    l = pt.sum(-1, keepdims=True)                                     # (B, H, T, 1) float32
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"attention: argument 'dropout_p' expected a probability in [0, 1], got {dropout_p}")
+    p = float(dropout_p) if train else 0.0                            # eval: no dropout, no 1 / (1 - p)
+    keep = dropout_mask(rng, s.shape, p, "attention") if p > 0 else None
+    P = R(pt) if keep is None else R(pt) * keep                       # the 16-bit operand of P V
+    rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
+    oh = R((P @ vh) * ((np.float32(1.0) / l) * rp))                   # (B, H, T, hs)
+    out = oh.transpose(0, 2, 1, 3).reshape(B, T, C)                   # (B, T, C)
+    return out, MixedAttentionCache(qh, kh, vh, oh, m, l, keep, scale, mask, p, compute)
+
+
+def _scores(qh, kh, scale, mask):
+    s = (qh @ kh.transpose(0, 1, 3, 2)) * np.float32(scale)          # (B, H, T, T)
+    return s if mask is None else s + mask
+
+
+def attention_backward_mixed(dout, cache):
+    """FlashAttention-2's backward (flash_bwd_kernel.h) on the cache of attention_forward_mixed.
+
+    dout: (B, T, C) compute dtype.  With p the dropout probability and everything float32 but what R writes:
+        P   = exp(s - m) / l                  recomputed from q, k (s as in the forward) and the kept m, l
+        D_i = (1 - p) sum_c dO_ic O_ic        from the compute-dtype dO and the stored compute-dtype O
+        dP  = dO v^T
+        dS' = P * (keep * dP - D)             = (1 - p) dS, dS the gradient of the scores: FA2 rounds this
+        dv  = R( (sum_i keep_ij R(P_ij) dO_i) / (1 - p) )
+        dq  = R( scale / (1 - p) * sum_j R(dS'_ij) k_j )
+        dk  = R( scale / (1 - p) * sum_i R(dS'_ij) q_i )
+    Without dropout (p = 0, keep = 1): dS' = dS = P (dP - rowsum(dO * O)), the softmax's backward, since
+    sum_j P_ij dP_ij = dO_i . O_i. FA2 keeps lse = m + log(l) instead of m and l, the same P up to float32
+    rounding but on a fully padded row: there m is float32's most negative number (HF's additive mask), which
+    absorbs log(l), so exp(s - lse) would give 1 instead of 1 / T; keeping both is exact there too.
+    """
+    qh, kh, vh, oh, m, l, keep, scale, mask, p, compute = cache
+    R = ROUND[compute]
+    B, H, T, hs = qh.shape
+    V.dout("attention", dout, (B, T, H * hs), qh.dtype)
+    dO = R(dout).reshape(B, T, H, hs).transpose(0, 2, 1, 3)          # (B, H, T, hs)
+    P = np.exp(_scores(qh, kh, scale, mask) - m) / l                  # (B, H, T, T)
+    kp = np.float32(1.0 - p)
+    D = (dO * oh).sum(-1, keepdims=True) * kp                         # (B, H, T, 1)
+    dP = dO @ vh.transpose(0, 1, 3, 2)                                # (B, H, T, T)
+    rp = np.float32(1.0 / kp) if kp > 0 else np.float32(0.0)
+    if keep is None:
+        dS, Pk = P * (dP - D), R(P)
+    else:
+        dS, Pk = P * (dP * keep - D), R(P) * keep
+    dvh = R((Pk.transpose(0, 1, 3, 2) @ dO) * rp)                    # (B, H, T, hs)
+    dS = R(dS)
+    g = np.float32(scale) * rp
+    dqh = R((dS @ kh) * g)                                            # (B, H, T, hs)
+    dkh = R((dS.transpose(0, 1, 3, 2) @ qh) * g)                      # (B, H, T, hs)
+    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, H * hs)  # noqa: E731  (B, H, T, hs) -> (B, T, C)
+    return merge(dqh), merge(dkh), merge(dvh)
+
+
+def attention_probs_mixed(cache):
+    """The probabilities after dropout, R(keep * P / (1 - p)) (B, H, T, T), for output_attentions."""
+    qh, kh, _, _, m, l, keep, scale, mask, p, compute = cache
+    P = np.exp(_scores(qh, kh, scale, mask) - m) / l
+    if keep is not None:
+        P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)
+    return ROUND[compute](P)

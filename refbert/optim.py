@@ -1,4 +1,5 @@
-"""Training: AdamW with decoupled weight decay, BERT's learning-rate schedule, and global gradient-norm clipping.
+"""Training: AdamW with decoupled weight decay, BERT's learning-rate schedule, global gradient-norm clipping, and
+fp16 loss scaling (GradScaler, torch.amp.GradScaler's state machine).
 
 Everything works on the plain dicts the models hand out: `model.parameters()` (name -> the live array) and
 `model.backward()` (name -> gradient, the same keys). A training step is
@@ -442,3 +443,132 @@ def clip_grad_norm(grads, max_norm=1.0):
         for g in grads.values():
             g *= coef
     return norm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp16 loss scaling
+
+class GradScaler:
+    """Dynamic loss scaling for fp16-mixed training, with torch.amp.GradScaler's state machine (PyTorch 2.13,
+    torch/amp/grad_scaler.py and its _amp_update_scale_ kernel), on the gradient dicts of this module.
+
+    float16's smallest subnormal is 2^-24 and its largest finite value 65504: gradients of activations that are
+    smaller flush to 0. The loss is multiplied by a scale S before the backward (here: dloss = S, so every
+    gradient is S times larger), and the float32 gradients of the masters are divided by S before clipping and the
+    optimizer. A gradient that overflowed (inf, or NaN) skips the step and halves S; a run of growth_interval
+    finite steps doubles it:
+
+        grads = model.backward(scaler.get_scale())     # dloss = S
+        found_inf = scaler.unscale_(grads)             # g *= float32(1 / S) in place; any inf/NaN?
+        if not found_inf:
+            clip_grad_norm(grads, 1.0)                 # on the unscaled gradients, as with torch
+        scaler.step(opt, grads, lr=lr)                 # opt.step unless found_inf
+        scaler.update()                                # found_inf: S *= backoff_factor, tracker = 0
+                                                       # else tracker += 1; == growth_interval: S *= growth_factor
+                                                       # (if that stays finite in float32), tracker = 0
+    S is a float32 number (torch keeps it in a float32 tensor; each update rounds scale * factor to float32).
+    enabled=False (bf16-mixed and fp32 runs: bfloat16 has float32's range) makes every call a pass-through:
+    get_scale() is 1, unscale_ finds nothing (a NaN then reaches AdamW, which refuses it by name), step steps.
+    state_dict() / load_state_dict(): torch's keys ("scale", "growth_factor", "backoff_factor",
+    "growth_interval", "_growth_tracker"; {} when disabled), so --resume continues the same sequence of scales.
+    """
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 enabled=True):
+        who = "GradScaler"
+        if not isinstance(enabled, (bool, np.bool_)):
+            raise ValueError(f"{who}: argument 'enabled' expected True or False, got {enabled!r}")
+        self.enabled = bool(enabled)
+        self._scale = float(np.float32(_number(who, "init_scale", init_scale, 0.0, low_open=True)))
+        self.growth_factor = _number(who, "growth_factor", growth_factor, 1.0, low_open=True)
+        self.backoff_factor = _number(who, "backoff_factor", backoff_factor, 0.0, 1.0, low_open=True)
+        self.growth_interval = _integer(who, "growth_interval", growth_interval, 1)
+        self._growth_tracker = 0
+        self._found_inf = None              # None: not unscaled since the last update
+
+    def is_enabled(self):
+        return self.enabled
+
+    def get_scale(self):
+        """The current scale S as a Python float (1.0 when disabled): pass it as the backward's dloss."""
+        return self._scale if self.enabled else 1.0
+
+    def unscale_(self, grads):
+        """Divide every gradient by S in place (multiply by float32(1/S), as torch) and return whether any holds
+        an inf or NaN. Call it once per step, before clipping; step() calls it when you did not."""
+        who = "GradScaler.unscale_"
+        if not isinstance(grads, dict):
+            raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient (model.backward()), "
+                             f"got {type(grads).__name__}")
+        if not self.enabled:
+            self._found_inf = False
+            return False
+        if self._found_inf is not None:
+            raise ValueError(f"{who}: expected one call per step, got a second before update() (the gradients "
+                             f"are already unscaled)")
+        for name, g in grads.items():
+            _float_array(who, "grads", name, g)
+        bad = _host_floats([np.any(~np.isfinite(g)) for g in grads.values() if g.size])
+        inv = np.float32(1.0 / np.float64(np.float32(self._scale)))   # torch: scale.double().reciprocal().float()
+        with np.errstate(invalid="ignore", over="ignore"):
+            for g in grads.values():
+                g *= g.dtype.type(inv)
+        self._found_inf = any(bool(b) for b in bad)
+        return self._found_inf
+
+    def step(self, opt, grads, lr=None):
+        """opt.step(grads, lr=lr) unless the unscaled gradients hold an inf or NaN. Returns True when it stepped."""
+        if self._found_inf is None:
+            self.unscale_(grads)
+        if self.enabled and self._found_inf:
+            return False
+        opt.step(grads, lr=lr)
+        return True
+
+    def update(self):
+        """The scale for the next step, from this step's found_inf (torch's _amp_update_scale_)."""
+        if not self.enabled:
+            self._found_inf = None
+            return
+        if self._found_inf is None:
+            raise ValueError("GradScaler.update: expected unscale_() or step() first in this step, got neither")
+        if self._found_inf:
+            with np.errstate(under="ignore"):
+                self._scale = float(np.float32(self._scale * self.backoff_factor))
+            self._growth_tracker = 0
+        else:
+            successful = self._growth_tracker + 1
+            if successful == self.growth_interval:
+                with np.errstate(over="ignore"):
+                    grown = float(np.float32(self._scale * self.growth_factor))   # float32, as torch's tensor
+                if math.isfinite(grown):
+                    self._scale = grown
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker = successful
+        self._found_inf = None
+
+    def state_dict(self):
+        if not self.enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        """Restore a state_dict() (all or nothing; {} for a disabled scaler)."""
+        who = "GradScaler.load_state_dict"
+        if not self.enabled:
+            if state:
+                raise ValueError(f"{who}: argument 'state' expected {{}} for a disabled scaler, got {sorted(state)}")
+            return
+        keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+        if not isinstance(state, dict) or set(state) != keys:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{who}: argument 'state' expected a dict with keys {sorted(keys)}, got {got}")
+        scale = _number(who, "state['scale']", state["scale"], 0.0, low_open=True)
+        growth = _number(who, "state['growth_factor']", state["growth_factor"], 1.0, low_open=True)
+        backoff = _number(who, "state['backoff_factor']", state["backoff_factor"], 0.0, 1.0, low_open=True)
+        interval = _integer(who, "state['growth_interval']", state["growth_interval"], 1)
+        tracker = _integer(who, "state['_growth_tracker']", state["_growth_tracker"], 0)
+        self._scale, self.growth_factor, self.backoff_factor = float(np.float32(scale)), growth, backoff
+        self.growth_interval, self._growth_tracker, self._found_inf = interval, tracker, None

@@ -34,11 +34,19 @@ hidden among the cancelling elements and its norm by a larger element of the ten
 column "f32 max" is the float32 computation's own error before the final rounding, in the same units: rounding
 then adds at most 0.5 ulp (of the rounded value's binade) to it.
 
-`refbert check --precision` prints the oracle table; `refbert check --device cuda` adds the kernels' (main()).
+Then, on the CPU, the whole mixed-precision training step (model_study): one BertForPreTraining forward and backward
+on the same weights and batch in float64 (the truth), float32, refbert's spec in bf16-mixed and fp16-mixed
+(refbert.ops, "mixed precision: the spec"), and HF + PyTorch under torch.autocast("cpu") in bfloat16 and float16:
+the loss and every gradient against float64, at each tensor's scale, in units of half an ulp of 1 of the compute
+dtype (fp16 runs through a loss scale, as GradScaler would).
+
+`refbert check --precision` prints the oracle table and the step; `refbert check --device cuda` adds the kernels'
+(main()); `--report FILE` writes what it printed.
 """
 import argparse
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +54,7 @@ import numpy as np
 from . import ops
 from .philox import DropoutRNG
 from .special import ndtr
+from .fileio import write_text
 from .tables import text_table
 
 try:
@@ -283,7 +292,7 @@ def terms(case, rounded, dout, storage):
         du = d * (g1_terms + r * np.abs(g2) * u_abs)                            # dout gelu'(u)
         return [o, du, du.reshape(-1, du.shape[-1]).sum(0)]
     if case.op == "attention":
-        qh, kh, vh, sm, do = cache
+        qh, kh, vh, _, sm, do = cache                                          # (p: sm holds it too)
         B, H, T, hs = qh.shape
         p, scale = sm
         mask = 0.0 if f.get("mask") is None else np.abs(f["mask"])
@@ -415,6 +424,164 @@ LEGEND = ("ULPs of the storage dtype against the float64 oracle on the same roun
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the whole mixed-precision step: refbert's spec and HF + PyTorch autocast against float64
+
+MODEL_SIZES = {
+    # config overrides of a preset, and the batch; tiny: the tests; small: the CPU default; base: BERT-base
+    "tiny": dict(preset="tiny", vocab_size=211, B=2, T=16),
+    "small": dict(preset="mini", vocab_size=2000, B=4, T=64),
+    "base": dict(preset="base", vocab_size=30522, B=8, T=128),
+}
+PRECISIONS = ("bf16-mixed", "fp16-mixed")
+FP16_SCALE = 2.0 ** 16          # the fp16 step's first loss scale (GradScaler's initial one); halved while a
+                                # gradient overflows, as GradScaler would on the following steps
+
+
+def _batch(B, T, V, seed):
+    """ids, half the rows padded to 3/4, two segments, 15% MLM labels (at least one), NSP labels."""
+    r = np.random.default_rng(seed)
+    ids = r.integers(min(5, V - 1), V, (B, T))
+    am = np.ones((B, T), np.int64)
+    am[1::2, T * 3 // 4:] = 0
+    tt = np.zeros((B, T), np.int64)
+    tt[:, T // 2:] = 1
+    labels = np.where((r.random((B, T)) < 0.15) & (am == 1), ids, -100)
+    labels[0, 1] = ids[0, 1]
+    return dict(input_ids=ids, attention_mask=am, token_type_ids=tt, labels=labels,
+                next_sentence_label=r.integers(0, 2, B))
+
+
+def _scaled(step, precision):
+    """step(scale) -> (loss, {name: gradient of scale * loss}) run as GradScaler would: fp16 from FP16_SCALE,
+    halved while any gradient is inf or NaN (bf16 and float32: scale 1). -> (loss, unscaled float64 gradients,
+    the scale used)."""
+    scale = FP16_SCALE if precision == "fp16-mixed" else 1.0
+    while True:
+        loss, grads = step(scale)
+        if all(np.isfinite(g).all() for g in grads.values()) or scale < 1:
+            return loss, {k: np.asarray(g, np.float64) / scale for k, g in grads.items()}, scale
+        scale /= 2
+
+
+def _torch_step(folder, batch, precision):
+    """HF + PyTorch (sdpa attention, float32 parameters) under torch.autocast("cpu", dtype) on the batch: (loss,
+    {name: float64 gradient}, loss scale), the fp16 gradients through a scaled loss (_scaled), or (None, reason,
+    None) where this torch cannot run it."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        return None, f"needs torch and transformers: {e}", None
+    transformers.utils.logging.disable_progress_bar()
+    hf = transformers.BertForPreTraining.from_pretrained(folder, attn_implementation="sdpa").float().eval()
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+    tb = {k: torch.tensor(v) for k, v in batch.items()}
+
+    def step(scale):
+        hf.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            out = hf(**tb)
+        (out.loss.float() * scale).backward()
+        return float(out.loss.detach()), {k: p.grad.double().numpy() for k, p in hf.named_parameters()
+                                          if p.grad is not None}
+    try:
+        return _scaled(step, precision)
+    except Exception as e:                                   # e.g. an op without a CPU kernel in that dtype
+        return None, f"torch.autocast('cpu', {dtype}) failed: {type(e).__name__}: {str(e)[:80]}", None
+
+
+def model_study(size="small", seed=0, precisions=PRECISIONS, peer=True):
+    """One BertForPreTraining step (eval: dropout off, so every run sees the same function) on the same weights
+    and batch: refbert in float64 (the truth), refbert in float32, refbert's spec in each mixed precision (numpy
+    backend; fp16 through a loss scale of 2^16, divided out), and HF + PyTorch under torch.autocast (peer=True).
+    -> dict(config, loss: {run: (value, rel err)}, tensors: [dict(name, shape, scale, errs: {run: rel err})])
+    Each gradient's error is max |g - g64| / scale, scale = its largest |g64| floored at 1% of the model's largest
+    gradient (as refbert verify judges a cancelling gradient, e.g. the key bias, exactly 0 in exact arithmetic)."""
+    import tempfile
+
+    from . import model as M
+    from .config import BertConfig
+    s = MODEL_SIZES[size]
+    cfg = BertConfig.preset(s["preset"], vocab_size=s["vocab_size"], max_position_embeddings=max(512, s["T"]))
+    batch = _batch(s["B"], s["T"], cfg.vocab_size, seed)
+    m64 = M.BertForPreTraining(cfg, seed=seed, dtype=np.float64).eval()
+    o64 = m64(**batch)
+    g64 = m64.backward()
+    losses, grads, notes, scales = {"refbert float64": float(o64.loss)}, {}, {}, {}
+    for prec in ("fp32", *precisions):
+        name = f"refbert {'float32' if prec == 'fp32' else prec}"
+        m = M.BertForPreTraining(cfg, seed=seed, dtype=np.float32, precision=prec).eval()
+        for k in m.params:
+            m.params[k][...] = m64.params[k]                  # the float32 masters: the float64 weights, rounded once
+
+        def step(scale, m=m):
+            loss = float(m(**batch).loss)
+            return loss, m.backward(scale)
+        losses[name], grads[name], scales[name] = _scaled(step, prec)
+    if peer:
+        with tempfile.TemporaryDirectory(prefix="refbert-precision-") as d:
+            m64.save_pretrained(d)                            # (float64 weights; HF reads them as float32)
+            for p in precisions:
+                loss, g, scale = _torch_step(d, batch, p)
+                name = f"HF autocast {p.split('-')[0]}"
+                if loss is None:
+                    notes[name] = g
+                    continue
+                losses[name], grads[name], scales[name] = loss, g, scale
+    floor = 0.01 * max(float(np.abs(v).max()) for v in g64.values())
+    tensors = []
+    for k, ref in g64.items():
+        sc = max(float(np.abs(ref).max()), floor)
+        tensors.append(dict(name=k, shape=tuple(ref.shape), scale=sc,
+                            errs={r: float(np.abs(g[k] - ref).max()) / sc for r, g in grads.items() if k in g}))
+    ref_loss = losses["refbert float64"]
+    return dict(size=size, config=dict(preset=s["preset"], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                                       heads=cfg.num_attention_heads, vocab=cfg.vocab_size, B=s["B"], T=s["T"],
+                                       labelled=int((batch["labels"] != -100).sum())),
+                loss={r: (v, abs(v - ref_loss) / abs(ref_loss)) for r, v in losses.items()},
+                tensors=tensors, notes=notes, scales=scales)
+
+
+def _u(run):
+    """Half an ulp of 1 in the run's compute dtype (None for float32 / float64 runs)."""
+    if "bf16" in run:
+        return 2.0 ** -8
+    if "fp16" in run:
+        return 2.0 ** -11
+    return None
+
+
+def format_model_study(d):
+    """The model study as plain-text lines: the loss, a summary per run, then every gradient tensor."""
+    c = d["config"]
+    runs = [r for r in d["loss"] if r != "refbert float64"]
+    head = [f"One BertForPreTraining step (eval, dropout off), {c['preset']} (L{c['layers']} H{c['hidden']} "
+            f"A{c['heads']}, V {c['vocab']}), B{c['B']} T{c['T']}, {c['labelled']} labelled positions; the same "
+            f"weights and batch for every run. Error = max |x - float64| / scale (a gradient's scale: its largest "
+            f"float64 entry, floored at 1% of the model's largest gradient); in parentheses in units of u, half an "
+            f"ulp of 1 of the run's compute dtype (bfloat16 2^-8, float16 2^-11). fp16 runs: loss scaled as "
+            f"GradScaler would (2^16, halved while a gradient overflows), divided out: "
+            + ", ".join(f"{r} 2^{int(math.log2(v))}" for r, v in d["scales"].items() if "fp16" in r)
+            + ". HF: transformers' BertForPreTraining (sdpa), float32 parameters, under torch.autocast('cpu').",
+            ""]
+    head = textwrap.wrap(head[0], 118) + head[1:]
+    for r, why in d["notes"].items():
+        head.append(f"{r}: not run ({why})")
+    def cell(r, e):
+        u = _u(r)
+        return f"{e:.2e}" + (f" ({e / u:.2g} u)" if u else "")
+    rows = [("loss", *[cell(r, d["loss"][r][1]) for r in runs])]
+    errs = {r: [t["errs"][r] for t in d["tensors"] if r in t["errs"]] for r in runs}
+    rows.append(("gradients: median", *[cell(r, float(np.median(errs[r]))) if errs[r] else "—" for r in runs]))
+    rows.append(("gradients: worst", *[cell(r, max(errs[r])) if errs[r] else "—" for r in runs]))
+    summary = text_table(("", *runs), rows)
+    body = [(t["name"], "x".join(map(str, t["shape"])), *[cell(r, t["errs"][r]) if r in t["errs"] else "—"
+                                                          for r in runs]) for t in d["tensors"]]
+    return head + summary.splitlines() + ["", "every gradient:", ""] + text_table(("tensor", "shape", *runs),
+                                                                                   body).splitlines()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # command line: refbert check --precision / --device cuda
 
 def validate_kernels(backend, dtypes=None):
@@ -452,6 +619,11 @@ def add_arguments(p):
                    help="shapes (default: small on cpu, base on a GPU, tiny in the simulator)")
     p.add_argument("--ops", nargs="+", choices=list(OPS), help="only these ops")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--report", metavar="FILE", help="also write the printed study to FILE (markdown), e.g. "
+                                                    "benchmarks/results/precision.md")
+    p.add_argument("--no-step", dest="step", action="store_false",
+                   help="skip the mixed-precision training step (refbert's spec and HF + PyTorch autocast against "
+                        "float64; on the CPU)")
     p.add_argument("--validate", dest="validate", action="store_true", default=None,
                    help="with --device cuda: validate every kernel version against the oracle first (default on a "
                         "GPU; off in the simulator, where tests/test_cuda_sim.py does it)")
@@ -488,13 +660,23 @@ def main(args=None):
         status = 1 if failed else 0
     rows = study(getattr(args, "dtypes", None), size, device, getattr(args, "ops", None))
     where = "" if device is None else f"; kernels on {device.device_name()}"
-    print(f"precision study ({size} shapes{where})\n{LEGEND}\n")
-    print(format_table(rows))
+    lines = [f"precision study ({size} shapes{where})", LEGEND, "", *format_table(rows).splitlines()]
+    print("\n".join(lines))
+    step = None
+    if device is None and getattr(args, "step", True):      # the mixed-precision step: the spec against float64
+        step = model_study(size)
+        more = ["", "mixed-precision training step: refbert's spec (refbert.ops, README \"Mixed precision\") and "
+                    "HF + PyTorch autocast against float64", "", *format_model_study(step)]
+        print("\n".join(more))
+        lines += more
     if getattr(args, "json", None):
         keys = ("mode", "op", "dtype", "tensor", "max_ulp", "mean_ulp", "norm_ulp", "cond_ulp", "f32_max_ulp", "note")
         with open(args.json, "w") as fh:
-            json.dump(dict(size=size, sizes=SIZES[size], rows=[dict(zip(keys, r)) for r in rows]), fh, indent=1)
+            json.dump(dict(size=size, sizes=SIZES[size], rows=[dict(zip(keys, r)) for r in rows], step=step), fh,
+                      indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o)
             fh.write("\n")
+    if getattr(args, "report", None):
+        write_text(args.report, f"# refbert check --precision ({size})\n\n```\n" + "\n".join(lines) + "\n```\n")
     return status
 
 

@@ -5,7 +5,7 @@ A run directory holds
     loss.png                   the curves, redrawn at every evaluation
     checkpoint-{step}/         an HF folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json)
                                plus optimizer.safetensors (AdamW moments) and trainer_state.json (step, epoch,
-                               batch, RNG states, arguments)
+                               batch, RNG states, arguments; with --mixed-precision fp16 the loss scaler's)
     latest.json                {"checkpoint": "checkpoint-..."}: the newest complete checkpoint
     model (pretrain), best (finetune)      the final / best model: a symbolic link to the HF folder model-{n} /
                                            best-{n} of its newest version, swapped atomically on each save
@@ -36,7 +36,8 @@ from .config import PRESETS, BertConfig
 from .defaults import CONTROL, PRETRAIN, SCHEDULE
 from .errors import UserError
 from .fileio import write_text
-from .optim import AdamW, LinearWarmupDecay, clip_grad_norm
+from .mixed import FLAGS as MIXED_FLAGS
+from .optim import AdamW, GradScaler, LinearWarmupDecay, clip_grad_norm
 from .philox import DropoutRNG
 
 
@@ -358,6 +359,7 @@ def pretrain(args):
         if not resume:
             model = _pretrain_model(a, tokenizer, a["backend"])
             opt_state, state = None, dict(step=0, epoch=0, batch=0)
+        model.precision = MIXED_FLAGS[a["mixed_precision"]]   # the run's own: --resume refuses a change
     except BaseException:
         if vocab_tmp is not None:
             shutil.rmtree(vocab_tmp, ignore_errors=True)
@@ -384,8 +386,10 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
         opt.load_state_dict(opt_state)
         model.dropout_rng.state = state["dropout_rng"]
     sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
+    scaler = _scaler(a["mixed_precision"], state.get("grad_scaler") if resume else None)
     baseline = unigram_baseline(data, tokenizer, a["batch_size"])
     fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
+    fields += ["loss_scale"] if scaler.is_enabled() else []
     log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if resume else None)
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
                   state["step"] if resume else None)
@@ -404,16 +408,15 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
                 break
             model.train()
             o = model(**batch)
-            grads = model.backward()
-            norm = clip_grad_norm(grads, 1.0)
-            lr = sched.lr(step)
-            opt.step(grads, lr=lr)
+            lr, scale = sched.lr(step), scaler.get_scale()
+            norm = _update(model, opt, scaler, lr)
             step += 1
             met = pretraining_metrics(o, batch)
             tps = int(batch["attention_mask"].sum() / max(time.perf_counter() - t0, 1e-9))
             t0 = time.perf_counter()
             log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}", grad_norm=f"{norm:.4f}",
-                           tokens_per_s=tps, **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
+                           tokens_per_s=tps, loss_scale=f"{scale:.17g}",
+                           **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
             bar.set_postfix(loss=f"{float(o.loss):.3f}", mlm_acc=f"{met['mlm_acc']:.2f}", nsp_acc=f"{met['nsp_acc']:.2f}",
                             tok_s=tps)
             bar.update(1)
@@ -425,6 +428,8 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
                 plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
             if step % a["save_every"] == 0 or step == total:
                 st = dict(position, args=a, dropout_rng=model.dropout_rng.state)
+                if scaler.is_enabled():
+                    st["grad_scaler"] = scaler.state_dict()
                 save_checkpoint(out, f"checkpoint-{step:07d}", model, tokenizer, opt, st)
                 run.kept = True                          # a run --resume continues: it stays, whatever follows
         else:
@@ -443,6 +448,25 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
               f"{a['save_every']})")
         run.discard()
     return 0
+
+
+def _scaler(flag, state=None):
+    """The loss scaler of a run: torch's dynamic fp16 loss scaling for --mixed-precision fp16 (its state restored
+    on --resume), a pass-through otherwise (bf16 has float32's range)."""
+    scaler = GradScaler(enabled=flag == "fp16")
+    if state is not None:
+        scaler.load_state_dict(state)
+    return scaler
+
+
+def _update(model, opt, scaler, lr):
+    """Backward, unscale, clip to norm 1, AdamW step (skipped with fp16 when a gradient overflowed: the scaler then
+    halves its scale), scaler update. Returns the gradient norm before clipping (NaN for a skipped step)."""
+    grads = model.backward(scaler.get_scale())          # dloss = the loss scale (1 unless fp16)
+    norm = math.nan if scaler.unscale_(grads) else clip_grad_norm(grads, 1.0)
+    scaler.step(opt, grads, lr=lr)
+    scaler.update()
+    return norm
 
 
 def evaluate_pretraining(model, data, batch_size):
@@ -733,7 +757,8 @@ def finetune(args):
     labels = label_set(train_rows, task)
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
-    model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend)
+    model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend,
+                                precision=MIXED_FLAGS[getattr(args, "mixed_precision", "no")])
     if args.seed is not None:
         model.dropout_rng = DropoutRNG(args.seed)
     label2id = {v: k for k, v in id2label.items()}
@@ -756,6 +781,7 @@ def _finetune_epochs(args, task, model, tokenizer, tr, dev, id2label, base, tota
     n, B = len(tr["input_ids"]), args.batch_size
     opt = AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = LinearWarmupDecay(args.lr, int(0.1 * total), total)
+    scaler = _scaler(getattr(args, "mixed_precision", "no"))
     metric = {"classification": "accuracy", "pair": "accuracy", "ner": "f1", "qa": "f1"}[task]
     log = CsvLog(os.path.join(out, "log.csv"), ["step", "epoch", "lr", "loss"])
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "epoch", "loss", *sorted(evaluate_keys(task))])
@@ -769,10 +795,8 @@ def _finetune_epochs(args, task, model, tokenizer, tr, dev, id2label, base, tota
             idx = order[i:i + B]
             model.train()
             o = model(**{k: v[idx] for k, v in tr.items()})
-            grads = model.backward()
-            clip_grad_norm(grads, 1.0)
             lr = sched.lr(step)
-            opt.step(grads, lr=lr)
+            _update(model, opt, scaler, lr)
             step += 1
             losses.append(float(o.loss))
             log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}"))

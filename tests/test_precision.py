@@ -242,8 +242,8 @@ def test_gpu_study_large_ulps_are_cancellation():
     rounded = {k: P.round_to(v, f16) for k, v in c.inputs.items()}
     _, ref_g, dout = P._reference(c, rounded, f16, 0)
     m = P.terms(c, rounded, dout, f16)[1]
-    out, (qh, kh, vh, sm, do) = ops.attention_forward(**{k: v.astype(np.float32) for k, v in rounded.items()},
-                                                      **P._kw(c))
+    out, (qh, kh, vh, _, sm, do) = ops.attention_forward(**{k: v.astype(np.float32) for k, v in rounded.items()},
+                                                         **P._kw(c))
     B, H, T, hs = qh.shape
     heads = lambda a: a.reshape(B, T, H, hs).transpose(0, 2, 1, 3)          # noqa: E731  (B, H, T, hs)
     dh = heads(dout.astype(np.float32))

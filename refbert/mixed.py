@@ -1,0 +1,160 @@
+"""Mixed precision around any backend: the spec of refbert.ops (the section "mixed precision: the spec") applied to
+a backend's float32 ops, so that the model runs bf16-mixed or fp16-mixed on the numpy backend (the spec itself),
+the numba backend, or a module of yours, unchanged.
+
+    precision   compute dtype   what it is
+    "fp32"      —               the backend as it is (the default)
+    "bf16-mixed" bfloat16       float32 masters, bfloat16 activations and activation gradients, float32 inside ops
+    "fp16-mixed" float16        the same in IEEE half; train it with loss scaling (refbert.optim.GradScaler)
+
+`mixed_ops(backend, compute)` is the namespace the model calls: every function of the backend (refbert.backends
+NAMES) wrapped by one rule, refbert.ops' generic one:
+    forward:  every floating array argument rounded to the compute dtype (R) on entry, but the constants of
+              ops.MIXED_CONSTANTS (the attention mask, regression targets); the output rounded on exit, but a loss
+    backward: dout rounded on entry (a loss's dloss stays float32); each returned gradient rounded when it is an
+              activation's, left float32 when it is a parameter's (ops.MIXED_PARAMS)
+What the backend's function computes in between is its float32 arithmetic: the numba kernels' fused ops run as
+they are, in float32 on rounded inputs. The attention core is the exception: the spec rounds inside it
+(FlashAttention-2's P and dS, ops.attention_forward_mixed), which no float32 kernel can do from outside, so it is
+the spec's own NumPy code unless the backend brings a 16-bit attention of its own.
+
+Backends with 16-bit kernels (the GPU, later) plug in per op: a module that defines `<name>_mixed` (for instance
+`attention_forward_mixed(q, k, v, n_heads, mask, dropout_p, rng, train, compute=...)`, `attention_backward_mixed`,
+`linear_forward_mixed`, ...) gets that function called instead of the rounding around its float32 op; it receives
+the model's arguments as they are (activations already in the compute dtype, parameters as the float32 masters)
+and must itself compute what the spec says. `describe()` says which op runs how.
+
+Compute-dtype tensors are float32 arrays whose values lie on the compute grid (refbert.ops.round_bfloat16 /
+round_float16): NumPy has no bfloat16, the float32 kernels run them as they are, and R is idempotent, so rounding an
+input that is already a compute-dtype tensor changes nothing.
+"""
+import functools
+import inspect
+
+import numpy as np
+
+from . import ops as oracle
+from .backends import NAMES, _op
+
+PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}   # precision -> compute dtype
+# the command line's --mixed-precision (accelerate's names) -> precision
+FLAGS = {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+
+
+def compute_dtype(precision, who="precision"):
+    """The compute dtype of a precision ("bfloat16", "float16"; None for "fp32"), or a ValueError naming `who`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: argument 'precision' expected one of {', '.join(map(repr, PRECISIONS))}, "
+                         f"got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def _round_tree(obj, R):
+    """R on every float32 NumPy array of obj (through tuples and lists); anything else as it is."""
+    if isinstance(obj, np.ndarray) and obj.dtype == np.float32:
+        return R(obj)
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_round_tree(v, R) for v in obj)
+    return obj
+
+
+def _signature(name):
+    return inspect.signature(getattr(oracle, name))
+
+
+def wrap_forward(fn, name, compute):
+    """The forward `fn` (the oracle's signature) under the spec's rule: inputs rounded on entry (but constants),
+    the output rounded on exit (but a loss)."""
+    R, op, sig = oracle.ROUND[compute], _op(name), _signature(name)
+    loss = op in oracle.MIXED_LOSSES
+
+    @functools.wraps(fn)
+    def forward(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        for k, v in bound.arguments.items():
+            if k not in oracle.MIXED_CONSTANTS and isinstance(v, np.ndarray) and v.dtype == np.float32:
+                bound.arguments[k] = R(v)
+        with np.errstate(over="ignore", invalid="ignore"):   # fp16 overflow: inf, for the loss scaler to see
+            out, cache = fn(*bound.args, **bound.kwargs)
+        return (out if loss else _round_tree(out, R)), cache
+    return forward
+
+
+def wrap_backward(fn, name, compute):
+    """The backward `fn` under the spec's rule: dout rounded on entry (a loss's dloss kept), each activation's
+    gradient rounded on exit, each parameter's left float32."""
+    R, op = oracle.ROUND[compute], _op(name)
+    loss = op in oracle.MIXED_LOSSES
+    params, wrt = oracle.MIXED_PARAMS.get(op, ()), oracle.GRADS_OF[op]
+
+    @functools.wraps(fn)
+    def backward(dout, cache):
+        if not loss and isinstance(dout, np.ndarray) and dout.dtype == np.float32:
+            dout = R(dout)
+        with np.errstate(over="ignore", invalid="ignore"):
+            g = fn(dout, cache)
+        one = not isinstance(g, tuple)
+        gs = (g,) if one else g
+        gs = tuple(gi if n in params else R(gi) for n, gi in zip(wrt, gs))
+        return gs[0] if one else gs
+    return backward
+
+
+class MixedOps:
+    """The namespace a mixed-precision model calls: every name of refbert.backends.NAMES, wrapped (see the module
+    docstring). Attributes: `compute` ("bfloat16" / "float16"), `base` (the backend's own namespace), `how`
+    {function name: "rounded" (the backend's float32 op between roundings) | "spec" (refbert.ops' mixed code) |
+    "own" (the backend's <name>_mixed)}. Anything else is the base backend's (to_device, describe, ...)."""
+
+    def __init__(self, base, compute):
+        if compute not in oracle.ROUND:
+            raise ValueError(f"mixed: argument 'compute' expected one of {', '.join(oracle.ROUND)}, got {compute!r}")
+        self.base, self.compute, self.how = base, compute, {}
+        module = getattr(base, "module", base)
+        spec = {"attention_forward": functools.partial(oracle.attention_forward_mixed, compute=compute),
+                "attention_backward": oracle.attention_backward_mixed,
+                "attention_probs": oracle.attention_probs_mixed}
+        for name in NAMES:
+            own = getattr(module, f"{name}_mixed", None)
+            if own is not None and own is getattr(oracle, f"{name}_mixed", None):
+                own = None                                # the numpy backend's module is the oracle: the spec
+            if callable(own):
+                fn = functools.partial(own, compute=compute) if name.endswith("_forward") else own
+                self.how[name] = "own"
+            elif name in spec:
+                fn, self.how[name] = spec[name], "spec"
+            elif name.endswith("_forward"):
+                fn, self.how[name] = wrap_forward(getattr(base, name), name, compute), "rounded"
+            else:
+                fn, self.how[name] = wrap_backward(getattr(base, name), name, compute), "rounded"
+            setattr(self, name, fn)
+        rounded = [n for n, how in self.how.items() if how != "own"]
+        if getattr(base, "home", "numpy") != "numpy" and rounded:
+            # R works on NumPy arrays: a device backend (its arrays CuPy's) must bring every op's 16-bit version
+            raise ValueError(f"mixed precision: backend {getattr(base, 'name', base)!r} keeps its arrays on a device "
+                             f"({base.home}); expected its own 16-bit ops (<name>_mixed) for every op, got none for "
+                             f"{', '.join(dict.fromkeys(_op(n) for n in rounded))} (the GPU's 16-bit path is "
+                             f"issue 14's items 3-4; the spec runs on the numpy and numba backends)")
+
+    def __getattr__(self, attr):                          # only called for what __init__ did not set
+        if attr.startswith("__") or attr == "base":
+            raise AttributeError(attr)
+        return getattr(self.base, attr)
+
+    def describe(self):
+        """The base backend's description, then one line: which ops run as the spec's code, which as the backend's
+        own 16-bit functions, the rest the backend's float32 ops between roundings."""
+        base = self.base.describe() if callable(getattr(self.base, "describe", None)) else str(self.base)
+        by = {}
+        for name, how in self.how.items():
+            by.setdefault(how, []).append(_op(name))
+        spell = lambda how: ", ".join(dict.fromkeys(by.get(how, []))) or "none"  # noqa: E731
+        return (f"{base}\nmixed precision ({self.compute} compute, float32 masters): the spec's own code: "
+                f"{spell('spec')}; the backend's 16-bit ops: {spell('own')}; every other op the backend's float32 "
+                f"op on inputs rounded to {self.compute}, its output rounded (refbert.mixed)")
+
+
+def mixed_ops(base, precision):
+    """The namespace a model with `precision` calls over the backend `base`: base itself for "fp32"."""
+    compute = compute_dtype(precision)
+    return base if compute is None else MixedOps(base, compute)
