@@ -122,13 +122,29 @@ def compare(head, dtype, **cfg_kw):
 
 
 T_ = {"BertForPreTraining": 6, "BertForSequenceClassification": 5}
-compare("BertForPreTraining", np.float32)
-compare("BertForSequenceClassification", np.float32, num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
-        intermediate_size=12)
-if FLOAT64:
-    compare("BertForSequenceClassification", np.float64, num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
-            intermediate_size=12)
+SMALL = dict(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=12)
+CASES = globals().get("CASES") or ([("BertForPreTraining", np.float32, {}),
+                                    ("BertForSequenceClassification", np.float32, SMALL)]
+                                   + ([("BertForSequenceClassification", np.float64, SMALL)] if FLOAT64 else []))
+for head, dtype, kw in CASES:
+    compare(head, dtype, **kw)
+from refbert_kernels.cuda import versions as VV
+print("RAN", sorted({(op, dt, k) for op, dt, k in VV.RAN}))       # what ran: (op, dtype, version)
+print("PROBLEMS", VV.problems())
 """
+
+
+def ran(out):
+    """{(op, dtype, version)} from a _COMPARE child's output."""
+    import ast
+    line = next(line for line in out.splitlines() if line.startswith("RAN "))
+    return set(ast.literal_eval(line[4:]))
+
+
+# every op with versions that one training step of BertForPreTraining runs (softmax, residual_layernorm and gelu
+# are fused into attention, the LayerNorms with their residuals, and bias + GELU)
+STEP_OPS = {"layernorm", "dropout_residual_layernorm", "dropout", "bias_gelu", "attention", "cross_entropy",
+            "column_sum", "embedding"}
 
 
 @needs_numba_cuda
@@ -145,8 +161,30 @@ def test_gpu_whole_model_equals_numpy_backend():
     """The same on a real GPU (CuPy arrays, cuBLAS, the compiled kernels); skipped without one."""
     if not _gpu_present():
         pytest.skip("no CUDA GPU usable through CuPy")
-    out = _check(_run("FLOAT64 = True\n" + _COMPARE, sim=False))
+    out = _check(_run(CASES_HS32 + _COMPARE, sim=False))
     assert out.count("OK ") == 3, out
+    assert_ran_cuda_c(out)
+
+
+# models whose heads have size 32, which the CUDA C attention has kernels for (tiny_config's are of size 4)
+CASES_HS32 = """
+import numpy as np
+FLOAT64 = True
+HS32 = dict(hidden_size=64, num_attention_heads=2, intermediate_size=96)
+CASES = [("BertForPreTraining", np.float32, HS32),
+         ("BertForSequenceClassification", np.float32, dict(HS32, num_hidden_layers=1)),
+         ("BertForSequenceClassification", np.float64, dict(HS32, num_hidden_layers=1))]
+"""
+
+
+def assert_ran_cuda_c(out):
+    """What ran is what was meant to: a CUDA C version of every op of the step in float32 (STEP_OPS), the Numba
+    versions in float64 (CUDA C is float32 only); no demotion, no CUDA C call handed to Numba."""
+    assert "PROBLEMS []" in out, out
+    ran_ = ran(out)
+    for op in STEP_OPS:
+        assert any(o == op and dt == "float32" and k.startswith("C") for o, dt, k in ran_), (op, sorted(ran_))
+    assert all(not k.startswith("C") for o, dt, k in ran_ if dt == "float64"), sorted(ran_)
 
 
 _DLPACK_GPU = """

@@ -642,21 +642,6 @@ def column_sum_c1(x2):
 # ----------------------------------------------------------------------------------------------------------------
 # the embedding backward (C1): sorted segment sum
 
-def sort_ids(xp, ids):
-    """(sid, pos): the positions of ids (flat) sorted by the unique key id * N + position, and their ids, as int64
-    device arrays. Host ids are sorted on the host (then moved: one copy); device ids on the device (cupy.argsort:
-    which may synchronise; refbert_kernels.cuda.backend.stage sorts the model's ids on the host before they move)."""
-    flat = ids.reshape(-1)
-    N = flat.size
-    if not C.on_device(flat):
-        key = np.sort(np.asarray(flat, np.int64) * N + np.arange(N, dtype=np.int64))
-        both = xp.asarray(np.stack([key // N, key % N]))
-        return both[0], both[1]
-    key = flat.astype(np.int64) * N + xp.arange(N, dtype=np.int64)
-    key = key[xp.argsort(key)]
-    return key // N, key % N
-
-
 def embedding_backward_c1(dout, cache, sorted_ids=None):
     """dw of the cuda backend's embedding (cache (ids, w_shape, dtype, padding_idx)): a sorted segment sum, the same
     bits every run. sorted_ids: (sid, pos) if the caller has them (the backend's stage())."""
@@ -667,6 +652,7 @@ def embedding_backward_c1(dout, cache, sorted_ids=None):
     dw = xp.zeros(w_shape, np.float32)
     if N == 0 or Cc == 0:
         return dw
+    from .embedding import sort_ids
     sid, pos = sorted_ids if sorted_ids is not None else sort_ids(xp, ids)
     d2 = xp.ascontiguousarray(dout).reshape(N, Cc)
     part = xp.empty((N, Cc), np.float32)

@@ -163,7 +163,8 @@ class DevArray(np.ndarray):
             COUNTS.note("h2d", f"host index {_where()}")
             idx = tuple(i.view(DevArray) if _is_host(i) else i for i in items) if isinstance(idx, tuple) \
                 else idx.view(DevArray)
-        return super().__getitem__(_unwrap(idx) if isinstance(idx, DevArray) else idx)
+        res = super().__getitem__(_unwrap(idx) if isinstance(idx, DevArray) else idx)
+        return _wrap(res) if isinstance(res, np.generic) else res     # CuPy: an element is a 0-d device array
 
     def __setitem__(self, idx, value):
         if _is_host(value):

@@ -4,9 +4,9 @@
 //     g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -I csrc -x c++ layernorm.cu -o x && ./x
 //
 // Model of execution (what a kernel sees):
-//   - a launch runs its blocks one after another; a block runs blockDim.x * y * z std::threads, each with its own
-//     threadIdx (thread_local), so `__shared__` (defined as `static`) is one array per kernel shared by the running
-//     block's threads, as on a GPU;
+//   - a launch runs its blocks one after another on blockDim.x * y * z std::threads (made once per launch), each
+//     with its own threadIdx (thread_local), so `__shared__` (defined as `static`) is one array per kernel shared by
+//     the running block's threads, as on a GPU;
 //   - __syncthreads() is a std::barrier of the block, __syncwarp() and every warp shuffle / vote a barrier of the
 //     thread's warp (32 consecutive linear thread ids); a thread that returns drops out of both (arrive_and_drop),
 //     as exited threads stop counting on a GPU;
@@ -28,6 +28,8 @@
 #include <atomic>
 #include <barrier>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -91,14 +93,48 @@ inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(
 
 namespace cpusim {
 
+// a barrier whose thread count drops when a thread exits (as exited threads stop counting on a GPU) and is set
+// again for every block
+struct DropBarrier {                    // state = expected << 32 | arrived, one atomic word
+    std::atomic<unsigned long long> state{0};
+    std::atomic<unsigned> gen{0};
+    static constexpr unsigned long long ONE = 1ull << 32, LOW = ONE - 1;
+    void reset(int n) { state.store((unsigned long long)n << 32); }
+    void complete() {                   // every expected thread is in: start the next phase, wake them
+        unsigned long long s = state.load();
+        while (!state.compare_exchange_weak(s, s & ~LOW)) {}
+        gen.fetch_add(1);
+        gen.notify_all();
+    }
+    void arrive_and_wait() {
+        const unsigned g = gen.load();
+        const unsigned long long s = state.fetch_add(1) + 1;
+        if ((s & LOW) == (s >> 32)) { complete(); return; }
+        for (int spin = 0; gen.load() == g; spin++) {
+            if (spin < 64) std::this_thread::yield();
+            else gen.wait(g);
+        }
+    }
+    void drop() {
+        const unsigned long long s = state.fetch_sub(ONE) - ONE;
+        if ((s & LOW) > 0 && (s & LOW) == (s >> 32)) complete();
+    }
+};
+
 struct Warp {
-    std::unique_ptr<std::barrier<>> bar;
+    DropBarrier bar;
+    int size = 32;
     unsigned long long buf[2][32];
     int phase[32];
 };
 struct Block {
-    std::unique_ptr<std::barrier<>> bar;
+    DropBarrier bar;
     std::vector<Warp> warps;
+    int n = 0;
+    void reset() {
+        bar.reset(n);
+        for (auto& w : warps) { w.bar.reset(w.size); std::memset(w.phase, 0, sizeof(w.phase)); }
+    }
 };
 inline Block* block = nullptr;          // the running block (one at a time)
 inline thread_local int ltid = 0;       // linear thread id in the block
@@ -111,7 +147,7 @@ template <class T> inline T exchange(T v, int src_lane_of_me_fn(int, int), int a
     const int lane = ltid % 32, ph = w.phase[lane];
     w.phase[lane] ^= 1;
     std::memcpy(&w.buf[ph][lane], &v, sizeof(T));
-    w.bar->arrive_and_wait();
+    w.bar.arrive_and_wait();
     const int src = src_lane_of_me_fn(lane, arg);
     T r;
     std::memcpy(&r, &w.buf[ph][src & 31], sizeof(T));
@@ -122,44 +158,43 @@ inline int lane_abs(int, int src) { return src; }
 inline int lane_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; }
 inline int lane_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 
-inline void run_block(const dim3& g, const dim3& b, unsigned bx, unsigned by, unsigned bz,
-                      void (*body)(void*), void* ctx) {
+// every block of the grid, one after another, on one set of blockDim threads
+inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx) {
     const int n = (int)(b.x * b.y * b.z);
-    Block blk;
-    blk.bar = std::make_unique<std::barrier<>>(n);
-    const int nw = (n + 31) / 32;
-    blk.warps.resize(nw);
-    for (int w = 0; w < nw; w++) {
-        blk.warps[w].bar = std::make_unique<std::barrier<>>(std::min(32, n - 32 * w));
-        std::memset(blk.warps[w].phase, 0, sizeof(blk.warps[w].phase));
+    if (n == 0 || n > 1024) {
+        std::fprintf(stderr, "cpusim: block of %u x %u x %u threads (1 to 1024 allowed)\n", b.x, b.y, b.z);
+        std::abort();
     }
+    const unsigned long long blocks = (unsigned long long)g.x * g.y * g.z;
+    Block blk;
+    blk.n = n;
+    const int nw = (n + 31) / 32;
+    blk.warps = std::vector<Warp>(nw);
+    for (int w = 0; w < nw; w++) blk.warps[w].size = std::min(32, n - 32 * w);
+    blk.reset();
     block = &blk;
+    std::barrier<> done(n);                                        // every thread, every block: never dropped
     std::vector<std::thread> threads;
     threads.reserve(n);
     for (int t = 0; t < n; t++) {
         threads.emplace_back([&, t]() {
             ltid = t;
             threadIdx = uint3{(unsigned)(t % b.x), (unsigned)(t / b.x % b.y), (unsigned)(t / (b.x * b.y))};
-            blockIdx = uint3{bx, by, bz};
             blockDim = b;
             gridDim = g;
-            body(ctx);
-            blk.warps[t / 32].bar->arrive_and_drop();          // an exited thread stops counting
-            blk.bar->arrive_and_drop();
+            for (unsigned long long i = 0; i < blocks; i++) {
+                blockIdx = uint3{(unsigned)(i % g.x), (unsigned)(i / g.x % g.y), (unsigned)(i / ((unsigned long long)g.x * g.y))};
+                body(ctx);
+                blk.warps[t / 32].bar.drop();                      // an exited thread stops counting
+                blk.bar.drop();
+                done.arrive_and_wait();                            // the block is over
+                if (t == 0) blk.reset();
+                done.arrive_and_wait();                            // the next block starts afresh
+            }
         });
     }
     for (auto& th : threads) th.join();
     block = nullptr;
-}
-
-inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx) {
-    if (b.x * b.y * b.z == 0 || b.x * b.y * b.z > 1024) {
-        std::fprintf(stderr, "cpusim: block of %u x %u x %u threads (1 to 1024 allowed)\n", b.x, b.y, b.z);
-        std::abort();
-    }
-    for (unsigned z = 0; z < g.z; z++)
-        for (unsigned y = 0; y < g.y; y++)
-            for (unsigned x = 0; x < g.x; x++) run_block(g, b, x, y, z, body, ctx);
 }
 
 template <class... P, class... A> void launch(void (*k)(P...), dim3 g, dim3 b, A... a) {
@@ -173,8 +208,8 @@ template <class... P, class... A> void launch(void (*k)(P...), dim3 g, dim3 b, A
 
 }  // namespace cpusim
 
-inline void __syncthreads() { cpusim::block->bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { cpusim::warp().bar->arrive_and_wait(); }
+inline void __syncthreads() { cpusim::block->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cpusim::warp().bar.arrive_and_wait(); }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o, int = 32) {
     return cpusim::exchange(v, cpusim::lane_xor, o);
 }
@@ -187,12 +222,15 @@ template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned d, int = 32
 template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
     return cpusim::exchange(v, cpusim::lane_up, (int)d);
 }
-inline unsigned __ballot_sync(unsigned, int pred) {
+inline unsigned __ballot_sync(unsigned, int pred) {           // one exchange: every lane reads all 32 votes
+    cpusim::Warp& w = cpusim::warp();
+    const int lane = cpusim::ltid % 32, ph = w.phase[lane];
+    w.phase[lane] ^= 1;
+    w.buf[ph][lane] = pred ? 1 : 0;
+    w.bar.arrive_and_wait();
     unsigned bits = 0;
-    for (int l = 0; l < 32; l++) {                               // 32 exchanges: every lane reads lane l's vote
-        int v = cpusim::exchange(pred ? 1 : 0, cpusim::lane_abs, l);
-        if (v) bits |= 1u << l;
-    }
+    for (int l = 0; l < w.size; l++)
+        if (w.buf[ph][l]) bits |= 1u << l;
     return bits;
 }
 inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
