@@ -65,8 +65,18 @@ def module(name, xp=None):
     return _module(name, xp)
 
 
+RECORD = None       # a list while the bench's launch probe records: (source, name, grid, block, args) per launch
+
+
 def kernel(source, name, xp=None):
-    return module(source, xp).get_function(name)
+    fn = module(source, xp).get_function(name)
+    if RECORD is None:
+        return fn
+
+    def recorded(grid, block, args, **kw):
+        RECORD.append((source, name, grid, block, args))
+        return fn(grid, block, args, **kw)
+    return recorded
 
 
 def _i(n):
@@ -625,6 +635,8 @@ def cross_entropy_backward_c1(dloss, cache):
 
 def column_sum_c1(x2):
     """out[c] = sum_r x2[r, c] of a (R, C) float32 device array, deterministic (chunk partials in a fixed order)."""
+    if not _c_ok(x2):
+        return _fallback("column_sum", "C1", _why(x2), lambda a: a.sum(0), x2)
     xp = C.xp_of(x2)
     R, Cc = x2.shape
     if R == 0 or Cc == 0:
@@ -646,6 +658,9 @@ def embedding_backward_c1(dout, cache, sorted_ids=None):
     """dw of the cuda backend's embedding (cache (ids, w_shape, dtype, padding_idx)): a sorted segment sum, the same
     bits every run. sorted_ids: (sid, pos) if the caller has them (the backend's stage())."""
     ids, w_shape, dtype, padding_idx = cache
+    if not (_c_ok(dout) and np.dtype(dtype) == F32):
+        from .embedding import backward
+        return _fallback("embedding", "C1", _why(dout), backward, 2, dout, cache, sorted_ids)
     xp = C.xp_of(dout)
     C.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
     N, Cc = ids.size, w_shape[1]
