@@ -118,6 +118,8 @@ def add_arguments(p):
     p.add_argument("--step", nargs="+", metavar="BxT", help="training-step batches (default 32x128 8x512)")
     p.add_argument("--step-T", nargs="+", type=int, help="training-step sequence lengths at 4096 tokens (B = 4096/T)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers and HF's step")
+    p.add_argument("--config", choices=["base", "tiny"], default="base",
+                   help=argparse.SUPPRESS)          # tiny: the emulator's tooling check (tests/test_cuda_emu.py)
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     return p
 
@@ -164,10 +166,35 @@ def command_line(args):
     return " ".join(parts)
 
 
+def emulated():
+    """REFBERT_CUDA_EMULATE=1 (with NUMBA_ENABLE_CUDASIM=1): the bench's code paths run on
+    refbert_kernels.cuda.emulate's CuPy stand-in (a tooling check: tests/test_cuda_emu.py; no timing means anything)."""
+    return os.environ.get("REFBERT_CUDA_EMULATE", "0") not in ("", "0")
+
+
+def _xp():
+    """cupy, or its emulated stand-in."""
+    if emulated():
+        from refbert_kernels.cuda.emulate import cupy
+        return cupy
+    import cupy
+    return cupy
+
+
+def _randn(shape):
+    """float32 standard normal values on the device."""
+    cp = _xp()
+    if emulated():
+        return cp.asarray(np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32))
+    return cp.random.standard_normal(shape, dtype=np.float32)
+
+
 def gpu_available():
     """(True, device name) or (False, why)."""
     try:
         from numba.core import config
+        if emulated() and config.ENABLE_CUDASIM:
+            return True, "emulated GPU (CPU threads)"
         if config.ENABLE_CUDASIM:
             return False, "NUMBA_ENABLE_CUDASIM=1 is set: the simulator cannot be timed"
     except ImportError:
@@ -194,9 +221,9 @@ class Timer:
     """CUDA-event timings with the L2 flushed (FLUSH_BYTES written) before every timed call."""
 
     def __init__(self, repeats, warmup=2):
-        import cupy
+        cupy = _xp()
         self.cp, self.repeats, self.warmup = cupy, repeats, warmup
-        self.flush_buf = cupy.empty(FLUSH_BYTES // 4, np.float32)
+        self.flush_buf = cupy.empty((FLUSH_BYTES if not emulated() else 2 ** 16) // 4, np.float32)
 
     def flush(self):
         self.flush_buf.fill(0)
@@ -222,15 +249,16 @@ class Timer:
 def copy_bandwidth(timer):
     """Bytes per second of a device-to-device copy of COPY_BYTES (read + write: 2 bytes moved per byte)."""
     cp = timer.cp
-    a = cp.ones(COPY_BYTES // 4, np.float32)
+    a = cp.ones((COPY_BYTES if not emulated() else 2 ** 20) // 4, np.float32)
     b = cp.empty_like(a)
     t = timer(lambda: cp.copyto(b, a), repeats=max(5, timer.repeats // 2))
-    return 2 * COPY_BYTES / t                 # (a, b freed on return, back to CuPy's pool)
+    return 2 * a.nbytes / t                 # (a, b freed on return, back to CuPy's pool)
 
 
 def launch_overhead(n=2000):
     """{what: (wall us per launch, event us of one launch)} of empty kernels."""
-    import cupy as cp
+    cp = _xp()
+    n = n if not emulated() else 3
     import refbert_kernels.cuda  # noqa: F401  (before the first compile: its NumPy 2.5 fix for numba-cuda)
     from numba import cuda
 
@@ -263,7 +291,7 @@ def launch_overhead(n=2000):
         wall = (time.perf_counter() - t) / n * 1e6
         start, end = cp.cuda.Event(), cp.cuda.Event()
         ev = []
-        for _ in range(50):
+        for _ in range(50 if not emulated() else 2):
             start.record()
             fn()
             end.record()
@@ -351,7 +379,7 @@ def validate_version(spec, v, dtypes):
 
 def _on_gpu(inputs, kwargs, dtype):
     """A spec's host inputs on the GPU (float arrays in dtype), kwargs' arrays too (masks, labels stay as given)."""
-    import cupy as cp
+    cp = _xp()
     conv = lambda v: cp.asarray(v.astype(dtype) if v.dtype.kind == "f" else v) \
         if isinstance(v, np.ndarray) else v  # noqa: E731
     with np.errstate(over="ignore"):       # float32's most negative mask value is -inf in float16, as intended
@@ -372,7 +400,7 @@ def _fresh(kwargs):
 
 def time_pair(timer, forward, backward, inputs, kwargs):
     """(forward s, backward s) of one implementation on device inputs; backward on one cached forward."""
-    import cupy as cp
+    cp = _xp()
     out, cache = forward(**inputs, **_fresh(kwargs))
     scalar = np.ndim(out) == 0
     dout = 1.0 if scalar else cp.asarray(np.random.default_rng(0).standard_normal(out.shape)).astype(out.dtype)
@@ -604,12 +632,12 @@ def gemm_flops(gemms):
 def time_gemms(timer, gemms):
     """Seconds of every product of `gemms` on cuBLAS in float32 (cupy.matmul, TF32 off), one after another: the
     floor no implementation of the step can go under. Operands allocated once per distinct shape."""
-    import cupy as cp
+    cp = _xp()
     shapes = {}
     for _, b, m, k, n in gemms:
         if (b, m, k, n) not in shapes:
-            a = cp.random.standard_normal((b, m, k), dtype=np.float32)
-            bb = cp.random.standard_normal((b, k, n), dtype=np.float32)
+            a = _randn((b, m, k))
+            bb = _randn((b, k, n))
             shapes[(b, m, k, n)] = (a, bb, cp.empty((b, m, n), np.float32))
     seq = [shapes[(b, m, k, n)] for _, b, m, k, n in gemms]
 
@@ -627,19 +655,21 @@ def _tf32_off():
 
 
 def _pool_bytes():
-    import cupy as cp
+    cp = _xp()
     return cp.get_default_memory_pool().used_bytes()
 
 
 def run_step(args, timer):
     """The step rows (refbert all / labelled, HF sdpa / eager, the GEMM floors, memory), and the launch-probe rows
     of the first shape. -> (rows, launch_rows, failed, models) with models what run_profile reuses."""
-    import cupy as cp
+    cp = _xp()
     import refbert
     from refbert.bench import batch
     from refbert.config import BertConfig
     from refbert_kernels.cuda import versions as VV
-    cfg = BertConfig.preset("base")
+    cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
+        BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                   max_position_embeddings=512)
     rows, launch_rows, failed = [], [], False
     tmp = tempfile.TemporaryDirectory()
     hf = {}
@@ -741,20 +771,20 @@ def launch_probe(step, repeats=200):
     """Every CUDA C kernel one call of step() launches, replayed `repeats` times back to back with the step's own
     arguments: host microseconds per launch (the wall time of the loop / repeats, the device drained before and
     after). -> rows [dict(kernel, calls_per_step, host_us)]."""
-    import cupy as cp
+    cp = _xp()
     from refbert_kernels.cuda import cuda_c as K
+    repeats = repeats if not emulated() else 2
     K.RECORD = []
     try:
         step()
     finally:
         recorded, K.RECORD = K.RECORD, None
     first, calls = {}, {}
-    for source, name, grid, block, args in recorded:
+    for name, fn, grid, block, args in recorded:
         calls[name] = calls.get(name, 0) + 1
-        first.setdefault(name, (source, grid, block, args))
+        first.setdefault(name, (fn, grid, block, args))
     rows = []
-    for name, (source, grid, block, args) in first.items():
-        fn = K.kernel(source, name)
+    for name, (fn, grid, block, args) in first.items():
         cp.cuda.Device().synchronize()
         t = time.perf_counter()
         for _ in range(repeats):
@@ -811,8 +841,10 @@ def _device_events(prof):
 def run_profile(args, models, steps=3):
     """torch.profiler over `steps` steps of refbert (both decoders) and HF sdpa at the first --step shape.
     -> {impl: (summary, rows)} or {impl: error text}."""
-    import cupy as cp
+    cp = _xp()
     from refbert.bench import batch
+    if emulated():
+        return {"profile": "not on the emulator (no CUPTI)"}
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile

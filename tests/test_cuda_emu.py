@@ -167,3 +167,29 @@ def test_emu_value_checks_need_refbert_cuda_checks():
     assert "LOSS nan reads before float() 0" in plain, plain
     strict = cudachild.check(_run(_env(code, checks=True)))
     assert "ERR cross_entropy: argument 'logits' expected finite rows" in strict, strict
+
+
+def test_emu_bench_step_section_runs_end_to_end(tmp_path):
+    """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
+    step's own arguments) runs on the emulator: a tooling check of the code the GPU run will execute (its times
+    mean nothing here). Every CUDA C kernel of the step shows in the launch probe."""
+    import json
+    code = f"""
+        import sys
+        from refbert import bench_cuda as BC
+        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "--step", "2x8", "--repeats", "1",
+                          "--no-plot", "--out", {str(tmp_path)!r}]))
+    """
+    out = cudachild.check(_run(_env(code)))
+    data = json.loads((tmp_path / "cuda_step.json").read_text())
+    impls = [r["impl"] for r in data["rows"]]
+    assert "refbert cuda fp32 (all)" in impls and "refbert cuda fp32 (labelled)" in impls, impls
+    for r in data["rows"]:
+        if r["impl"].startswith("refbert"):
+            assert r["ms"] > 0 and r["floor_ms"] > 0 and r["gemm_tflop"] > 0, r
+    assert not any(r["impl"] == "FALLBACK" for r in data["rows"]), data["rows"]
+    kernels = {r["kernel"] for r in data["launch"]}
+    assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v2_drop",
+            "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
+            "attn_fwd_v1_f32_hs32", "attn_bwd_dq_v1_f32_hs32"} <= kernels, sorted(kernels)
+    assert "wrote" in out

@@ -65,7 +65,7 @@ def module(name, xp=None):
     return _module(name, xp)
 
 
-RECORD = None       # a list while the bench's launch probe records: (source, name, grid, block, args) per launch
+RECORD = None       # a list while the bench's launch probe records: (name, kernel, grid, block, args) per launch
 
 
 def kernel(source, name, xp=None):
@@ -74,7 +74,7 @@ def kernel(source, name, xp=None):
         return fn
 
     def recorded(grid, block, args, **kw):
-        RECORD.append((source, name, grid, block, args))
+        RECORD.append((name, fn, grid, block, args))
         return fn(grid, block, args, **kw)
     return recorded
 
