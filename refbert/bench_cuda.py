@@ -158,7 +158,8 @@ def command_line(args):
     parts = ["refbert bench --device cuda"]
     for key, value in sorted(vars(args).items()):
         if key in ("command", "device") or value in (None, False) or (key == "validate_dtypes"
-                                                                      and value == ["float32", "float16"]):
+                                                                      and value == ["float32", "float16"]) \
+                or (key == "config" and value == "base"):
             continue
         flag = "--" + key.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {' '.join(map(str, value))}" if isinstance(value, list)

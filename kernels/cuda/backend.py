@@ -490,7 +490,7 @@ def _forward(op):
                 args = (*args[:mp], _dev(args[mp]), *args[mp + 1:])
         if not C.is_array(x) or np.dtype(x.dtype).type not in C.STORAGE:
             return versions.versions()[op][-1].forward(*args, **kw)   # the oracle's error, from a Numba version
-        v = versions.choose(op, x.dtype)
+        v = versions.choose(op, x.dtype, versions.variant(op, args, kw))
         out, cache = v.forward(*args, **kw)
         versions.ran(op, x.dtype, v.key)
         return out, Chosen(v, cache)

@@ -49,7 +49,8 @@ MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": 
 class Version(NamedTuple):
     """One way to run an op: forward(...) -> (out, cache) and backward(dout, cache) with the oracle's signatures
     (column_sum: forward(x2) -> sums, no backward), the dtypes it takes on device arrays (None: every storage
-    dtype), where it comes from, and attention's probs(cache)."""
+    dtype), where it comes from, attention's probs(cache), and the variants it has kernels for (attention: head
+    sizes; None: every variant)."""
     op: str
     key: str
     forward: Any
@@ -57,6 +58,7 @@ class Version(NamedTuple):
     dtypes: Any
     note: str
     probs: Any = None
+    variants: Any = None
 
     @property
     def cuda_c(self):
@@ -217,7 +219,8 @@ def _build():
         for op, key, fwd, bwd, dts, note in c:
             if fwd is None:
                 continue
-            vs[op].append(Version(op, key, fwd, bwd, dts, note, K.attention_probs if op == "attention" else None))
+            vs[op].append(Version(op, key, fwd, bwd, dts, note, K.attention_probs if op == "attention" else None,
+                                  ("hs32", "hs64", "hs128") if op == "attention" else None))
     for v in _array_versions():
         vs[v.op].append(v)
     for op in vs:                                      # the built-in order
@@ -234,10 +237,25 @@ def versions():
     return _VERSIONS
 
 
-def takes(v, dtype):
-    """Whether version v runs this dtype natively here: CUDA C only on device arrays (not the simulator's NumPy
-    arrays) of the dtypes it has kernels for."""
+def variant(op, args, kwargs):
+    """What, besides the dtype, decides which versions have kernels for a call: attention's head size ("hs64"),
+    None for every other op. (A version without kernels for a variant is not a candidate for it: no fallback.)"""
+    if op != "attention":
+        return None
+    q = kwargs.get("q", args[0] if args else None)
+    H = kwargs.get("n_heads", args[3] if len(args) > 3 else None)
+    try:
+        return f"hs{q.shape[-1] // int(H)}"
+    except Exception:                                  # a bad argument: the version's own checks say so
+        return None
+
+
+def takes(v, dtype, var=None):
+    """Whether version v runs this dtype (and variant) natively here: CUDA C only on device arrays (not the
+    simulator's NumPy arrays) of the dtypes and variants it has kernels for."""
     dt = np.dtype(dtype).name
+    if var is not None and v.variants is not None and var not in v.variants:
+        return False
     if v.dtypes is None:
         return True
     if MODE == "emu":                                 # cpusim has no 16-bit storage: float32 kernels only
@@ -301,8 +319,8 @@ def device_name():
 # ----------------------------------------------------------------------------------------------------------------
 # choosing, validating, reporting
 
-def order(op, dtype):
-    """(candidate Versions for (op, dtype) in the order they are tried, where the order came from)."""
+def order(op, dtype, var=None):
+    """(candidate Versions for (op, dtype, variant) in the order they are tried, where the order came from)."""
     dt = np.dtype(dtype).name
     by_key = {v.key: v for v in versions()[op]}
     key = PINS.get((op, dt), PINS.get((op, None)))
@@ -312,18 +330,18 @@ def order(op, dtype):
     if measured:
         first = [by_key[k] for k in measured if k in by_key]
         rest = [v for v in versions()[op] if v.key not in measured]
-        return [v for v in first + rest if takes(v, dt)], "measured"
-    return [v for v in versions()[op] if takes(v, dt)], "built in"
+        return [v for v in first + rest if takes(v, dt, var)], "measured"
+    return [v for v in versions()[op] if takes(v, dt, var)], "built in"
 
 
-def choose(op, dtype):
-    """The Version that runs (op, dtype) here, chosen (and validated) at the first call."""
+def choose(op, dtype, var=None):
+    """The Version that runs (op, dtype, variant) here, chosen (and validated) at the first call."""
     dt = np.dtype(dtype).name
-    key = (op, dt)
+    key = (op, dt) if var is None else (op, f"{dt} {var}")
     v = CHOSEN.get(key)
     if v is not None:
         return v
-    cands, source = order(op, dt)
+    cands, source = order(op, dt, var)
     if not cands:
         raise RuntimeError(f"refbert cuda: no version of {op} takes {dt} here")
     if source == "pinned" or not validate_first_use():
