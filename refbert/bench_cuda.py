@@ -553,7 +553,15 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
               f"bwd {fmt(r['bwd_ms'])} ms  {fmt(r['gbps'])} GB/s ({fmt(r['pct_copy'], '.0f')}% copy)"
               + (f"  {fmt(r.get('fwd_tflops'))}/{fmt(r.get('bwd_tflops'))} TFLOP/s" if fl else ""), flush=True)
 
+    c_versions = cuda_c_versions(spec.name)
     for v in versions:
+        if v in c_versions:
+            from refbert_kernels.cuda import versions as VV
+            var = f"hs{shape['hs']}" if spec.name == "attention" else None
+            if not VV.takes(c_versions[v], dtype, var):
+                rows.append(dict(base, impl=f"v{v}", note=f"no kernel for {np.dtype(dtype).name}"
+                                 + (f" {var}" if var else "")))
+                continue
         if spec.name == "attention" and v == 1 and shape["T"] > 1024:
             rows.append(dict(base, impl="v1", note="skipped: materialises (B, H, T, T) three times"))
             continue

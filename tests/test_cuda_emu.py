@@ -9,7 +9,7 @@ NUMBA_ENABLE_CUDASIM=1 (the Numba kernels in the simulator beside the emulated C
    labels, segments of one id over many positions), and no call handed to the Numba version on the way;
 2. the launch checks fail where a GPU would misread: a Python scalar, a wrong dtype, a host array, a strided view,
    too many threads, a wrong argument count;
-3. one training step of BertForPreTraining (train mode, dropout 0.1, head size 32) on the cuda backend equals the
+3. one training step of BertForPreTraining (train mode, dropout 0.1, head size 64) on the cuda backend equals the
    numpy backend in float64 (tests/test_cuda_backend_sim.py's comparison), every op of the step ran a CUDA C
    version, and the step moved its inputs once: 4 host-to-device copies per forward (the staged batch, the MLM
    rows, the two label arrays), whatever the number of layers, none in the backward, and not one device-to-host
@@ -50,9 +50,16 @@ def test_emu_every_cuda_c_version_matches_oracle():
         assert B.MODE == "emu"
         # the GPU shapes, but attention's and the embedding's at sizes CPU threads run in seconds: head sizes 64 and
         # 32 with padding, -inf masks, dropout and T = 1; segments of one id across two chunks of 32, a padding row
-        own = {"attention": [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
-                             dict(B=1, T=70, H=2, hs=32, mask="ninf", p=0.1), dict(B=1, T=1, H=1, hs=64, mask="hf")],
-               "embedding": [dict(N=(2, 45), V=2, C=37), dict(N=(37,), V=30, C=52, pad=0), dict(N=(1,), V=1, C=1)]}
+        # (C3 has kernels for head size 64 only: a full causal mask (mask rows), 3 tiles, T % 4 != 0 (a Philox call
+        # per element), one real token)
+        own = {("attention", "C1"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
+                                     dict(B=1, T=70, H=2, hs=32, mask="ninf", p=0.1), dict(B=1, T=1, H=1, hs=64, mask="hf")],
+               ("attention", "C3"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
+                                     dict(B=1, T=70, H=2, hs=64, mask="full"),
+                                     dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1),
+                                     dict(B=1, T=1, H=1, hs=64, mask="hf")],
+               ("embedding", "C1"): [dict(N=(2, 45), V=2, C=37), dict(N=(37,), V=30, C=52, pad=0),
+                                     dict(N=(1,), V=1, C=1)]}
         for op, vs in VV.versions().items():
             for v in vs:
                 if not v.cuda_c:
@@ -60,14 +67,14 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 E.COUNTS.reset()
                 K.FELL_BACK.clear()
                 spec = VV.spec_of(op)
-                shapes = own.get(op) or (spec.notes["gpu_shapes"] if spec else None)
+                shapes = own.get((op, v.key)) or (spec.notes["gpu_shapes"] if spec else None)
                 worst, err = VV.validate(v, "float32", shapes)
                 assert err is None and worst <= 1, (op, v.key, worst, err)
                 assert not K.FELL_BACK, (op, v.key, K.FELL_BACK)      # the CUDA C path ran, not the Numba one
                 assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
                 print(f"OK {op} {v.key} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
     """)))
-    assert out.count("OK ") == 12, out                    # every CUDA C version of every op
+    assert out.count("OK ") == 13, out                    # every CUDA C version of every op
 
 
 def test_emu_launches_are_checked_as_a_gpu_takes_them():
@@ -113,7 +120,7 @@ import numpy as np, refbert
 from refbert.check import model_batch, tiny_config
 from refbert_kernels.cuda import emulate as E
 for L in (1, 2):
-    cfg = tiny_config("BertForPreTraining", num_hidden_layers=L, hidden_size=64, num_attention_heads=2,
+    cfg = tiny_config("BertForPreTraining", num_hidden_layers=L, hidden_size=128, num_attention_heads=2,
                       intermediate_size=96)
     m = refbert.BertForPreTraining(cfg, seed=1, backend="cuda").train(True)
     x = model_batch(cfg, "BertForPreTraining", B=2, T=8)
@@ -133,10 +140,13 @@ for L in (1, 2):
 
 
 def test_emu_training_step_equals_numpy_runs_cuda_c_and_moves_its_inputs_once():
-    cases = CASES_HS32.replace("CASES = [", "CASES = [(\"BertForPreTraining\", np.float32, HS32)]\n_unused = [")
+    # head size 64: the attention runs its register-tiled fp32 flash (C3) in the step
+    cases = CASES_HS32.replace("CASES = [", "HS64 = dict(hidden_size=128, num_attention_heads=2, intermediate_size=96)\n"
+                                             "CASES = [(\"BertForPreTraining\", np.float32, HS64)]\n_unused = [")
     out = cudachild.check(_run(_env(cases + _COMPARE + _COUNT)))
     assert out.count("OK ") == 1, out
     assert_ran_cuda_c(out)
+    assert "('attention', 'float32', 'C3')" in out, out              # the register-tiled flash ran
     counts = {}
     for line in out.splitlines():
         if line.startswith("COUNT"):

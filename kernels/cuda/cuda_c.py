@@ -9,6 +9,8 @@ raised by the same checks before any launch; the same dropout elements).
     op                           version  kernels (csrc/)                                     fast path
     attention                    C1       attention_forward.cu v1 (scalar flash), v2 (tensor   f32 / f16, hs in
                                           cores, f16 hs = 64), attention_backward.cu v1         {32, 64, 128}
+                                 C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
+                                          forward and backward, dynamic shared memory)
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
     layernorm                    C1, C2   layernorm.cu v1, v2 (kind ln)                        f32
     residual_layernorm           C2       layernorm.cu v2 (kind res)                           f32
@@ -45,8 +47,8 @@ from refbert import validate as V
 from . import _common as C
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention_forward.cu", "attention_backward.cu", "softmax.cu", "layernorm.cu", "gelu.cu", "dropout.cu",
-           "cross_entropy.cu", "colsum.cu", "embedding.cu")
+SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", "softmax.cu", "layernorm.cu", "gelu.cu",
+           "dropout.cu", "cross_entropy.cu", "colsum.cu", "embedding.cu")
 _DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
 F32 = np.dtype(np.float32)
 FELL_BACK = {}          # (op, version) -> why the last call took the Numba version instead
@@ -202,6 +204,85 @@ def attention_backward(dout, cache):
 
 def attention_probs(cache):
     return _numba().attention_probs(cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention (C3): the register-tiled fp32 flash of attention_f32.cu (hs = 64)
+
+A3_FWD_SMEM = 3 * 64 * 68 * 4                 # q, k (then p), v tiles of 64 rows padded to 68 floats
+A3_BWD_SMEM = (6 * 64 * 68 + 3 * 64) * 4      # four input tiles, two product tiles, three row vectors
+_SMEM_SET = set()
+
+
+def kernel_smem(source, name, xp, nbytes):
+    """kernel(source, name) with its dynamic shared memory limit raised to nbytes (once per process): a launch
+    asking for more than 48 KiB fails on a GPU without it."""
+    key = (id(xp), source, name)
+    if key not in _SMEM_SET:
+        module(source, xp).get_function(name).max_dynamic_shared_size_bytes = nbytes
+        _SMEM_SET.add(key)
+    return kernel(source, name, xp)
+
+
+def _c3_ok(*arrays, hs):
+    return _c_ok(*arrays) and hs == 64 and _aligned(*arrays)
+
+
+def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    A = _numba()
+    B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
+    hs = Cc // H
+    xp = C.xp_of(q)
+    if _c_ok(q, k, v):
+        q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    if not _c3_ok(q, k, v, hs=hs) or q.size == 0:
+        why = _why(q) if not _c_ok(q, k, v) else (f"head size {hs} (kernels for 64)" if hs != 64 else
+                                                  "an empty input" if not q.size else "q, k or v not 16-byte aligned")
+        return _fallback("attention", "C3", why, attention_forward, q, k, v, n_heads, mask, dropout_p, rng, train)
+    mask4 = A._mask4(xp, mask, B, H, T, q.dtype)
+    m32 = xp.ascontiguousarray(mask4)
+    dropping, p_ok, (seed, stream, thresh, dscale) = A._drop(dropout_p, rng, train)
+    out = xp.empty(q.shape, np.float32)
+    m = xp.empty((B, H, T), np.float32)
+    linv = xp.empty((B, H, T), np.float32)
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), out, m, linv)
+    kernel_smem("attention_f32.cu", "attn_fwd_v3_f32_hs64", xp, A3_FWD_SMEM)(((T + 63) // 64, B * H), (128,), args,
+                                                                           shared_mem=A3_FWD_SMEM)
+    if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and bool(xp.isfinite(linv).all())):
+        raise ValueError(A._SOFTMAX_ERROR)               # (a read back: only with REFBERT_CUDA_CHECKS=1)
+    if not p_ok or (train and dropout_p > 0.0 and not isinstance(rng, A.DropoutRNG)):
+        ops.dropout_forward(np.zeros(0, np.float32), dropout_p, rng, train)  # the oracle's dropout error
+    if dropping:
+        assert rng.next_stream() == (int(seed), int(stream))
+    return out, (q, k, v, mask4, H, out, m, linv, (seed, stream, thresh, float(dscale)))
+
+
+def attention_backward_c3(dout, cache):
+    q, k, v, mask4, H, out, m, linv, drop = cache
+    C.dout("attention", dout, out.shape, out.dtype)
+    B, T, Cc = q.shape
+    hs = Cc // H
+    xp = C.xp_of(q)
+    if _c_ok(dout):
+        dout = xp.ascontiguousarray(dout)
+    if not (_c3_ok(q, k, v, dout, hs=hs) and m is not None and m.dtype == np.float32) or q.size == 0:
+        return _fallback("attention", "C3", _why(q, dout) if not _c_ok(q, dout) else
+                         f"head size {hs}, alignment or the forward's cache", attention_backward, dout, cache)
+    m32 = xp.ascontiguousarray(mask4.astype(np.float32) if mask4.dtype != F32 else mask4)
+    seed, stream, thresh, dscale = drop
+    Dr = xp.empty((B, H, T), np.float32)
+    kernel("attention_f32.cu", "attn_bwd_D_v3_f32", xp)(((B * H * T + 7) // 8,), (256,),
+                                                        (dout, out, _i(B), _i(T), _i(H), Dr))
+    dq, dk, dv = (xp.empty(q.shape, np.float32) for _ in range(3))
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), m, linv, dout, Dr)
+    grid = ((T + 63) // 64, B * H)
+    kernel_smem("attention_f32.cu", "attn_bwd_dkdv_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
+                                                                                 shared_mem=A3_BWD_SMEM)
+    kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
+                                                                               shared_mem=A3_BWD_SMEM)
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------

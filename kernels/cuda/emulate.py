@@ -310,7 +310,7 @@ def build(source):
                     raise RuntimeError(f"emulate: g++ could not build {source} for CPU threads:\n{res.stderr[-4000:]}")
                 os.replace(part, out)                       # atomic: a concurrent build never sees half a file
     lib = ctypes.CDLL(str(out))
-    lib.cpusim_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6
+    lib.cpusim_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_ulonglong]
     lib.cpusim_launch.restype = ctypes.c_int
     return lib, sigs
 
@@ -332,9 +332,14 @@ class RawKernel:
     def __init__(self, lib, name, params, bound, source):
         self.lib, self.name, self.params, self.bound, self.source = lib, name, params, bound, source
         self.tramp = ctypes.cast(getattr(lib, f"refbert_tramp_{name}"), ctypes.c_void_p).value
+        self.max_dynamic_shared_size_bytes = 48 * 1024      # CUDA's default; more must be asked for, as on a GPU
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         grid, block = _dims(grid, "grid", self.name), _dims(block, "block", self.name)
+        if shared_mem > self.max_dynamic_shared_size_bytes or shared_mem > 227 * 1024:
+            raise ValueError(f"emulated launch of {self.name}: {shared_mem} bytes of dynamic shared memory, beyond "
+                             f"its limit {self.max_dynamic_shared_size_bytes} (set max_dynamic_shared_size_bytes; "
+                             f"Hopper allows 227 KiB): CUDA fails the launch")
         threads = block[0] * block[1] * block[2]
         if threads > 1024 or grid[0] > 2 ** 31 - 1 or grid[1] > 65535 or grid[2] > 65535:
             raise ValueError(f"emulated launch of {self.name}: grid {grid}, block {block} beyond CUDA's limits")
@@ -370,7 +375,7 @@ class RawKernel:
             keep.append(v)
             slots[i] = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
         COUNTS.launches[self.name] = COUNTS.launches.get(self.name, 0) + 1
-        self.lib.cpusim_launch(self.tramp, slots, *grid, *block)
+        self.lib.cpusim_launch(self.tramp, slots, *grid, *block, int(shared_mem))
 
 
 class RawModule:

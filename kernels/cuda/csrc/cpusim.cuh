@@ -19,7 +19,8 @@
 // under CPUSIM), fp16 / bf16 storage (left out too).
 //
 // Host side: cudaMalloc / cudaMemcpy / events shims for the standalone mains, and LAUNCH(kernel, grid, block,
-// args...) which is kernel<<<grid, block>>>(args...) under nvcc and cpusim::launch here. With -DCPUSIM_LIB it also
+// args...) which is kernel<<<grid, block>>>(args...) under nvcc and cpusim::launch here (LAUNCH_SMEM with dynamic
+// shared memory, which a kernel declares with DYN_SHARED(type, name); here one NaN-poisoned buffer per launch). With -DCPUSIM_LIB it also
 // exports `cpusim_launch(trampoline, args, grid, block)` for kernels/cuda/emulate.py (ctypes).
 #pragma once
 #ifdef CPUSIM
@@ -137,6 +138,7 @@ struct Block {
     }
 };
 inline Block* block = nullptr;          // the running block (one at a time)
+inline unsigned char* dyn_smem = nullptr; // the launch's dynamic shared memory (DYN_SHARED)
 inline thread_local int ltid = 0;       // linear thread id in the block
 
 inline Warp& warp() { return block->warps[ltid / 32]; }
@@ -159,7 +161,10 @@ inline int lane_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; 
 inline int lane_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 
 // every block of the grid, one after another, on one set of blockDim threads
-inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx) {
+inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx, size_t smem = 0) {
+    std::vector<float4> dyn((smem + 15) / 16 + 1);               // 16-byte aligned, poisoned with NaN
+    std::memset(dyn.data(), 0xFF, dyn.size() * 16);
+    dyn_smem = reinterpret_cast<unsigned char*>(dyn.data());
     const int n = (int)(b.x * b.y * b.z);
     if (n == 0 || n > 1024) {
         std::fprintf(stderr, "cpusim: block of %u x %u x %u threads (1 to 1024 allowed)\n", b.x, b.y, b.z);
@@ -197,13 +202,16 @@ inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx) {
     block = nullptr;
 }
 
-template <class... P, class... A> void launch(void (*k)(P...), dim3 g, dim3 b, A... a) {
+template <class... P, class... A> void launch_smem(void (*k)(P...), dim3 g, dim3 b, size_t smem, A... a) {
     std::tuple<P...> args(static_cast<P>(a)...);
     struct Ctx { void (*k)(P...); std::tuple<P...>* args; } ctx{k, &args};
     run_grid(g, b, [](void* c) {
         auto* cx = static_cast<Ctx*>(c);
         std::apply(cx->k, *cx->args);
-    }, &ctx);
+    }, &ctx, smem);
+}
+template <class... P, class... A> void launch(void (*k)(P...), dim3 g, dim3 b, A... a) {
+    launch_smem(k, g, b, 0, a...);
 }
 
 }  // namespace cpusim
@@ -251,6 +259,8 @@ inline int __syncthreads_or(int pred) {                            // a block-wi
 }
 
 #define LAUNCH(k, grid, block, ...) cpusim::launch(k, dim3(grid), dim3(block), __VA_ARGS__)
+#define LAUNCH_SMEM(k, grid, block, smem, ...) cpusim::launch_smem(k, dim3(grid), dim3(block), smem, __VA_ARGS__)
+#define DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(cpusim::dyn_smem)
 
 // ---- host API of the standalone mains -------------------------------------------------------------------------
 #if !defined(NO_MAIN)
@@ -286,12 +296,12 @@ namespace cpusim {
 struct TrampCtx { void (*tramp)(void**); void** args; };
 }
 extern "C" int cpusim_launch(void (*tramp)(void**), void** args, unsigned gx, unsigned gy, unsigned gz,
-                             unsigned bx, unsigned by, unsigned bz) {
+                             unsigned bx, unsigned by, unsigned bz, unsigned long long smem) {
     cpusim::TrampCtx ctx{tramp, args};
     cpusim::run_grid(dim3(gx, gy, gz), dim3(bx, by, bz), [](void* c) {
         auto* t = static_cast<cpusim::TrampCtx*>(c);
         t->tramp(t->args);
-    }, &ctx);
+    }, &ctx, (size_t)smem);
     return 0;
 }
 #endif
@@ -299,5 +309,8 @@ extern "C" int cpusim_launch(void (*tramp)(void**), void** args, unsigned gx, un
 #else   // nvcc / NVRTC
 
 #define LAUNCH(k, grid, block, ...) k<<<grid, block>>>(__VA_ARGS__)
+#define LAUNCH_SMEM(k, grid, block, smem, ...) k<<<grid, block, smem>>>(__VA_ARGS__)
+#define DYN_SHARED(T, name) extern __shared__ __align__(16) unsigned char name##_raw[]; \
+    T* name = reinterpret_cast<T*>(name##_raw)
 
 #endif
