@@ -37,10 +37,10 @@ R="$OUT/report"
 rm -rf "$R"
 mkdir -p "$R"
 PY=${PYTHON:-python3}
-T_MAINS=${T_MAINS:-150}
-T_TESTS=${T_TESTS:-170}
+T_MAINS=${T_MAINS:-120}
+T_TESTS=${T_TESTS:-150}
 T_CHECK=${T_CHECK:-150}
-T_BENCH=${T_BENCH:-200}
+T_BENCH=${T_BENCH:-190}                 # preflight (~20 s) + 150 + 190: 6 minutes at worst
 STEPS=${STEPS:-"mains tests check bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step profile"}
 SUMMARY="$OUT/summary.txt"

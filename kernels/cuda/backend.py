@@ -145,6 +145,11 @@ def _h2d(a):
     return out
 
 
+if MODE != "sim":                                      # the CUDA C launchers move host labels the same way
+    from . import cuda_c as _cuda_c
+    _cuda_c.H2D = _h2d
+
+
 def _dev(a):
     """An array on the device: NumPy arrays (read-only broadcast views too) copied there; device arrays, scalars
     (a backward's dloss) and None as they are."""

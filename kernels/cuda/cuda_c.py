@@ -52,6 +52,7 @@ SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", 
 _DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
 F32 = np.dtype(np.float32)
 FELL_BACK = {}          # (op, version) -> why the last call took the Numba version instead
+H2D = None              # the backend's host-to-device copy (pinned, asynchronous on a GPU); None: xp.asarray
 
 
 @functools.lru_cache(maxsize=None)
@@ -665,8 +666,10 @@ def cross_entropy_forward_c1(logits, labels, ignore_index=-100):
                          f"(logits.shape[:-1]), got {V._desc(got)}")
     if C.checks_on(labels):                          # host labels: the oracle's range check, free before they move
         V.ids("cross_entropy", "labels", C.to_host(labels), Vn, allow=ignore_index)
-    y = xp.ascontiguousarray(labels.reshape(-1) if C.on_device(labels) else
-                             xp.asarray(np.ascontiguousarray(labels.reshape(-1), np.int64)))
+    if C.on_device(labels):
+        y = xp.ascontiguousarray(labels.reshape(-1))
+    else:                                            # one copy, through the backend's pinned buffer on a GPU
+        y = (H2D or xp.asarray)(np.ascontiguousarray(labels.reshape(-1), np.int64))
     if y.dtype != np.int64:
         y = y.astype(np.int64)
     z2 = xp.ascontiguousarray(logits).reshape(-1, Vn)
