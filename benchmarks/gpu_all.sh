@@ -1,41 +1,48 @@
 #!/usr/bin/env bash
-# Everything refbert does on a GPU, in one go, for a lent H100 / H200 (CUDA 13, cupy-cuda13x, numba-cuda, PyTorch
-# and nvcc installed there; no network). Run from anywhere:
+# Everything refbert does on a GPU, in one go, for a lent H100 / H200 (CUDA 13, cupy-cuda13x, numba-cuda, PyTorch,
+# transformers and nvcc installed there; no network): the whole report in one run of under 6 minutes. Run from
+# anywhere:
 #
-#     OUT=/some/dir bash benchmarks/gpu_all.sh        (OUT defaults to ./gpu_out)
+#     OUT=/some/dir bash benchmarks/gpu_all.sh        (OUT defaults to ./gpu_out; on the device machine: OUT=$OUT)
 #
-# Steps, each under its own timeout (seconds; the whole run stays well under 8 minutes), each logged to
-# $OUT/<step>.log, one line per step in $OUT/summary.txt:
-#   nvidia-smi       the device, first
-#   install          pip install -e . --no-deps (offline); refbert_kernels is also put on PYTHONPATH through a
-#                    symlink, so the steps work even where the editable install does not
-#   env              versions of python, numpy, numba, numba-cuda, cupy, torch; the cuda backend's description
-#   tests            pytest on the CUDA test files, real-GPU variants only (-k "gpu or cuda_c_matches_oracle": the Numba
-#                    kernels, the whole model, training, DLPack, and the CUDA C kernels through CuPy)
-#   check            the GPU half of refbert check --device cuda (python -m refbert.precision --device cuda): every
-#                    CUDA kernel version against the oracle in fp64 / fp32 / fp16 / bf16, then the precision study
-#                    (oracle and kernels, fp16 / bf16), JSON in $OUT
-#   bench            refbert bench --device cuda: validate, then time every kernel version, PyTorch peers,
-#                    probes (copy bandwidth, launch overhead), the pretraining step; md / JSON / PNG in $OUT/bench
-# A step that fails or times out is recorded and the next one still runs; the exit status is the number of steps
-# that failed (a failed install is not counted: PYTHONPATH serves instead). tests and check run side by side (they
-# time nothing; the machine has cores to spare and Numba compiles on the CPU); bench runs alone after them.
-# Overrides: PYTHON=..., SKIP_INSTALL=1, T_INSTALL=... T_ENV=... T_TESTS=... T_CHECK=... T_BENCH=... (seconds),
-# BENCH_ARGS="...", STEPS="tests check bench" (a subset, in that order).
+# Steps, each under its own timeout (seconds), each logged to report/<step>.log, one line per step in summary.txt:
+#   preflight   FAILS EARLY (exit 3, nothing else runs) unless: nvidia-smi sees a GPU; python imports numpy, numba,
+#               numba.cuda (with a GPU), cupy (a device), torch (CUDA), transformers; nvcc is on PATH. Versions and
+#               the cuda backend's description go to report/env.txt.
+#   mains       every kernels/cuda/csrc/*.cu built standalone (nvcc -O3 -arch=sm_90) and run: each main validates
+#               every version against its CPU reference, then times it (the kernels' own report)
+#   tests       pytest on the CUDA test files, real-GPU variants only (-k "gpu or cuda_c_matches_oracle": every
+#               Numba version incl. attention's, every CUDA C version through versions.validate, the whole model
+#               equal to the numpy backend with what ran asserted, training, DLPack)
+#   check       the GPU half of refbert check --device cuda (python -m refbert.precision --device cuda): every CUDA
+#               kernel version against the oracle in fp64 / fp32 / fp16 / bf16, then the precision study
+#   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
+#               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
+#               the launch probe with the step's own arguments, the torch.profiler table
+# mains, tests and check run side by side (they time nothing that is reported; 16 cores; Numba compiles on the
+# CPU); bench runs alone after them. A step that fails or times out is recorded and the next one still runs; the
+# exit status is the number of failed steps. What comes back is at most 8 files in $OUT: summary.txt, report.tgz
+# (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_profile.md, cuda_kernels.md,
+# cuda_order.json and mains.txt.
+# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_BENCH=... (seconds), BENCH_ARGS="...",
+# STEPS="mains tests check bench" (a subset). DRY=1: the plumbing on a machine without a GPU (no preflight, the
+# mains on CPU threads through csrc/cpusim.cuh, the GPU tests skip, the bench says SKIPPED).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+R="$OUT/report"
+rm -rf "$R"
+mkdir -p "$R"
 PY=${PYTHON:-python3}
-T_INSTALL=${T_INSTALL:-60}
-T_ENV=${T_ENV:-45}
+T_MAINS=${T_MAINS:-120}
 T_TESTS=${T_TESTS:-150}
-T_CHECK=${T_CHECK:-90}
-T_BENCH=${T_BENCH:-200}
-STEPS=${STEPS:-"tests check bench"}
-BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step-T 128 512"}
+T_CHECK=${T_CHECK:-150}
+T_BENCH=${T_BENCH:-190}                 # preflight (~20 s) + 150 + 190: 6 minutes at worst
+STEPS=${STEPS:-"mains tests check bench"}
+BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)
@@ -45,75 +52,134 @@ step() {            # step NAME TIMEOUT COMMAND...
     shift 2
     t0=$(date +%s)
     echo "== $name (timeout ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" > "$R/$name.log" 2>&1
     rc=$?
     local msg="$name: rc=$rc, $(( $(date +%s) - t0 )) s"
     [ "$rc" = 124 ] && msg="$msg (TIMED OUT)"
     echo "$msg" | tee -a "$SUMMARY"
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$R/$name.log"
     return 0
 }
 wants() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
-
-echo "== nvidia-smi"
-nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >> "$OUT/nvidia-smi.txt" 2>&1
+finish() {          # the report: one tarball and the files worth reading at once (at most 8 in $OUT)
+    for f in bench/cuda_step.md bench/cuda_profile.md bench/cuda_kernels.md bench/cuda_order.json; do
+        [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"
+    done
+    [ -f "$R/mains.log" ] && grep -E "^==|FAILED|mismatch|every version ok|TFLOP|GB/s| ms" "$R/mains.log" > "$OUT/mains.txt"
+    tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$R" "$PKGS"
+    echo "report: $(ls "$OUT" | tr '\n' ' ')"
+}
 
 # refbert_kernels is the installed name of kernels/ (setup.py package_dir): a symlink makes it importable without
-# the install, and the repo root makes refbert importable
-mkdir -p "$OUT/.pkgs"
-ln -sfn "$ROOT/kernels" "$OUT/.pkgs/refbert_kernels"
-export PYTHONPATH="$ROOT:$OUT/.pkgs${PYTHONPATH:+:$PYTHONPATH}"
+# an install, and the repo root makes refbert importable
+PKGS=$(mktemp -d)                                   # (outside $OUT: a symlink would not come back)
+ln -sfn "$ROOT/kernels" "$PKGS/refbert_kernels"
+export PYTHONPATH="$ROOT:$PKGS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONWARNINGS=ignore
-unset NUMBA_ENABLE_CUDASIM
+unset NUMBA_ENABLE_CUDASIM REFBERT_CUDA_EMULATE REFBERT_CUDA_VERSIONS REFBERT_CUDA_ORDER
 
-if [ -z "${SKIP_INSTALL:-}" ]; then
-    step install "$T_INSTALL" "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
-    if ! grep -q "^install: rc=0" "$SUMMARY"; then     # not fatal: PYTHONPATH above serves instead
-        echo "install: failed, continuing with PYTHONPATH=$PYTHONPATH" | tee -a "$SUMMARY"
-    fi
+# ---- preflight: an environment problem stops everything here, loudly
+if [ -n "${DRY:-}" ]; then
+    echo "preflight: skipped (DRY=1: no GPU expected)" | tee -a "$SUMMARY"
+else
+{ nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } \
+    > "$R/nvidia-smi.txt" 2>&1
+if ! nvidia-smi -L 2>/dev/null | grep -q "GPU 0"; then
+    echo "preflight: FAILED, nvidia-smi sees no GPU" | tee -a "$SUMMARY"; cat "$R/nvidia-smi.txt"; finish; exit 3
 fi
-
-step env "$T_ENV" "$PY" -c '
-import importlib, sys
+if ! command -v nvcc > /dev/null; then
+    echo "preflight: FAILED, nvcc is not on PATH (the standalone mains need it)" | tee -a "$SUMMARY"; finish; exit 3
+fi
+if ! timeout 120 "$PY" - > "$R/env.txt" 2>&1 <<'PYEOF'
+import sys
 from importlib import metadata
 print("python", sys.version.split()[0])
-for d in ("numpy", "scipy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "ml_dtypes", "torch", "transformers"):
+for d in ("numpy", "scipy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "ml_dtypes", "torch",
+          "transformers", "pytest", "pytest-xdist"):
     try:
         print(d, metadata.version(d))
     except metadata.PackageNotFoundError:
         print(d, "-")
-import cupy, torch
-print("cupy runtime", cupy.cuda.runtime.runtimeGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
-print("torch cuda", torch.version.cuda, torch.cuda.is_available())
-from refbert.model import get_backend
-print(get_backend("cuda").describe())
-'
+problems = []
+try:
+    import refbert_kernels.cuda                      # (its NumPy 2.5 fix for numba-cuda, before any compile)
+    from numba import cuda
+    if not cuda.is_available():
+        problems.append("numba.cuda.is_available() is False")
+except Exception as e:
+    problems.append(f"numba / numba-cuda: {type(e).__name__}: {e}")
+try:
+    import cupy
+    print("cupy runtime", cupy.cuda.runtime.runtimeGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
+    (cupy.arange(4, dtype=cupy.float32) * 2).get()
+except Exception as e:
+    problems.append(f"cupy: {type(e).__name__}: {e}")
+try:
+    import torch
+    print("torch cuda", torch.version.cuda, torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+    import transformers  # noqa: F401
+except Exception as e:
+    problems.append(f"torch / transformers: {type(e).__name__}: {e}")
+try:
+    from refbert.model import get_backend
+    b = get_backend("cuda")
+    print(b.describe())
+    from refbert_kernels.cuda import cuda_c as K
+    K.module("colsum.cu")                              # NVRTC compiles a CUDA C file through CuPy
+except Exception as e:
+    problems.append(f"refbert's cuda backend: {type(e).__name__}: {e}")
+if problems:
+    print("PREFLIGHT PROBLEMS:\n  " + "\n  ".join(problems))
+    sys.exit(1)
+print("preflight ok")
+PYEOF
+then
+    echo "preflight: FAILED (report/env.txt):" | tee -a "$SUMMARY"; tail -n 20 "$R/env.txt" | tee -a "$SUMMARY"
+    finish; exit 3
+fi
+echo "preflight: ok, $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
+fi
 
-# the real-GPU variants of every CUDA test file (each skips itself without a GPU; the selection leaves the simulator
-# ones), side by side with the GPU half of refbert check --device cuda
-TESTS=$(ls tests/test_cuda*.py 2>/dev/null | tr '\n' ' ')
+# ---- the standalone mains, the GPU tests and the GPU half of check, side by side
+mains() {
+    local dir="$R/mains" rc=0 src
+    mkdir -p "$dir"
+    local cc="nvcc -O3 -arch=sm_90 -std=c++17"
+    [ -n "${DRY:-}" ] && cc="g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++"
+    ls kernels/cuda/csrc/*.cu | xargs -P 9 -I{} sh -c \
+        "$cc"' -Ikernels/cuda/csrc -o "$0/$(basename {} .cu)" {} > "$0/$(basename {} .cu).build" 2>&1' "$dir"
+    for src in kernels/cuda/csrc/*.cu; do
+        local name; name=$(basename "$src" .cu)
+        echo "== $name"
+        cat "$dir/$name.build"
+        if [ -x "$dir/$name" ]; then "$dir/$name" || { echo "MAIN FAILED $name (rc $?)"; rc=1; }
+        else echo "BUILD FAILED $name"; rc=1; fi
+    done
+    return $rc
+}
+if wants mains; then
+    step mains "$T_MAINS" bash -c "R='$R'; DRY='${DRY:-}'; $(declare -f mains); mains" &
+fi
 if wants tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")    # pytest-xdist: the test children in parallel
+    # shellcheck disable=SC2046
     step tests "$T_TESTS" "$PY" -m pytest -q -rs -k "gpu or cuda_c_matches_oracle" -p no:cacheprovider \
-        --durations=15 $XDIST $TESTS &
+        --durations=15 $XDIST $(ls tests/test_cuda*.py) &
 fi
 if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU half needs no GPU; CI runs it)
-    step check "$T_CHECK" "$PY" -m refbert.precision --device cuda --json "$OUT/precision.json" &
+    step check "$T_CHECK" "$PY" -m refbert.precision --device cuda --json "$R/precision.json" &
 fi
 wait
 
-# refbert bench --device cuda, alone on the machine
-# shellcheck disable=SC2086
+# ---- the bench, alone on the machine
 if wants bench; then
-    if "$PY" -m refbert bench --help 2>/dev/null | grep -q -- "--device"; then
-        step bench "$T_BENCH" "$PY" -m refbert bench --device cuda --out "$OUT/bench" $BENCH_ARGS
-    else
-        step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$OUT/bench" $BENCH_ARGS
-    fi
+    # shellcheck disable=SC2086
+    step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$R/bench" $BENCH_ARGS
 fi
 
-# failed steps, read back from the summary (the side-by-side steps ran in subshells); install does not count
-FAILED=$(grep -E "^[a-z]+: rc=" "$SUMMARY" | grep -v "^install:" | grep -vc "rc=0,")
+FAILED=$(grep -E "^[a-z]+: rc=" "$SUMMARY" | grep -vc "rc=0,")
 echo "total: $(( $(date +%s) - START )) s, $FAILED step(s) failed" | tee -a "$SUMMARY"
+finish
 exit "$FAILED"

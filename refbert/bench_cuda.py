@@ -1,37 +1,43 @@
 """`refbert bench --device cuda`: validate, then time, refbert's CUDA kernels and its pretraining step on a GPU,
 against PyTorch on the same GPU and the same inputs.
 
-    refbert bench --device cuda [--quick] [--only kernels step] [--out DIR] [--repeats N] [--kernels NAME ...]
-                               [--attention-T 512 2048] [--step-T 128 512] [--no-torch] [--no-plot]
+    refbert bench --device cuda [--quick] [--only kernels step profile] [--out DIR] [--repeats N]
+                               [--kernels NAME ...] [--attention-T 512 2048] [--step 32x128 8x512] [--no-torch]
+    python -m refbert.bench_cuda ... (the same, with every option)
 
 Sections, written as cuda_<name>.md / .json / .png under --out (default benchmarks/results/cuda-<device>), the
 device, the library versions and the command line in each header:
 
 probes   the device's copy bandwidth (a CuPy device-to-device copy of a 1 GiB buffer: 2 bytes moved per byte,
          median of repeats), which every GB/s figure is a percentage of; the launch overhead, reported apart from
-         the kernels: an empty Numba CUDA kernel (no arguments, and with 4 CuPy array arguments, whose CUDA array
-         interface Numba reads at each launch) and an empty CuPy element-wise kernel, as wall-clock microseconds
-         per launch over back-to-back launches and as CUDA-event time of one launch.
-kernels  every KernelSpec of every refbert_kernels.cuda module (each module's SPECS): each numbered version is
-         validated against its oracle in refbert.ops first (refbert_kernels.cuda._common.validate on the spec's
-         GPU shapes, float32 and float16 by default; a version over tolerance is FAIL and never timed), then timed
-         at the spec's bench_shape on CuPy arrays (attention: B=4, H=12, hs=64 at each --attention-T): forward,
-         and backward on one cached forward, each the median of --repeats CUDA-event timings after 2 warm-up
-         calls, with the L2 cache flushed (a 256 MiB buffer written) before every timed call. GB/s = the spec's
-         napkin byte count of forward + backward / (forward + backward time), and % of the copy bandwidth;
-         attention also TFLOP/s: 4 B H T^2 hs forward, 2.5x that backward. The PyTorch peer runs on the same
-         inputs (zero-copy through DLPack): F.softmax, F.layer_norm (after the residual sum / dropout), F.gelu,
-         F.dropout, F.cross_entropy, and F.scaled_dot_product_attention with its flash and memory-efficient
-         backends selected explicitly (torch.nn.attention.sdpa_kernel; flash takes no mask and fp16/bf16 only, so
-         it runs without the padding mask, in float16).
-step     one BertForPreTraining forward + backward (MLM + NSP loss, dropout 0.1, HF's mlm decode "all") of
-         refbert with backend="cuda" (float32) against HF transformers + PyTorch eager on the GPU in float32 and
-         under bf16 autocast, same weights (an HF model with random weights saved to a temp dir, refbert loaded
-         from it) and batch, at B=4 T=128 and each longer --step-T. The eval-mode losses of refbert and HF fp32
-         are compared before any timing. No optimizer update in either (refbert.optim runs on NumPy arrays).
+         the kernels: empty Numba and CuPy kernels, and (step section) every CUDA C kernel one training step
+         launches, replayed with the step's own argument lists: host microseconds per launch.
+kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C versions (C1, C2: the versions
+         kernels/cuda/versions.py knows): each version is validated against its oracle first (GPU shapes, float32
+         and float16; a version over tolerance is FAIL and never timed), then timed at the spec's bench_shape on CuPy
+         arrays (attention: B=4, H=12, hs=64 at each --attention-T): forward, and backward on one cached forward, each
+         the median of --repeats CUDA-event timings after 2 warm-up calls, with the L2 cache flushed (a 256 MiB
+         buffer written) before every timed call; GB/s of a napkin byte count, % of the copy bandwidth; attention
+         TFLOP/s (4 B H T^2 hs forward, 2.5x that backward). PyTorch peers on the same inputs (zero-copy through
+         DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
+         without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times
+         order each op's versions: cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it).
+step     one BertForPreTraining training step (forward + backward; train mode, dropout 0.1, MLM + NSP loss) at
+         base size and training batches (--step, default B=32 T=128 and B=8 T=512: 4096 tokens each), float32 with
+         TF32 off on both sides: refbert backend="cuda" with HF's full logits (mlm_decode "all") and with its labelled
+         decoder ("labelled"), against HF transformers + PyTorch with attn_implementation "sdpa" (its default) and
+         "eager", same weights (an HF model with random weights saved to a temp dir, refbert loaded from it) and
+         batch; the eval losses of refbert and HF compared first. Beside each: the fp32 GEMM floor (the same step's
+         matrix products alone on cuBLAS, step_gemms(), timed in the same run), the memory held after the forward
+         (what the backward will read), and the ratios against sdpa and the floor. No optimizer update.
+profile  torch.profiler (CUPTI: it sees CuPy's and Numba's kernels too) over a few steps at the first --step shape:
+         for refbert (both decoders) and HF sdpa, the device time per kernel name, launches per step (kernel, copy
+         and memset events), GPU-busy time against wall time per step.
+The backend's version choices and every fallback are printed and written; a validation failure, a fallback or a
+failed loss check makes the exit status 1 (every file is still written).
 
 Without a GPU (or without CuPy) main() prints why and returns 2; the pieces that need no GPU (argument parsing,
-the FLOP and byte formulas, the tables) are tested in tests/test_cuda_backend_sim.py.
+the FLOP, byte and GEMM formulas, the profile aggregation, the tables) are tested in tests/test_cuda_backend_sim.py.
 """
 import argparse
 import json
@@ -48,9 +54,10 @@ import numpy as np
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 FLUSH_BYTES = 256 * 2 ** 20          # written between timed calls: larger than any GPU's L2 (H100 50 MB, H200 60)
 COPY_BYTES = 2 ** 30                 # the copy-bandwidth probe's buffer
-STEP_B = 4
+STEPS = [(32, 128), (8, 512)]        # base pretraining batches: 4096 tokens each
+STEP_TOKENS = 4096
 ATTENTION = dict(B=4, H=12, hs=64)
-MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention")
+MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention", "embedding")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,8 +106,8 @@ def shape_str(shape):
 
 def add_arguments(p):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
-    p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, T=128 only")
-    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step"],
+    p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, B=4 T=128 only")
+    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "profile"],
                    help="run only these sections (probes always)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
@@ -108,9 +115,11 @@ def add_arguments(p):
     p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
                    choices=["float64", "float32", "float16", "bfloat16"], help="dtypes each version is validated in")
     p.add_argument("--attention-T", nargs="+", type=int, help="attention sequence lengths (default 512 1024 2048)")
-    p.add_argument("--step-T", nargs="+", type=int, help="pretraining-step sequence lengths at B=4 "
-                   "(default 128 512; --quick 128)")
+    p.add_argument("--step", nargs="+", metavar="BxT", help="training-step batches (default 32x128 8x512)")
+    p.add_argument("--step-T", nargs="+", type=int, help="training-step sequence lengths at 4096 tokens (B = 4096/T)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers and HF's step")
+    p.add_argument("--config", choices=["base", "tiny"], default="base",
+                   help=argparse.SUPPRESS)          # tiny: the emulator's tooling check (tests/test_cuda_emu.py)
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     return p
 
@@ -120,14 +129,28 @@ def parse(argv=None):
                                                  description=__doc__.split("\n")[0])).parse_args(argv)
 
 
+def step_shapes(args):
+    """[(B, T)] of the step section: --step "BxT" ..., else --step-T at 4096 tokens, else STEPS (--quick: 4x128)."""
+    if getattr(args, "step", None):
+        out = []
+        for item in args.step:
+            try:
+                B, T = (int(v) for v in item.lower().split("x"))
+            except ValueError:
+                raise ValueError(f"bench: --step expected BxT (e.g. 32x128), got {item!r}") from None
+            out.append((B, T))
+        return out
+    if getattr(args, "step_T", None):
+        return [(max(1, STEP_TOKENS // T), T) for T in args.step_T]
+    return [(4, 128)] if getattr(args, "quick", False) else list(STEPS)
+
+
 def defaults(args):
     """Fill the defaults that depend on --quick."""
     if args.repeats is None:
         args.repeats = 5 if args.quick else 20
     if args.attention_T is None:
         args.attention_T = [512] if args.quick else [512, 1024, 2048]
-    if args.step_T is None:
-        args.step_T = [128] if args.quick else [128, 512]
     return args
 
 
@@ -135,7 +158,8 @@ def command_line(args):
     parts = ["refbert bench --device cuda"]
     for key, value in sorted(vars(args).items()):
         if key in ("command", "device") or value in (None, False) or (key == "validate_dtypes"
-                                                                      and value == ["float32", "float16"]):
+                                                                      and value == ["float32", "float16"]) \
+                or (key == "config" and value == "base"):
             continue
         flag = "--" + key.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {' '.join(map(str, value))}" if isinstance(value, list)
@@ -143,10 +167,35 @@ def command_line(args):
     return " ".join(parts)
 
 
+def emulated():
+    """REFBERT_CUDA_EMULATE=1 (with NUMBA_ENABLE_CUDASIM=1): the bench's code paths run on
+    refbert_kernels.cuda.emulate's CuPy stand-in (a tooling check: tests/test_cuda_emu.py; no timing means anything)."""
+    return os.environ.get("REFBERT_CUDA_EMULATE", "0") not in ("", "0")
+
+
+def _xp():
+    """cupy, or its emulated stand-in."""
+    if emulated():
+        from refbert_kernels.cuda.emulate import cupy
+        return cupy
+    import cupy
+    return cupy
+
+
+def _randn(shape):
+    """float32 standard normal values on the device."""
+    cp = _xp()
+    if emulated():
+        return cp.asarray(np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32))
+    return cp.random.standard_normal(shape, dtype=np.float32)
+
+
 def gpu_available():
     """(True, device name) or (False, why)."""
     try:
         from numba.core import config
+        if emulated() and config.ENABLE_CUDASIM:
+            return True, "emulated GPU (CPU threads)"
         if config.ENABLE_CUDASIM:
             return False, "NUMBA_ENABLE_CUDASIM=1 is set: the simulator cannot be timed"
     except ImportError:
@@ -173,9 +222,9 @@ class Timer:
     """CUDA-event timings with the L2 flushed (FLUSH_BYTES written) before every timed call."""
 
     def __init__(self, repeats, warmup=2):
-        import cupy
+        cupy = _xp()
         self.cp, self.repeats, self.warmup = cupy, repeats, warmup
-        self.flush_buf = cupy.empty(FLUSH_BYTES // 4, np.float32)
+        self.flush_buf = cupy.empty((FLUSH_BYTES if not emulated() else 2 ** 16) // 4, np.float32)
 
     def flush(self):
         self.flush_buf.fill(0)
@@ -201,15 +250,16 @@ class Timer:
 def copy_bandwidth(timer):
     """Bytes per second of a device-to-device copy of COPY_BYTES (read + write: 2 bytes moved per byte)."""
     cp = timer.cp
-    a = cp.ones(COPY_BYTES // 4, np.float32)
+    a = cp.ones((COPY_BYTES if not emulated() else 2 ** 20) // 4, np.float32)
     b = cp.empty_like(a)
     t = timer(lambda: cp.copyto(b, a), repeats=max(5, timer.repeats // 2))
-    return 2 * COPY_BYTES / t                 # (a, b freed on return, back to CuPy's pool)
+    return 2 * a.nbytes / t                 # (a, b freed on return, back to CuPy's pool)
 
 
 def launch_overhead(n=2000):
     """{what: (wall us per launch, event us of one launch)} of empty kernels."""
-    import cupy as cp
+    cp = _xp()
+    n = n if not emulated() else 3
     import refbert_kernels.cuda  # noqa: F401  (before the first compile: its NumPy 2.5 fix for numba-cuda)
     from numba import cuda
 
@@ -242,7 +292,7 @@ def launch_overhead(n=2000):
         wall = (time.perf_counter() - t) / n * 1e6
         start, end = cp.cuda.Event(), cp.cuda.Event()
         ev = []
-        for _ in range(50):
+        for _ in range(50 if not emulated() else 2):
             start.record()
             fn()
             end.record()
@@ -271,60 +321,25 @@ def kernel_specs(names=None):
     return found, errors
 
 
+def cuda_c_versions(op):
+    """{key: Version} of the op's CUDA C versions (kernels/cuda/versions.py), {} where there are none."""
+    from refbert_kernels.cuda import versions as VV
+    return {v.key: v for v in VV.versions().get(op, []) if v.cuda_c}
+
+
 def with_cuda_c(spec):
-    """The spec with its CUDA C version added as version "C" (kernels/cuda/cuda_c.py: CuPy launchers of
-    csrc/*.cu with the oracle's names) when that module has the op, else the spec as it is."""
+    """The spec with its CUDA C versions added under their keys ("C1", "C2": the .cu file's version)."""
     import dataclasses
-    import importlib
     try:
-        cc = importlib.import_module("refbert_kernels.cuda.cuda_c")
-    except Exception:
+        extra = cuda_c_versions(spec.name)
+    except Exception:                                     # pragma: no cover - no kernels/cuda/versions
         return spec
-    names = (spec.oracle[0].__name__, spec.oracle[1].__name__)
-    if not all(hasattr(cc, n) for n in names) or "C" in spec.versions:
+    extra = {k: v for k, v in extra.items() if k not in spec.versions}
+    if not extra:
         return spec
-    return dataclasses.replace(spec, versions={**spec.versions, "C": tuple(getattr(cc, n) for n in names)},
-                               notes={**spec.notes, "C": "CUDA C (csrc/, NVRTC via CuPy)"})
-
-
-def validate_on_device(spec, v, dtype, shape, seed=0):
-    """err/tol of version v run on CuPy copies of the inputs: float32 / float64 against the oracle in the same dtype
-    (spec.tol); float16 against the float64 oracle on the same rounded inputs (spec.tol, else 4 ulp of fp16, as
-    refbert_kernels.cuda._common.validate_lowp). For versions that take their fast path on CuPy arrays only."""
-    import cupy as cp
-    from refbert_kernels._harness import compare
-    from refbert_kernels.cuda import _common as C
-    low = np.dtype(dtype).itemsize < 4
-    atol, rtol = spec.tol.get(np.dtype(dtype).type) or C.lowp_tol(dtype)
-    inputs, kwargs = spec.make_inputs(shape, np.float32 if low else dtype, seed)
-    if low:                                       # the oracle in float64 on the inputs rounded to storage
-        with np.errstate(over="ignore"):
-            inputs = {k: (a.astype(dtype) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
-                      for k, a in inputs.items()}
-        ref_in = {k: (a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
-                  for k, a in inputs.items()}
-    else:
-        ref_in = inputs
-    ref_out, ref_cache = spec.oracle[0](**ref_in, **_fresh(kwargs))
-    d_in, d_kw = _on_gpu(inputs, kwargs, dtype)
-    out, cache = spec.versions[v][0](**d_in, **_fresh(d_kw))
-    if np.ndim(ref_out) == 0:
-        dout_h = np.float64(1.0)
-        dout = np.dtype(dtype).type(1.0)
-    else:
-        dout_h = np.random.default_rng(0).standard_normal(np.shape(ref_out)).astype(dtype)
-        dout = cp.asarray(dout_h)
-    ref_grads = spec.oracle[1](dout_h.astype(np.float64) if low else dout_h, ref_cache)
-    grads = spec.versions[v][1](dout, cache)
-    ref_grads = ref_grads if isinstance(ref_grads, tuple) else (ref_grads,)
-    grads = grads if isinstance(grads, tuple) else (grads,)
-    worst = 0.0
-    for label, g, r in [("out", out, ref_out), *zip((f"d{w}" for w in spec.wrt), grads, ref_grads)]:
-        g = g.get() if hasattr(g, "get") else np.asarray(g)
-        if low:
-            g, r = g.astype(np.float64), np.asarray(r, np.float64)
-        worst = max(worst, compare(f"{spec.name} v{v} {np.dtype(dtype).name} {label}", g, r, atol, rtol))
-    return worst
+    return dataclasses.replace(spec, versions={**spec.versions, **{k: (v.forward, v.backward) for k, v in
+                                                                   extra.items()}},
+                               notes={**spec.notes, **{k: v.note for k, v in extra.items()}})
 
 
 def _dtype(name):
@@ -335,17 +350,29 @@ def _dtype(name):
 
 
 def validate_version(spec, v, dtypes):
-    """(worst err/tol over the spec's GPU shapes and dtypes, error text or None)."""
+    """(worst err/tol over the spec's GPU shapes and dtypes, error text or None). CUDA C versions run on CuPy
+    copies of the inputs (versions.validate: their fast path takes device arrays; CuPy has no bfloat16), and must
+    not hand any call to a Numba version on the way; the Numba ones through _common.validate."""
     from refbert_kernels.cuda import _common as C
     worst = 0.0
     try:
+        if isinstance(v, str) and v.startswith("C"):
+            from refbert_kernels.cuda import cuda_c as K, versions as VV
+            ver = cuda_c_versions(spec.name)[v]
+            for dt in dtypes:
+                if not VV.takes(ver, dt):
+                    continue
+                K.FELL_BACK.clear()
+                w, err = VV.validate(ver, dt, spec.notes.get("gpu_shapes", spec.shapes))
+                if err:
+                    return math.inf, err
+                if K.FELL_BACK:
+                    return math.inf, f"handed to Numba: {K.FELL_BACK}"
+                worst = max(worst, w)
+            return worst, None
         for dt in dtypes:
             for shape in spec.notes.get("gpu_shapes", spec.shapes):
-                if v == "C":                    # the CUDA C launchers take their fast path on CuPy arrays only
-                    if dt != "bfloat16":         # (CuPy has no bfloat16)
-                        worst = max(worst, validate_on_device(spec, v, _dtype(dt), shape))
-                else:
-                    worst = max(worst, C.validate(spec, v, _dtype(dt), shape))
+                worst = max(worst, C.validate(spec, v, _dtype(dt), shape))
     except Exception as e:
         return math.inf, _err(e, 300)
     return worst, None
@@ -353,7 +380,7 @@ def validate_version(spec, v, dtypes):
 
 def _on_gpu(inputs, kwargs, dtype):
     """A spec's host inputs on the GPU (float arrays in dtype), kwargs' arrays too (masks, labels stay as given)."""
-    import cupy as cp
+    cp = _xp()
     conv = lambda v: cp.asarray(v.astype(dtype) if v.dtype.kind == "f" else v) \
         if isinstance(v, np.ndarray) else v  # noqa: E731
     with np.errstate(over="ignore"):       # float32's most negative mask value is -inf in float16, as intended
@@ -374,7 +401,7 @@ def _fresh(kwargs):
 
 def time_pair(timer, forward, backward, inputs, kwargs):
     """(forward s, backward s) of one implementation on device inputs; backward on one cached forward."""
-    import cupy as cp
+    cp = _xp()
     out, cache = forward(**inputs, **_fresh(kwargs))
     scalar = np.ndim(out) == 0
     dout = 1.0 if scalar else cp.asarray(np.random.default_rng(0).standard_normal(out.shape)).astype(out.dtype)
@@ -461,10 +488,12 @@ def sdpa_peers(B, T, H, hs, dtype, mask_host, p):
 
 
 def run_kernels(args, timer, bw):
-    """Validate every version, then time it and its PyTorch peer. -> (rows, failed)"""
+    """Validate every version, then time it and its PyTorch peer. -> (rows, failed, timings): timings
+    {(op, "float32"): {version key: forward + backward seconds}} of the passing versions at the bench shape (the
+    first --attention-T for attention): what cuda_order.json orders."""
     from refbert_kernels.cuda import _common as C   # noqa: F401  (imports the CUDA stack once, before timing)
     found, errors = kernel_specs(args.kernels)
-    rows, failed = [], False
+    rows, failed, timings = [], False, {}
     for m, err in errors:
         print(f"  kernels: refbert_kernels.cuda.{m} failed to import: {err}", flush=True)
         rows.append(dict(spec=m, version=None, status="IMPORT ERROR", error=err))
@@ -488,10 +517,16 @@ def run_kernels(args, timer, bw):
             dtypes = [np.float32, np.float16]
         else:
             shapes, dtypes = [spec.bench_shape], [np.float32]
-        for shape in shapes:
+        for i, shape in enumerate(shapes):
             for dtype in dtypes:
-                rows += time_spec(args, timer, bw, spec, passing, shape, dtype)
-    return rows, failed
+                got = time_spec(args, timer, bw, spec, passing, shape, dtype)
+                rows += got
+                if i == 0 and dtype == np.float32:
+                    for r in got:
+                        if r.get("fwd_ms") is not None and r["impl"].startswith("v"):
+                            timings.setdefault((spec.name, "float32"), {})[r["impl"][1:]] = \
+                                (r["fwd_ms"] + r["bwd_ms"]) / 1e3
+    return rows, failed, timings
 
 
 def time_spec(args, timer, bw, spec, versions, shape, dtype):
@@ -518,7 +553,15 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
               f"bwd {fmt(r['bwd_ms'])} ms  {fmt(r['gbps'])} GB/s ({fmt(r['pct_copy'], '.0f')}% copy)"
               + (f"  {fmt(r.get('fwd_tflops'))}/{fmt(r.get('bwd_tflops'))} TFLOP/s" if fl else ""), flush=True)
 
+    c_versions = cuda_c_versions(spec.name)
     for v in versions:
+        if v in c_versions:
+            from refbert_kernels.cuda import versions as VV
+            var = f"hs{shape['hs']}" if spec.name == "attention" else None
+            if not VV.takes(c_versions[v], dtype, var):
+                rows.append(dict(base, impl=f"v{v}", note=f"no kernel for {np.dtype(dtype).name}"
+                                 + (f" {var}" if var else "")))
+                continue
         if spec.name == "attention" and v == 1 and shape["T"] > 1024:
             rows.append(dict(base, impl="v1", note="skipped: materialises (B, H, T, T) three times"))
             continue
@@ -551,68 +594,302 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the pretraining step
+# the training step: refbert (both decoders) against HF + PyTorch (sdpa, eager), the GEMM floor, memory
+
+def step_gemms(cfg, B, T, n, decode="all", who="refbert"):
+    """The matrix products of one BertForPreTraining training step (forward and backward) as
+    [(what, batch, m, k, n)]: out (batch, m, n) = a (batch, m, k) @ b (batch, k, n); 2 batch m k n FLOPs each.
+    n: the labelled MLM rows. Per layer: q, k, v, output, intermediate and output denses (forward x W^T; backward
+    dx = dout W and dW = dout^T x), attention's S = q k^T and O = P v per (b, h) and their backward (dP = dO v^T,
+    dV = P^T dO, dQ = dS k, dK = dS^T q). Heads: pooler and NSP on B rows; the MLM transform and the tied decoder on
+    N = B T rows (decode "all": the decoder again on the n labelled rows for the loss, its backward on those n
+    rows, refbert's structure) or on the n labelled rows only ("labelled"); who="hf": HF's decoder, forward and
+    backward on all N rows."""
+    C, I, V, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_attention_heads, \
+        cfg.num_hidden_layers
+    hs, N = C // H, B * T
+    out = []
+
+    def dense(what, rows, cin, cout):
+        out.extend([(what, 1, rows, cin, cout), (f"{what} dx", 1, rows, cout, cin), (f"{what} dW", 1, cout, rows, cin)])
+    for _ in range(L):
+        for what in ("query", "key", "value", "attention.output"):
+            dense(what, N, C, C)
+        dense("intermediate", N, C, I)
+        dense("output", N, I, C)
+        out += [("attention q k^T", B * H, T, hs, T), ("attention P v", B * H, T, T, hs),
+                ("attention dP", B * H, T, hs, T), ("attention dV", B * H, T, T, hs),
+                ("attention dQ", B * H, T, T, hs), ("attention dK", B * H, T, T, hs)]
+    dense("pooler", B, C, C)
+    dense("nsp", B, C, 2)
+    rows = n if (decode == "labelled" and who == "refbert") else N
+    dense("mlm transform", rows, C, C)
+    if who == "hf":
+        dense("decoder", N, C, V)
+    else:
+        out.append(("decoder", 1, rows, C, V))
+        if decode == "all":
+            out.append(("decoder (labelled rows, for the loss)", 1, n, C, V))
+        out += [("decoder dx", 1, n, V, C), ("decoder dW", 1, V, n, C)]
+    return out
+
+
+def gemm_flops(gemms):
+    return sum(2.0 * b * m * k * n for _, b, m, k, n in gemms)
+
+
+def time_gemms(timer, gemms):
+    """Seconds of every product of `gemms` on cuBLAS in float32 (cupy.matmul, TF32 off), one after another: the
+    floor no implementation of the step can go under. Operands allocated once per distinct shape."""
+    cp = _xp()
+    shapes = {}
+    for _, b, m, k, n in gemms:
+        if (b, m, k, n) not in shapes:
+            a = _randn((b, m, k))
+            bb = _randn((b, k, n))
+            shapes[(b, m, k, n)] = (a, bb, cp.empty((b, m, n), np.float32))
+    seq = [shapes[(b, m, k, n)] for _, b, m, k, n in gemms]
+
+    def run():
+        for a, bb, o in seq:
+            cp.matmul(a, bb, out=o)
+    return timer(run, repeats=max(3, timer.repeats // 2))
+
+
+def _tf32_off():
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def _pool_bytes():
+    cp = _xp()
+    return cp.get_default_memory_pool().used_bytes()
+
 
 def run_step(args, timer):
-    """refbert (cuda backend, fp32) vs HF + PyTorch eager fp32 and bf16 autocast: forward + backward. -> (rows, failed)"""
-    import cupy as cp
+    """The step rows (refbert all / labelled, HF sdpa / eager, the GEMM floors, memory), and the launch-probe rows
+    of the first shape. -> (rows, launch_rows, failed, models) with models what run_profile reuses."""
+    cp = _xp()
     import refbert
     from refbert.bench import batch
     from refbert.config import BertConfig
-    cfg = BertConfig.preset("base")
-    rows, failed = [], False
-    with tempfile.TemporaryDirectory() as path:
-        hf = None
-        if not args.no_torch:
-            try:
-                import torch
-                from refbert.bench import hf_model
-                hf = hf_model(cfg, path).cuda()
-            except Exception as e:
-                rows.append(dict(impl="HF + PyTorch", note=_err(e)))
-        if hf is None:
-            ours = refbert.BertForPreTraining(cfg, seed=0, backend="cuda")
-        else:
-            ours = refbert.BertForPreTraining.from_pretrained(path, backend="cuda")
-        for T in args.step_T:
-            x = batch(STEP_B, T, cfg.vocab_size, seed=T)
-            shape = f"B={STEP_B} T={T}"
-            if hf is not None:                          # same loss before any timing (eval: no dropout)
-                ours.eval()
-                hf.eval()
-                tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
-                with torch.no_grad():
-                    l_hf = float(hf(**tx).loss)
-                l_ours = float(ours(**x).loss)
-                rel = abs(l_ours - l_hf) / max(abs(l_hf), 1e-30)
-                ok = rel <= 1e-4
-                failed |= not ok
-                rows.append(dict(impl="check", shape=shape, note=f"eval loss refbert {l_ours:.6f} vs HF fp32 "
-                                 f"{l_hf:.6f}: rel diff {rel:.1e} {'ok' if ok else 'FAIL'}"))
-                print(f"  step {shape}: {rows[-1]['note']}", flush=True)
-            ours.train()
+    from refbert_kernels.cuda import versions as VV
+    cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
+        BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                   max_position_embeddings=512)
+    rows, launch_rows, failed = [], [], False
+    tmp = tempfile.TemporaryDirectory()
+    hf = {}
+    if not args.no_torch:
+        try:
+            import torch
+            import transformers
+            from refbert.bench import hf_model
+            _tf32_off()
+            hf_model(cfg, tmp.name)
+            for impl in ("sdpa", "eager"):
+                hf[impl] = transformers.BertForPreTraining.from_pretrained(tmp.name, attn_implementation=impl).cuda()
+        except Exception as e:
+            rows.append(dict(impl="HF + PyTorch", note=_err(e)))
+            hf = {}
+    if hf:
+        ours = refbert.BertForPreTraining.from_pretrained(tmp.name, backend="cuda")
+    else:
+        ours = refbert.BertForPreTraining(cfg, seed=0, backend="cuda")
+    for si, (B, T) in enumerate(step_shapes(args)):
+        x = batch(B, T, cfg.vocab_size, seed=T)
+        n = int((x["labels"] != -100).sum())
+        shape = f"B={B} T={T}"
+        base = dict(shape=shape, B=B, T=T, labelled=n)
+        tx = None
+        if hf:                                          # the same loss before any timing (eval: no dropout)
+            import torch
+            tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
+            ours.eval()
+            hf["eager"].eval()
+            with torch.no_grad():
+                l_hf = float(hf["eager"](**tx).loss)
+            l_ours = float(ours(**x).loss)
+            rel = abs(l_ours - l_hf) / max(abs(l_hf), 1e-30)
+            ok = rel <= 1e-4
+            failed |= not ok
+            rows.append(dict(base, impl="check", note=f"eval loss refbert {l_ours:.6f} vs HF fp32 {l_hf:.6f}: rel "
+                             f"diff {rel:.1e} {'ok' if ok else 'FAIL'}"))
+            print(f"  step {shape}: {rows[-1]['note']}", flush=True)
+        ours.train()
+        sdpa_ms = None
+        if hf:
+            for impl in ("sdpa", "eager"):
+                m = hf[impl].train()
 
-            def step_ours():
-                ours(**x)
+                def step_hf(m=m):
+                    m.zero_grad(set_to_none=True)
+                    m(**tx).loss.backward()
+                t = timer(step_hf, repeats=max(3, args.repeats // 2))
+                m.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                out = m(**tx)
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - before
+                out.loss.backward()
+                del out
+                m.zero_grad(set_to_none=True)
+                floor = time_gemms(timer, step_gemms(cfg, B, T, n, "all", "hf"))
+                if impl == "sdpa":
+                    sdpa_ms = t * 1e3
+                rows.append(dict(base, impl=f"HF + PyTorch {impl} fp32", ms=t * 1e3, tokens_per_s=B * T / t,
+                                 floor_ms=floor * 1e3, held_mb=held / 2 ** 20))
+                print(f"  step {shape} HF {impl}: {t * 1e3:.2f} ms (its GEMM floor {floor * 1e3:.2f} ms), "
+                      f"{held / 2 ** 20:.0f} MiB held after the forward", flush=True)
+                torch.cuda.empty_cache()
+        for decode in ("all", "labelled"):
+            def step_ours(decode=decode):
+                ours(**x, mlm_decode=decode)
                 ours.backward()
             t = timer(step_ours, repeats=max(3, args.repeats // 2))
-            rows.append(dict(impl="refbert cuda fp32", shape=shape, ms=t * 1e3,
-                             tokens_per_s=STEP_B * T / t))
-            print(f"  step {shape} refbert cuda fp32: {t * 1e3:.2f} ms", flush=True)
-            if hf is None:
-                continue
-            hf.train()
-            for label, autocast in (("HF eager fp32", False), ("HF eager bf16 autocast", True)):
-                def step_hf(autocast=autocast):
-                    hf.zero_grad(set_to_none=True)
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                        loss = hf(**tx).loss
-                    loss.backward()
-                t = timer(step_hf, repeats=max(3, args.repeats // 2))
-                rows.append(dict(impl=label, shape=shape, ms=t * 1e3, tokens_per_s=STEP_B * T / t))
-                print(f"  step {shape} {label}: {t * 1e3:.2f} ms", flush=True)
-            cp.get_default_memory_pool().free_all_blocks()
-    return rows, failed
+            cp.cuda.Device().synchronize()
+            before = _pool_bytes()
+            ours(**x, mlm_decode=decode)
+            cp.cuda.Device().synchronize()
+            held = _pool_bytes() - before
+            ours.backward()
+            gemms = step_gemms(cfg, B, T, n, decode)
+            floor = time_gemms(timer, gemms)
+            rows.append(dict(base, impl=f"refbert cuda fp32 ({decode})", ms=t * 1e3, tokens_per_s=B * T / t,
+                             floor_ms=floor * 1e3, held_mb=held / 2 ** 20, gemm_tflop=gemm_flops(gemms) / 1e12,
+                             vs_sdpa=t * 1e3 / sdpa_ms if sdpa_ms else None, vs_floor=t / floor))
+            print(f"  step {shape} refbert ({decode}): {t * 1e3:.2f} ms, {t / floor:.2f}x its GEMM floor "
+                  f"({floor * 1e3:.2f} ms)" + (f", {t * 1e3 / sdpa_ms:.2f}x HF sdpa" if sdpa_ms else "")
+                  + f"; {held / 2 ** 20:.0f} MiB held after the forward", flush=True)
+            if si == 0 and decode == "all":
+                launch_rows = launch_probe(lambda: step_ours("all"))
+        cp.get_default_memory_pool().free_all_blocks()
+    rows.append(dict(impl="versions", note="; ".join(f"{op} {dt}: {v.key}" for (op, dt), v in
+                                                     sorted(VV.CHOSEN.items()))))
+    problems = VV.problems()
+    for op, why in problems:
+        rows.append(dict(impl="FALLBACK", shape=op, note=why))
+    failed |= bool(problems)
+    return rows, launch_rows, failed, dict(ours=ours, hf=hf, tmp=tmp, cfg=cfg)
+
+
+def launch_probe(step, repeats=200):
+    """Every CUDA C kernel one call of step() launches, replayed `repeats` times back to back with the step's own
+    arguments: host microseconds per launch (the wall time of the loop / repeats, the device drained before and
+    after). -> rows [dict(kernel, calls_per_step, host_us)]."""
+    cp = _xp()
+    from refbert_kernels.cuda import cuda_c as K
+    repeats = repeats if not emulated() else 2
+    K.RECORD = []
+    try:
+        step()
+    finally:
+        recorded, K.RECORD = K.RECORD, None
+    first, calls = {}, {}
+    for name, fn, grid, block, args in recorded:
+        calls[name] = calls.get(name, 0) + 1
+        first.setdefault(name, (fn, grid, block, args))
+    rows = []
+    for name, (fn, grid, block, args) in first.items():
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn(grid, block, args)
+        host = (time.perf_counter() - t) / repeats * 1e6
+        cp.cuda.Device().synchronize()
+        rows.append(dict(kernel=name, calls_per_step=calls[name], host_us=host))
+    return sorted(rows, key=lambda r: -r["calls_per_step"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the profile: device time by kernel, launches per step, busy against wall
+
+def profile_table(events, steps, wall_s, top=25):
+    """Aggregate device events [(name, device_us, kind)] (kind "kernel", "memcpy" or "memset") of `steps` steps
+    that took wall_s seconds: -> (summary dict, rows [dict(name, calls_per_step, ms_per_step, pct)]) with rows the
+    `top` names by device time."""
+    by = {}
+    for name, us, kind in events:
+        d = by.setdefault(name, [0.0, 0, kind])
+        d[0] += us
+        d[1] += 1
+    busy = sum(v[0] for v in by.values()) / 1e3 / max(steps, 1)
+    count = {k: sum(v[1] for v in by.values() if v[2] == k) / max(steps, 1) for k in ("kernel", "memcpy", "memset")}
+    summary = dict(steps=steps, launches_per_step=sum(count.values()), kernels_per_step=count["kernel"],
+                   copies_per_step=count["memcpy"], memsets_per_step=count["memset"], gpu_busy_ms=busy,
+                   wall_ms=wall_s * 1e3 / max(steps, 1),
+                   busy_pct=100.0 * busy / (wall_s * 1e3 / steps) if wall_s > 0 and steps else None)
+    rows = [dict(name=name, calls_per_step=c / max(steps, 1), ms_per_step=us / 1e3 / max(steps, 1),
+                 pct=100.0 * us / 1e3 / max(steps, 1) / busy if busy else None)
+            for name, (us, c, _) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]]
+    return summary, rows
+
+
+def _device_events(prof):
+    """[(name, device_us, kind)] of a torch.profiler run: every CUDA-side event (CUPTI sees CuPy's and Numba's
+    kernels too), from key_averages (one entry per name, with its count)."""
+    from torch.autograd import DeviceType
+    out = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        name = e.key
+        kind = "memcpy" if "memcpy" in name.lower() else "memset" if "memset" in name.lower() else "kernel"
+        for _ in range(max(1, e.count) - 1):
+            out.append((name, 0.0, kind))
+        out.append((name, float(us), kind))
+    return out
+
+
+def run_profile(args, models, steps=3):
+    """torch.profiler over `steps` steps of refbert (both decoders) and HF sdpa at the first --step shape.
+    -> {impl: (summary, rows)} or {impl: error text}."""
+    cp = _xp()
+    from refbert.bench import batch
+    if emulated():
+        return {"profile": "not on the emulator (no CUPTI)"}
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as e:
+        return {"profile": f"torch.profiler unavailable: {e}"}
+    B, T = step_shapes(args)[0]
+    cfg, ours, hf = models["cfg"], models["ours"], models["hf"]
+    x = batch(B, T, cfg.vocab_size, seed=T)
+    runs = {f"refbert cuda fp32 ({d})": (lambda d=d: (ours(**x, mlm_decode=d), ours.backward()))
+            for d in ("all", "labelled")}
+    ours.train()
+    if "sdpa" in hf:
+        tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
+        m = hf["sdpa"].train()
+        runs["HF + PyTorch sdpa fp32"] = lambda: (m.zero_grad(set_to_none=True), m(**tx).loss.backward())
+    out = {}
+    for impl, fn in runs.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            cp.cuda.Device().synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                torch.cuda.synchronize()
+                cp.cuda.Device().synchronize()
+                wall = time.perf_counter() - t
+            out[impl] = profile_table(_device_events(prof), steps, wall)
+            s = out[impl][0]
+            print(f"  profile {impl} B={B} T={T}: {s['launches_per_step']:.0f} launches / step, GPU busy "
+                  f"{s['gpu_busy_ms']:.1f} of {s['wall_ms']:.1f} ms", flush=True)
+        except Exception as e:
+            out[impl] = _err(e, 300)
+            print(f"  profile {impl}: {out[impl]}", flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -646,9 +923,37 @@ def kernels_md(rows, bw):
 
 
 def step_md(rows):
-    return md_table(("impl", "shape", "ms (fwd + bwd)", "tokens/s", "note"),
-                    [(r["impl"], r.get("shape", ""), fmt(r.get("ms")), fmt(r.get("tokens_per_s"), ".0f"),
-                      r.get("note", "")) for r in rows])
+    head = ("impl", "shape", "ms (fwd + bwd)", "tokens/s", "x HF sdpa", "GEMM floor ms", "x floor",
+            "MiB held after fwd", "note")
+    return md_table(head, [(r["impl"], r.get("shape", ""), fmt(r.get("ms")), fmt(r.get("tokens_per_s"), ".0f"),
+                            fmt(r.get("vs_sdpa"), ".2f"), fmt(r.get("floor_ms")),
+                            fmt(r.get("ms") / r["floor_ms"] if r.get("ms") and r.get("floor_ms") else None, ".2f"),
+                            fmt(r.get("held_mb"), ".0f"), r.get("note", "")) for r in rows])
+
+
+def launch_md(rows):
+    lines = ["Host time per launch of every CUDA C kernel one step runs (the first shape, decode all), replayed "
+             "with the step's own arguments (target: <= 10 us):", ""]
+    return lines + md_table(("kernel", "launches / step", "host us / launch"),
+                            [(r["kernel"], r["calls_per_step"], fmt(r["host_us"])) for r in rows])
+
+
+def profile_md(prof):
+    lines = []
+    for impl, res in prof.items():
+        lines += [f"### {impl}", ""]
+        if isinstance(res, str):
+            lines += [f"failed: {res}", ""]
+            continue
+        s, rows = res
+        lines += [f"{s['launches_per_step']:.0f} device events per step ({s['kernels_per_step']:.0f} kernels, "
+                  f"{s['copies_per_step']:.0f} copies, {s['memsets_per_step']:.0f} memsets); GPU busy "
+                  f"{s['gpu_busy_ms']:.2f} ms of {s['wall_ms']:.2f} ms wall per step ({fmt(s['busy_pct'], '.0f')}%), "
+                  f"{s['steps']} steps profiled.", ""]
+        lines += md_table(("kernel", "calls / step", "ms / step", "% of GPU time"),
+                          [(r["name"][:90], fmt(r["calls_per_step"], ".3g"), fmt(r["ms_per_step"], ".3f"),
+                            fmt(r["pct"], ".1f")) for r in rows]) + [""]
+    return lines
 
 
 def probes_md(bw, launch):
@@ -714,16 +1019,17 @@ def precision_md(rows, precision):
 
 
 def main(args=None):
-    """args: a Namespace from refbert's CLI, or argv (a list), or None (sys.argv). Returns 0, 1 (a validation or
-    step check failed; every file is still written) or 2 (no GPU: nothing run)."""
+    """args: a Namespace from refbert's CLI, or argv (a list), or None (sys.argv). Returns 0, 1 (a validation, a
+    fallback or a step check failed; every file is still written) or 2 (no GPU: nothing run)."""
     if args is None or isinstance(args, (list, tuple)):
         args = parse(args)
     for key, default in (("quick", False), ("only", None), ("out", None), ("repeats", None), ("kernels", None),
-                         ("validate_dtypes", ["float32", "float16"]), ("attention_T", None), ("step_T", None),
-                         ("no_torch", False), ("no_plot", False)):
+                         ("validate_dtypes", ["float32", "float16"]), ("attention_T", None), ("step", None),
+                         ("step_T", None), ("no_torch", False), ("no_plot", False)):
         if not hasattr(args, key):
             setattr(args, key, default)
     args = defaults(args)
+    step_shapes(args)                                   # a bad --step is a ValueError before anything runs
     import warnings
     warnings.filterwarnings("ignore", message=".*(under-utilization|copy overhead)")   # Numba's occupancy and
     #                                  host-array notes, printed at every small validation launch: noise here
@@ -739,6 +1045,9 @@ def main(args=None):
               + f". Date: {time.strftime('%Y-%m-%d %H:%M %Z')}."]
     if args.quick:
         header += ["", "**--quick: a tooling check with few repeats and small shapes; not results.**"]
+    from refbert.model import get_backend
+    backend = get_backend("cuda")
+    print(backend.describe(), flush=True)
     timer = Timer(args.repeats)
     print(f"== probes on {device}", flush=True)
     bw = copy_bandwidth(timer)
@@ -747,26 +1056,43 @@ def main(args=None):
     paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
     failed = False
-    sections = args.only or ["kernels", "precision", "step"]
+    sections = args.only or ["kernels", "precision", "step", "profile"]
     if "kernels" in sections:
         print("== kernels", flush=True)
-        rows, bad = run_kernels(args, timer, bw)
+        rows, bad, timings = run_kernels(args, timer, bw)
         failed |= bad
         paths += write(out, "cuda_kernels", f"refbert CUDA kernels on {device}", header, kernels_md(rows, bw),
                        dict(command=command, info=info, copy_bandwidth=bw, rows=rows),
                        None if args.no_plot else lambda p: plot_kernels(rows, p, device))
+        if timings:
+            from refbert_kernels.cuda import versions as VV
+            path = os.path.join(out, "cuda_order.json")
+            VV.write_order(path, device, timings)
+            paths.append(path)
+            print(f"  measured order: REFBERT_CUDA_ORDER={path} makes the backend use it", flush=True)
     if "precision" in sections:
         print("== precision", flush=True)              # the same study as `refbert check --device cuda`
         from . import precision
         rows = precision.study(device="cuda", size="tiny" if args.quick else "base")
         paths += write(out, "cuda_precision", f"refbert reduced-precision study on {device}", header,
                        precision_md(rows, precision), dict(command=command, info=info, rows=rows))
-    if "step" in sections:
+    models = None
+    if "step" in sections or "profile" in sections:
         print("== step", flush=True)
-        rows, bad = run_step(args, timer)
+        rows, launch_rows, bad, models = run_step(args, timer)
         failed |= bad
-        paths += write(out, "cuda_step", f"refbert pretraining step on {device}", header, step_md(rows),
-                       dict(command=command, info=info, rows=rows))
+        paths += write(out, "cuda_step", f"refbert training step on {device}", header,
+                       step_md(rows) + [""] + launch_md(launch_rows),
+                       dict(command=command, info=info, rows=rows, launch=launch_rows))
+    if "profile" in sections and models is not None:
+        print("== profile", flush=True)
+        prof = run_profile(args, models)
+        failed |= any(isinstance(v, str) for v in prof.values())
+        paths += write(out, "cuda_profile", f"refbert training step profiled on {device}", header,
+                       profile_md(prof), dict(command=command, info=info,
+                                              profile={k: (v if isinstance(v, str) else dict(summary=v[0], rows=v[1]))
+                                                       for k, v in prof.items()}))
+    print(backend.describe(), flush=True)
     for p in paths:
         print(f"wrote {p}")
     return 1 if failed else 0

@@ -69,8 +69,8 @@ def to_numpy(x):
         return type(x)({k: to_numpy(v) for k, v in x.items()})
     if isinstance(x, (tuple, list)):
         return type(x)(to_numpy(v) for v in x)
-    if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
-        return x.get() if hasattr(x, "get") else x.copy_to_host()
+    if type(x) is not np.ndarray and hasattr(x, "__cuda_array_interface__"):   # (an emulated device array is
+        return x.get() if hasattr(x, "get") else x.copy_to_host()               # a NumPy subclass: it comes too)
     return x
 
 
@@ -473,6 +473,9 @@ class BertPreTrainedModel:
         cfg, P, pre = self.config, self.params, self.prefix
         ids, tt, pos, mask = _check_inputs(type(self).__name__, cfg, self.dtype, input_ids, attention_mask,
                                            token_type_ids, position_ids)
+        stage = getattr(ctx.ops, "stage", None)         # a device backend: the checked inputs move in one copy,
+        if stage is not None:                           # not once per op that reads them ("cuda": one per layer)
+            ids, tt, pos, mask = stage(ids, tt, pos, mask)
         own = (lambda a: a.copy()) if ctx.keep else (lambda a: a)  # noqa: E731
         h, c_emb = embeddings_forward(ctx, P, pre + "embeddings.", cfg, ids, tt, pos)
         hidden, atts, c_layers = [own(h)], [], []

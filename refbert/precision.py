@@ -601,6 +601,8 @@ def validate_kernels(backend, dtypes=None):
                 except Exception as e:              # a launch or compile failure is a failed row, not a crash
                     worst, err = math.inf, f"{type(e).__name__}: {e}"
                 rows.append((f"{spec.name} v{v}", np.dtype(dt).name, worst, worst <= 1, err))
+    if callable(getattr(backend, "version_rows", None)):   # the CUDA C versions on the device, then every fallback
+        rows += backend.version_rows()                      # (a demotion, a call handed to Numba): failing rows
     return rows
 
 

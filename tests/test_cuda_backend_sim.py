@@ -23,8 +23,10 @@ A gradient that is 0 in exact arithmetic (the key bias: softmax ignores a per-ro
 absolutely. The dropout masks are checked exactly: after the forward both models' DropoutRNGs have drawn the same
 number of streams, and an element the numpy backend's attention dropped is 0 in the cuda backend's probabilities.
 """
+import ast
 import functools
 import importlib.util
+import json
 import types
 
 import numpy as np
@@ -122,13 +124,29 @@ def compare(head, dtype, **cfg_kw):
 
 
 T_ = {"BertForPreTraining": 6, "BertForSequenceClassification": 5}
-compare("BertForPreTraining", np.float32)
-compare("BertForSequenceClassification", np.float32, num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
-        intermediate_size=12)
-if FLOAT64:
-    compare("BertForSequenceClassification", np.float64, num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
-            intermediate_size=12)
+SMALL = dict(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=12)
+CASES = globals().get("CASES") or ([("BertForPreTraining", np.float32, {}),
+                                    ("BertForSequenceClassification", np.float32, SMALL)]
+                                   + ([("BertForSequenceClassification", np.float64, SMALL)] if FLOAT64 else []))
+for head, dtype, kw in CASES:
+    compare(head, dtype, **kw)
+from refbert_kernels.cuda import versions as VV
+print("RAN", sorted({(op, dt, k) for op, dt, k in VV.RAN}))       # what ran: (op, dtype, version)
+print("PROBLEMS", VV.problems())
 """
+
+
+def ran(out):
+    """{(op, dtype, version)} from a _COMPARE child's output."""
+    import ast
+    line = next(line for line in out.splitlines() if line.startswith("RAN "))
+    return set(ast.literal_eval(line[4:]))
+
+
+# every op with versions that one training step of BertForPreTraining runs (softmax, residual_layernorm and gelu
+# are fused into attention, the LayerNorms with their residuals, and bias + GELU)
+STEP_OPS = {"layernorm", "dropout_residual_layernorm", "dropout", "bias_gelu", "attention", "cross_entropy",
+            "column_sum", "embedding"}
 
 
 @needs_numba_cuda
@@ -145,8 +163,30 @@ def test_gpu_whole_model_equals_numpy_backend():
     """The same on a real GPU (CuPy arrays, cuBLAS, the compiled kernels); skipped without one."""
     if not _gpu_present():
         pytest.skip("no CUDA GPU usable through CuPy")
-    out = _check(_run("FLOAT64 = True\n" + _COMPARE, sim=False))
+    out = _check(_run(CASES_HS32 + _COMPARE, sim=False))
     assert out.count("OK ") == 3, out
+    assert_ran_cuda_c(out)
+
+
+# models whose heads have size 32, which the CUDA C attention has kernels for (tiny_config's are of size 4)
+CASES_HS32 = """
+import numpy as np
+FLOAT64 = True
+HS32 = dict(hidden_size=64, num_attention_heads=2, intermediate_size=96)
+CASES = [("BertForPreTraining", np.float32, HS32),
+         ("BertForSequenceClassification", np.float32, dict(HS32, num_hidden_layers=1)),
+         ("BertForSequenceClassification", np.float64, dict(HS32, num_hidden_layers=1))]
+"""
+
+
+def assert_ran_cuda_c(out):
+    """What ran is what was meant to: a CUDA C version of every op of the step in float32 (STEP_OPS), the Numba
+    versions in float64 (CUDA C is float32 only); no demotion, no CUDA C call handed to Numba."""
+    assert "PROBLEMS []" in out, out
+    ran_ = ran(out)
+    for op in STEP_OPS:
+        assert any(o == op and dt == "float32" and k.startswith("C") for o, dt, k in ran_), (op, sorted(ran_))
+    assert all(not k.startswith("C") for o, dt, k in ran_ if dt == "float64"), sorted(ran_)
 
 
 _DLPACK_GPU = """
@@ -213,14 +253,16 @@ def test_sim_outputs_pass_to_torch_without_copies_and_checkpoints_roundtrip(tmp_
 
 @needs_numba_cuda
 def test_sim_cuda_c_launchers_fall_back_to_numba_and_match_the_oracle():
-    """kernels/cuda/cuda_c.py runs its CUDA C kernels on float32 CuPy arrays only; for anything else (NumPy arrays,
-    here in the simulator; float16) each forward falls back to the Numba kernel and its backward must take that
-    kernel's cache. The first H200 run found layernorm_backward unpacking Numba's cache as its own (a ValueError in
-    `refbert bench --device cuda`): forward and backward of every launcher through the fallback, against the
-    oracle, and each output keeps the input's dtype. Tolerances: float64, summation order only (1e-10); float16,
-    against the float64 oracle on the same rounded inputs, 4 ulp of fp16 on O(1) values (one rounding on the store,
-    cached fp16 values in the backward), twice that for attention's output (P is stored in fp16 before P V) and four
-    times for its gradients (sums over T products of rounded values)."""
+    """kernels/cuda/cuda_c.py runs its CUDA C kernels on float32 device arrays only; for anything else (NumPy arrays,
+    here in the simulator; float64, float16) each forward falls back to the Numba kernel and its backward must take
+    that kernel's cache. The first H200 run found layernorm_backward unpacking Numba's cache as its own (a ValueError
+    in `refbert bench --device cuda`): forward and backward of every launcher through the fallback, against the
+    oracle, each output keeps the input's dtype, and each fallback is recorded (cuda_c.FELL_BACK: never silent).
+    Tolerances: float64, summation order only (1e-10); float16, against the float64 oracle on the same rounded
+    inputs, 4 ulp of fp16 on O(1) values (one rounding on the store, cached fp16 values in the backward), twice that
+    for sums of a few rounded terms and attention's output (P is stored in fp16 before P V), four times for
+    attention's gradients (sums over T products of rounded values). The CUDA C paths themselves run in
+    tests/test_cuda_emu.py (emulated) and test_cuda_nvcc.py (GPU)."""
     code = """
     import numpy as np
     from refbert import ops
@@ -228,35 +270,142 @@ def test_sim_cuda_c_launchers_fall_back_to_numba_and_match_the_oracle():
     from refbert_kernels.cuda import cuda_c as K, _common as C
     assert C.SIM
     r = np.random.default_rng(0)
+    up = lambda *a: tuple(v.astype(np.float64) for v in a)
+
+    def close(got, ref, tol, what):
+        assert got.dtype == dt, (what, got.dtype)
+        np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol, err_msg=what)
+
+    def pair(name, fwd, bwd, ofwd, obwd, args, kw, tol, rng=False):
+        kw_k = dict(kw, rng=DropoutRNG(3)) if rng else kw
+        kw_o = dict(kw, rng=DropoutRNG(3)) if rng else kw
+        o, c = fwd(*args, **kw_k)
+        arrays = [a.astype(np.float64) if isinstance(a, np.ndarray) else a for a in args]
+        o_ref, c_ref = ofwd(*arrays, **kw_o)
+        close(np.asarray(o), o_ref, tol, name + " out")
+        d = r.standard_normal(np.shape(o)).astype(dt)
+        g, g_ref = bwd(d, c), obwd(d.astype(np.float64), c_ref)
+        g, g_ref = (g if isinstance(g, tuple) else (g,)), (g_ref if isinstance(g_ref, tuple) else (g_ref,))
+        for i, (a_, b_) in enumerate(zip(g, g_ref)):
+            close(a_, b_, tol, f"{name} grad {i}")
+
     for dt, tol in ((np.float64, 1e-10), (np.float16, 4 * 2.0 ** -10)):
-        x = r.standard_normal((3, 5)).astype(dt)
-        w, b = (r.standard_normal(5).astype(dt) for _ in range(2))
-        d = r.standard_normal((3, 5)).astype(dt)
-        up = lambda *a: tuple(v.astype(np.float64) for v in a)
-        o, c = K.layernorm_forward(x, w, b)
-        assert o.dtype == dt
-        o_ref, c_ref = ops.layernorm_forward(*up(x, w, b))
-        np.testing.assert_allclose(o.astype(np.float64), o_ref, atol=tol, rtol=tol)
-        for g, g_ref in zip(K.layernorm_backward(d, c), ops.layernorm_backward(*up(d), c_ref)):
-            assert g.dtype == dt
-            np.testing.assert_allclose(g.astype(np.float64), g_ref, atol=tol, rtol=tol)
-        p, c = K.softmax_forward(x, 0.5)
-        assert p.dtype == dt and K.softmax_backward(d, c).dtype == dt
-        p_ref, c_ref = ops.softmax_forward(*up(x), 0.5)
-        np.testing.assert_allclose(p.astype(np.float64), p_ref, atol=tol, rtol=tol)
-        np.testing.assert_allclose(K.softmax_backward(d, c).astype(np.float64),
-                                   ops.softmax_backward(*up(d), c_ref), atol=tol, rtol=tol)
+        x, a, d = (r.standard_normal((3, 8)).astype(dt) for _ in range(3))
+        w, b = (r.standard_normal(8).astype(dt) for _ in range(2))
+        pair("layernorm C1", K.layernorm_forward, K.layernorm_backward, ops.layernorm_forward,
+             ops.layernorm_backward, (x, w, b), {}, tol)
+        pair("layernorm C2", K.layernorm_forward_c2, K.layernorm_backward_c2, ops.layernorm_forward,
+             ops.layernorm_backward, (x, w, b), {}, tol)
+        pair("residual_layernorm C2", K.residual_layernorm_forward_c2, K.residual_layernorm_backward_c2,
+             ops.residual_layernorm_forward, ops.residual_layernorm_backward, (x, a, w, b), {}, tol)
+        pair("dropout_residual_layernorm C2", K.dropout_residual_layernorm_forward_c2,
+             K.dropout_residual_layernorm_backward_c2, ops.dropout_residual_layernorm_forward,
+             ops.dropout_residual_layernorm_backward, (x, a, w, b), dict(p=0.3), tol, rng=True)
+        pair("dropout C1", K.dropout_forward_c1, K.dropout_backward_c1, ops.dropout_forward, ops.dropout_backward,
+             (x, 0.4), {}, tol, rng=True)
+        pair("gelu C1", K.gelu_forward_c1, K.gelu_backward_c1, ops.gelu_forward, ops.gelu_backward, (x,), {}, tol)
+        pair("bias_gelu C1", K.bias_gelu_forward_c1, K.bias_gelu_backward_c1, ops.bias_gelu_forward,
+             ops.bias_gelu_backward, (x, b), dict(approximate="tanh"), tol)
+        pair("softmax C2", K.softmax_forward, K.softmax_backward, ops.softmax_forward, ops.softmax_backward,
+             (x, 0.5), {}, tol)
+        labels = np.array([1, -100, 7])
+        o, c = K.cross_entropy_forward_c1(x, labels)
+        o_ref, c_ref = ops.cross_entropy_forward(x.astype(np.float64), labels)
+        close(np.asarray(o), o_ref, tol, "cross_entropy C1 loss")
+        close(K.cross_entropy_backward_c1(1.0, c), ops.cross_entropy_backward(1.0, c_ref), tol, "cross_entropy dz")
+        close(K.column_sum_c1(x), x.astype(np.float64).sum(0), 2 * tol, "column_sum C1")
+        ids = np.array([[1, 2, 1], [0, 1, 2]])
+        dout = r.standard_normal((2, 3, 8)).astype(dt)
+        _, c_ref = ops.embedding_forward(ids, np.zeros((4, 8)), 0)
+        close(K.embedding_backward_c1(dout, (ids, (4, 8), np.dtype(dt), 0)),
+              ops.embedding_backward(dout.astype(np.float64), c_ref), 2 * tol, "embedding C1")
         q, k, v = (r.standard_normal((1, 3, 4)).astype(dt) for _ in range(3))
         dd = r.standard_normal((1, 3, 4)).astype(dt)
-        a, c = K.attention_forward(q, k, v, 2, dropout_p=0.2, rng=DropoutRNG(3), train=True)
-        assert a.dtype == dt and all(g.dtype == dt for g in K.attention_backward(dd, c))
+        att, c = K.attention_forward(q, k, v, 2, dropout_p=0.2, rng=DropoutRNG(3), train=True)
+        assert att.dtype == dt and all(g.dtype == dt for g in K.attention_backward(dd, c))
         a_ref, c_ref = ops.attention_forward(*up(q, k, v), n_heads=2, dropout_p=0.2, rng=DropoutRNG(3), train=True)
-        np.testing.assert_allclose(a.astype(np.float64), a_ref, atol=2 * tol, rtol=2 * tol)
+        np.testing.assert_allclose(att.astype(np.float64), a_ref, atol=2 * tol, rtol=2 * tol)
         for g, g_ref in zip(K.attention_backward(dd, c), ops.attention_backward(*up(dd), c_ref)):
             np.testing.assert_allclose(g.astype(np.float64), g_ref, atol=4 * tol, rtol=4 * tol)
+    fell = sorted({op for op, _ in K.FELL_BACK})
+    assert fell == sorted(["layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu",
+                           "bias_gelu", "softmax", "cross_entropy", "column_sum", "embedding", "attention"]), fell
     print("OK")
     """
     assert "OK" in _check(_run(code))
+
+
+_VERSIONS = """
+import json, os, warnings
+import numpy as np
+from refbert.philox import DropoutRNG
+from refbert_kernels.cuda import backend as B, versions as VV
+assert B.MODE == "sim"
+x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+w, b = np.ones(8, np.float32), np.zeros(8, np.float32)
+"""
+
+_PINNED = """
+B.layernorm_forward(x, w, b)
+B.dropout_forward(x, 0.5, DropoutRNG(1))
+B.gelu_forward(x)
+VV.pin("attention", 2)
+B.attention_forward(x.reshape(1, 3, 8), x.reshape(1, 3, 8), x.reshape(1, 3, 8), 2)
+print("RAN", sorted(VV.RAN))
+print(B.describe())
+for bad in (("nope", 1), ("layernorm", "C9")):
+    try:
+        VV.pin(*bad)
+    except ValueError as e:
+        print("ERR", e)
+"""
+
+
+@needs_numba_cuda
+def test_sim_versions_pinned_measured_and_built_in(tmp_path):
+    """The version of each (op, dtype): a pin (REFBERT_CUDA_VERSIONS or versions.pin) first, then a measured order
+    written for this device (REFBERT_CUDA_ORDER), then the built-in one (CUDA C skipped in the simulator); a bad pin
+    is a ValueError naming what was expected."""
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps({"device": "Numba CUDA simulator (CPU)", "orders": {"gelu": {"float32": ["1", "2"]}}}))
+    env = (f"import os\nos.environ['REFBERT_CUDA_VERSIONS'] = 'layernorm=1,dropout:float32=1'\n"
+           f"os.environ['REFBERT_CUDA_ORDER'] = {str(order)!r}\n")
+    out = _check(_run(env + _VERSIONS + _PINNED))
+    ran_ = set(ast.literal_eval(next(line for line in out.splitlines() if line.startswith("RAN "))[4:]))
+    assert ran_ == {("layernorm", "float32", "1"), ("dropout", "float32", "1"), ("gelu", "float32", "1"),
+                    ("attention", "float32", "2")}, ran_            # pinned, pinned, measured, pinned
+    assert "layernorm                   order C2 > C1 > 2 > 1; runs float32: 1; pinned every dtype=1" in out, out
+    assert "ERR pin: expected an op among" in out and "ERR pin: layernorm has no version 'C9'" in out, out
+
+
+_DEMOTE = """
+vs = VV.versions()["layernorm"]
+i = next(i for i, v in enumerate(vs) if v.key == "2")
+good = vs[i].forward
+def wrong(x, w, b, eps=1e-12):                          # off by 1e-3: beyond float32's tolerance
+    out, cache = good(x, w, b, eps)
+    return out + 1e-3, cache
+vs[i] = vs[i]._replace(forward=wrong)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    B.layernorm_forward(x, w, b)
+print("WARN", [str(c.message) for c in caught])
+print("CHOSEN", VV.CHOSEN[("layernorm", "float32")].key)
+print(B.describe())
+print("ROWS", [(r[0], r[3]) for r in B.version_rows() if "FALLBACK" in r[0]])
+"""
+
+
+@needs_numba_cuda
+def test_sim_a_version_failing_validation_is_demoted_and_reported():
+    """With validation at first use (REFBERT_CUDA_VALIDATE=1; on by default on a GPU) a version whose result is off
+    is demoted to the next one, and the demotion is reported: a RuntimeWarning, problems(), describe(), and a
+    failing row of version_rows() (what `refbert check --device cuda` prints)."""
+    out = _check(_run("import os\nos.environ['REFBERT_CUDA_VALIDATE'] = '1'\n" + _VERSIONS + _DEMOTE))
+    assert "CHOSEN 1" in out, out
+    assert "layernorm float32 version 2 failed validation" in out and "demoted to the next version" in out, out
+    assert "FALLBACK layernorm: float32: version 2 demoted" in out, out
+    assert "ROWS [('layernorm FALLBACK', False)]" in out, out
 
 
 @needs_numba_cuda
@@ -303,15 +452,52 @@ def test_bench_cuda_formulas():
 def test_bench_cuda_arguments():
     from refbert import bench_cuda as BC
     a = BC.defaults(BC.parse([]))
-    assert a.repeats == 20 and a.attention_T == [512, 1024, 2048] and a.step_T == [128, 512]
+    assert a.repeats == 20 and a.attention_T == [512, 1024, 2048] and BC.step_shapes(a) == [(32, 128), (8, 512)]
     assert a.validate_dtypes == ["float32", "float16"]
     q = BC.defaults(BC.parse(["--quick", "--only", "kernels", "--kernels", "softmax", "--attention-T", "256"]))
     assert q.repeats == 5 and q.only == ["kernels"] and q.kernels == ["softmax"] and q.attention_T == [256]
-    assert q.step_T == [128]
+    assert BC.step_shapes(q) == [(4, 128)]
     assert BC.command_line(q) == ("refbert bench --device cuda --attention-T 256 --kernels softmax --only kernels "
-                                  "--quick --repeats 5 --step-T 128")
+                                  "--quick --repeats 5")
+    assert BC.step_shapes(BC.parse(["--step", "16x256", "2X64"])) == [(16, 256), (2, 64)]
+    assert BC.step_shapes(BC.parse(["--step-T", "128", "512", "2048"])) == [(32, 128), (8, 512), (2, 2048)]
+    with pytest.raises(ValueError, match="--step expected BxT"):
+        BC.step_shapes(BC.parse(["--step", "32-128"]))
     with pytest.raises(SystemExit):
         BC.parse(["--only", "memory"])
+
+
+def test_bench_cuda_step_gemms_count_every_matrix_product():
+    """The GEMM floor's list against the step's FLOPs written out by hand (2 m k n per product): per layer 6 linear
+    layers x 3 products (forward, dx, dW), attention's 2 forward and 4 backward products per head; pooler, NSP,
+    MLM transform; the decoder per decode mode."""
+    from refbert import bench_cuda as BC
+    from refbert.config import BertConfig
+    cfg = BertConfig.preset("base")
+    C, I, V, H, L = 768, 3072, cfg.vocab_size, 12, 12
+    B, T, n = 32, 128, 614
+    N, hs = B * T, C // H
+    layer = 3 * 2 * N * (4 * C * C + 2 * C * I) + 6 * 2 * B * H * T * T * hs
+    heads = 3 * 2 * B * (C * C + 2 * C)
+    allrows = L * layer + heads + 3 * 2 * N * C * C + 2 * N * C * V + 2 * n * C * V + 2 * 2 * n * V * C
+    labelled = L * layer + heads + 3 * 2 * n * C * C + 3 * 2 * n * C * V
+    hf = L * layer + heads + 3 * 2 * N * C * C + 3 * 2 * N * C * V
+    assert BC.gemm_flops(BC.step_gemms(cfg, B, T, n, "all")) == allrows
+    assert BC.gemm_flops(BC.step_gemms(cfg, B, T, n, "labelled")) == labelled
+    assert BC.gemm_flops(BC.step_gemms(cfg, B, T, n, "all", who="hf")) == hf
+    assert len(BC.step_gemms(cfg, B, T, n, "labelled")) == L * 24 + 6 + 3 + 3
+
+
+def test_bench_cuda_profile_aggregation():
+    from refbert import bench_cuda as BC
+    events = [("gemm", 100.0, "kernel")] * 4 + [("ln", 10.0, "kernel")] * 6 + [("Memcpy HtoD", 5.0, "memcpy")] * 2 \
+        + [("Memset", 1.0, "memset")] * 2
+    s, rows = BC.profile_table(events, steps=2, wall_s=0.001)
+    assert s["launches_per_step"] == 7 and s["kernels_per_step"] == 5 and s["copies_per_step"] == 1
+    assert s["gpu_busy_ms"] == (400 + 60 + 10 + 2) / 1e3 / 2 and s["wall_ms"] == 0.5
+    assert rows[0] == dict(name="gemm", calls_per_step=2, ms_per_step=0.2, pct=100 * 0.2 / s["gpu_busy_ms"])
+    md = BC.profile_md({"refbert": (s, rows), "HF": "RuntimeError: no CUPTI"})
+    assert "7 device events per step (5 kernels, 1 copies, 1 memsets)" in md[2] and "failed: RuntimeError" in md[-2]
 
 
 def test_bench_cuda_tables():
@@ -326,10 +512,14 @@ def test_bench_cuda_tables():
     assert "| softmax | v1 | ok | 0.25 | a thread per row |" in md
     assert "| softmax | B=4, H=12, T=512 | float32 | v1 | 0.5 | 0.25 | 1.5e+03 | 50 | — | — |  |" in md
     assert any("| 200 | 180 |" in line for line in md)
-    step = BC.step_md([dict(impl="refbert cuda fp32", shape="B=4 T=128", ms=50.0, tokens_per_s=10240.0),
+    step = BC.step_md([dict(impl="refbert cuda fp32 (all)", shape="B=4 T=128", ms=50.0, tokens_per_s=10240.0,
+                            vs_sdpa=1.25, floor_ms=40.0, held_mb=900.4),
                        dict(impl="check", shape="B=4 T=128", note="ok")])
-    assert step[0] == "| impl | shape | ms (fwd + bwd) | tokens/s | note |"
-    assert "| refbert cuda fp32 | B=4 T=128 | 50 | 10240 |  |" in step
+    assert step[0] == ("| impl | shape | ms (fwd + bwd) | tokens/s | x HF sdpa | GEMM floor ms | x floor | "
+                       "MiB held after fwd | note |")
+    assert "| refbert cuda fp32 (all) | B=4 T=128 | 50 | 10240 | 1.25 | 40 | 1.25 | 900 |  |" in step
+    launch = BC.launch_md([dict(kernel="ce_fwd_v1", calls_per_step=2, host_us=4.25)])
+    assert "| ce_fwd_v1 | 2 | 4.25 |" in launch
     probes = BC.probes_md(3.2e12, {"numba empty kernel, no arguments": (4.5, 2.0)})
     assert "| numba empty kernel, no arguments | 4.5 | 2 |" in probes
 

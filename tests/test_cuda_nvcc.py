@@ -1,15 +1,23 @@
-"""The CUDA C sources (kernels/cuda/csrc/*.cu) compile for sm_90, and, on a machine with a GPU, match the oracle.
+"""The CUDA C sources (kernels/cuda/csrc/*.cu) compile for sm_90 without spills in the hot kernels, compile under
+NVRTC as CuPy compiles them, and, on a machine with a GPU, match the oracle.
 
 1. test_cu_compiles: every .cu is compiled with nvcc as a standalone file (`nvcc -arch=sm_90 -std=c++17 -c`,
    the validating main included, so host code is checked too; ptxas assembles the inline mma.sync / cp.async)
-   and preprocessed as NVRTC will see it through cupy.RawModule (`-E -DNO_MAIN`: no main, no host headers).
-   All run in parallel; ~16 s of CPU, ~20-40 s wall on 2 cores. Skips when nvcc is not on PATH. Needs no GPU: syntax, type and PTX-assembly errors (the inline mma.sync /
-   cp.async) are caught here.
-2. test_cuda_c_matches_oracle: skips unless CuPy and a CUDA device are present; then runs kernels/cuda/cuda_c.py's
+   with `-Xptxas -v`: every kernel's register, stack and spill report is read, and no kernel the model's step runs
+   may spill (SPILLS_KNOWN lists the older ones that do, with why). All run in parallel; ~50 s of CPU, ~30 s wall on
+   2 cores. Skips when nvcc is not on PATH.
+2. test_cu_compiles_under_nvrtc: every .cu through NVRTC with the options kernels/cuda/cuda_c.py gives CuPy's
+   RawModule (-std=c++17 -DNO_MAIN -I csrc), for sm_90: what runs on the GPU is NVRTC's build, not nvcc's (no host
+   header may leak past NO_MAIN; NVRTC has no <cmath>). Needs cuda-bindings (numba-cuda's dependency) and the CUDA
+   toolkit's headers (cuda_fp16.h).
+3. test_cuda_c_matches_oracle: skips unless CuPy and a CUDA device are present; then runs kernels/cuda/cuda_c.py's
    launchers (NVRTC-compiled .cu kernels) against the oracle: attention fp32 (scalar flash v1) and fp16 (tensor
    core v2 forward, scalar backward) with padding, dropout and identical dropped elements, softmax and layernorm
-   fp32.
+   fp32; then every CUDA C version of every op (kernels/cuda/versions.py) on the op's GPU shapes in float32, with
+   no call handed to a Numba version on the way (what ran is the CUDA C kernel).
 """
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,21 +36,90 @@ def _nvcc(args):
     return args, res
 
 
+# kernel -> why it spills (ptxas: spill stores > 0). Nothing the model's step runs in float32 at hs = 64 may be here:
+# attention's v1 backward spills (its dkdv / dq keep q, k, v, dout rows and two accumulators of hs floats per
+# thread), and the step runs version C3 (attention_f32.cu) instead, which must not.
+SPILLS_KNOWN = {
+    **{f"attn_fwd_v1_{t}_hs128": "scalar flash v1 forward: q and o rows of 128 floats per thread"
+       for t in ("f32", "f16", "bf16")},
+    **{f"attn_bwd_{k}_v1_{t}_hs{hs}": "scalar flash v1 backward: 4-5 rows of hs floats per thread"
+       for k in ("dq", "dkdv") for t in ("f32", "f16", "bf16") for hs in (64, 128)},
+}
+
+
+def _ptxas(text):
+    """{kernel: (registers, stack bytes, spill stores, spill loads)} of nvcc -Xptxas -v output."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and name:
+            out[name] = [None, *map(int, m.groups())]
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name in out:
+            out[name][0] = int(m.group(1))
+    return {k: tuple(v) for k, v in out.items()}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: the CUDA C sources are not compiled")
 def test_cu_compiles():
-    assert {p.name for p in SOURCES} >= {"attention_forward.cu", "attention_backward.cu", "softmax.cu",
-                                         "layernorm.cu"}
+    assert {p.name for p in SOURCES} >= {"attention_forward.cu", "attention_backward.cu", "attention_f32.cu", "softmax.cu",
+                                         "layernorm.cu", "gelu.cu", "dropout.cu", "cross_entropy.cu", "colsum.cu",
+                                         "embedding.cu"}
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = []
-        for src in SOURCES:
-            base = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{CSRC}"]
-            jobs.append(base + ["-c", str(src), "-o", f"{tmp}/{src.stem}.o"])
-            # NVRTC's view (-DNO_MAIN): preprocessing only, so it stays cheap; the kernels are the same text
-            jobs.append(base + ["-E", "-DNO_MAIN", "--cuda", str(src), "-o", f"{tmp}/{src.stem}.ii"])
+        # the standalone build (host main included) with ptxas's resource report of every kernel (the kernels are
+        # the same text NVRTC compiles: -DNO_MAIN only hides the main)
+        jobs = [["nvcc", "-arch=sm_90", "-std=c++17", f"-I{CSRC}", "-O3", "-Xptxas", "-v", "-c", str(src), "-o",
+                 f"{tmp}/{src.stem}.o"] for src in SOURCES]
         with ThreadPoolExecutor(4) as ex:
             results = list(ex.map(_nvcc, jobs))
     failed = [f"{' '.join(a)}\n{r.stderr}" for a, r in results if r.returncode != 0]
     assert not failed, "nvcc failed:\n" + "\n".join(failed)
+    report = {}
+    for a, r in results:
+        report.update(_ptxas(r.stdout + r.stderr))
+    assert len(report) >= 60, sorted(report)                  # every kernel reported (36 before this issue)
+    spills = {k: v for k, v in report.items() if v[2] or v[3]}
+    assert set(spills) <= set(SPILLS_KNOWN), {k: spills[k] for k in set(spills) - set(SPILLS_KNOWN)}
+    # the kernels of the step: layernorm v2, gelu, dropout, cross-entropy, column sums, embedding, attention v1
+    # forward at hs 64: none spills, and none needs a stack frame (a local array indexed at run time)
+    for k, (regs, stack, _, _) in report.items():
+        if re.match(r"(layernorm_.*v2|gelu_|bias_gelu_|dropout_v1|ce_|colsum_|emb_bwd_|column_sum2)", k):
+            assert stack == 0 and regs <= 64, (k, report[k])
+        if re.match(r"attn_.*v3_f32", k):                       # the step's attention: registers, never the stack
+            assert stack == 0, (k, report[k])
+
+
+def _nvrtc_include():
+    """The CUDA toolkit's include folder (cuda_fp16.h), as CuPy finds it: CUDA_HOME, CUDA_PATH, beside nvcc."""
+    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                 os.path.dirname(os.path.dirname(shutil.which("nvcc") or "/x/x"))):
+        if base and os.path.isfile(os.path.join(base, "include", "cuda_fp16.h")):
+            return os.path.join(base, "include")
+    return None
+
+
+def _nvrtc_compile(src):
+    from cuda.bindings import nvrtc
+    err, prog = nvrtc.nvrtcCreateProgram(src.read_bytes(), src.name.encode(), 0, [], [])
+    opts = [b"-std=c++17", b"-DNO_MAIN", f"-I{CSRC}".encode(), b"-arch=sm_90", f"-I{_nvrtc_include()}".encode()]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * n
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    return src.name, int(err), log.decode(errors="replace")
+
+
+def test_cu_compiles_under_nvrtc():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (a numba-cuda dependency) for NVRTC")
+    if _nvrtc_include() is None:
+        pytest.skip("no CUDA toolkit headers (cuda_fp16.h): set CUDA_HOME")
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(_nvrtc_compile, SOURCES))
+    failed = [f"{name}: NVRTC error {err}\n{log[-3000:]}" for name, err, log in results if err != 0]
+    assert not failed, "\n".join(failed)
 
 
 def _gpu():
@@ -106,3 +183,17 @@ def test_cuda_c_matches_oracle():
     d = r.standard_normal(x.shape).astype(np.float32)
     for g, gr in zip(K.layernorm_backward(cupy.asarray(d), c), ops.layernorm_backward(d, lc)):
         np.testing.assert_allclose(cupy.asnumpy(g), gr, atol=1e-4, rtol=1e-4)   # dw, db: sums of 111 rows
+
+    # every CUDA C version of every op, float32 on the op's GPU shapes, the CUDA C path taken every time
+    from refbert_kernels.cuda import backend, versions as VV
+    assert backend.MODE == "gpu"
+    failures = []
+    for op, vs in VV.versions().items():
+        for v in vs:
+            if not v.cuda_c:
+                continue
+            K.FELL_BACK.clear()
+            worst, err = VV.validate(v, "float32")
+            if err is not None or worst > 1 or K.FELL_BACK:
+                failures.append((op, v.key, worst, err, dict(K.FELL_BACK)))
+    assert not failures, failures

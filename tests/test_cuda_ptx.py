@@ -39,7 +39,7 @@ def test_every_cuda_kernel_compiles_for_sm90():
     # every spec reaches its kernels: softmax, the layernorm family, dropout, gelu, cross-entropy, attention
     # (a wrapper that stopped launching would compile nothing and pass unseen)
     for name in ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu",
-                 "bias_gelu", "cross_entropy", "attention"):
+                 "bias_gelu", "cross_entropy", "attention", "embedding"):
         assert re.search(rf"^\s+{name}\s+v1 float32\s+[1-9]\d* kernel signatures", out, re.M), name
     assert ok >= 100, f"only {ok} kernel signatures compiled"
 

@@ -64,7 +64,9 @@ for spec in specs:
 # module -> its specs (each checked in every version and dtype)
 MODULES = {"softmax": ["softmax"], "dropout": ["dropout"], "gelu": ["gelu", "bias_gelu"],
            "layernorm": ["layernorm", "residual_layernorm", "dropout_residual_layernorm"],
-           "cross_entropy": ["cross_entropy"]}
+           "cross_entropy": ["cross_entropy"], "embedding": ["embedding"]}
+# the GPU variant runs attention's Numba versions too (their simulator test is tests/test_cuda_attention_sim.py)
+GPU_MODULES = {**MODULES, "attention": ["attention"]}
 DTYPES = {"float64", "float32", "float16", "bfloat16"}
 
 
@@ -207,10 +209,16 @@ def _gpu_present():
     return r.returncode == 0 and r.stdout.strip().endswith("True")
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", sorted(GPU_MODULES))
 def test_gpu_every_version_matches_oracle(module):
-    """The same checks on a real GPU at moderate shapes (each spec's notes["gpu_shapes"]); skipped without one."""
+    """The same checks on a real GPU at moderate shapes (each spec's notes["gpu_shapes"]), attention's Numba
+    versions included; skipped without one. Every (spec, version, dtype) must have run: a version that stopped
+    early would leave its line out."""
     if not _gpu_present():
         pytest.skip("no CUDA GPU (numba.cuda.is_available() is False outside the simulator)")
     lines = _lines(_check(_run(_DRIVER.format(sim=False, module=module), sim=False)))
-    assert {n for n, _, _ in lines} == set(MODULES[module]), lines
+    assert {n for n, _, _ in lines} == set(GPU_MODULES[module]), lines
+    for name in GPU_MODULES[module]:
+        versions = {v for n, v, _ in lines if n == name}
+        assert len(versions) >= 2 and all({d for n, w, d in lines if (n, w) == (name, v)} == DTYPES
+                                          for v in versions), (name, lines)

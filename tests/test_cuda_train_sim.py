@@ -85,18 +85,20 @@ def _args(d, out, *extra):
 
 def _cli(argv, sim):
     """cli.main(argv) in a child (the simulator must be on before numba.cuda is first imported); prints the
-    backend's mode and the ops that fell back to the oracle."""
+    backend's mode, the ops that fell back to the oracle, and every version demoted or handed to Numba."""
     code = (cudachild.PRELUDE +
             f"from refbert import cli\n"
             f"rc = cli.main({argv!r})\n"
-            f"from refbert_kernels.cuda import backend\n"
+            f"from refbert_kernels.cuda import backend, versions\n"
             f"print('MODE', backend.MODE, 'FALLBACKS', sorted(backend.FALLBACKS))\n"
+            f"print('PROBLEMS', versions.problems())\n"
             f"sys.exit(rc)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cudachild.child_env(sim), capture_output=True,
                        text=True, timeout=900)
     if r.returncode != 0:
         pytest.fail(f"refbert {' '.join(argv)} failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     assert f"MODE {'sim' if sim else 'gpu'} FALLBACKS []" in r.stdout, r.stdout
+    assert "PROBLEMS []" in r.stdout, r.stdout              # no version demoted, no CUDA C call handed to Numba
     return r.stdout
 
 

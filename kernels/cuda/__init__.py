@@ -4,7 +4,10 @@ NumPy arrays (Numba moves them; or the CUDA simulator, NUMBA_ENABLE_CUDASIM=1) o
 allocated with the input's own array module), in fp32, fp64, and fp16 / bf16 storage with fp32 accumulation.
 
 Files: _common (storage kinds, device Philox, reductions, simulator shims, low-precision validation), softmax,
-layernorm (plain, residual, dropout + residual), dropout, gelu (gelu, bias + gelu), cross_entropy. Each exposes
+layernorm (plain, residual, dropout + residual), dropout, gelu (gelu, bias + gelu), cross_entropy, attention,
+embedding (the backward as a sorted segment sum); cuda_c (the CUDA C versions, csrc/*.cu, launched by CuPy),
+versions (which version runs, per op and dtype), emulate (CuPy and a GPU emulated on CPU threads), backend. Each
+kernel file exposes
 SPECS, a list of refbert_kernels._harness.KernelSpec whose `versions` are the host wrappers; `specs()` gathers
 them for `refbert check --device cuda` / `refbert bench --device cuda`.
 """
@@ -18,7 +21,7 @@ if not hasattr(_np, "row_stack"):
     # of its modules) before the first kernel compiles restores the alias it always was.
     _np.row_stack = _np.vstack
 
-MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention")
+MODULES = ("softmax", "layernorm", "dropout", "gelu", "cross_entropy", "attention", "embedding")
 
 
 def specs():

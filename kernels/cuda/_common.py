@@ -22,6 +22,7 @@ inactive warps still taking part, which a real warp shuffle with a full mask req
 become numpy views. On a GPU the same names are cuda.shfl_xor_sync and libdevice's float_as_int / int_as_float.
 """
 import functools
+import os
 
 import numpy as np
 
@@ -80,9 +81,12 @@ def dev(a):
 
 def din(a):
     """An input as a kernel argument: NumPy arrays go to the device once (no copy back, so read-only inputs
-    work), device arrays (CuPy) are passed as they are. Outputs are passed with dev() (NumPy: Numba copies back)."""
+    work), device arrays (CuPy, emulated) are passed as they are. Outputs are passed with dev() (NumPy: Numba
+    copies back)."""
     a = dev(a)
-    return cuda.to_device(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+    if isinstance(a, np.ndarray) and not on_device(a):
+        return cuda.to_device(np.ascontiguousarray(a))
+    return a
 
 
 # bit casts: libdevice on a GPU, numpy views in the simulator
@@ -326,12 +330,37 @@ def is_array(a):
     return isinstance(a, np.ndarray) or hasattr(a, "__cuda_array_interface__")
 
 
+_EMU = "refbert_kernels.cuda.emulate"
+
+
 def xp_of(a):
-    """The array module of a: cupy for a CuPy array (imported only when one is seen), else numpy."""
-    if not isinstance(a, np.ndarray) and type(a).__module__.split(".")[0] == "cupy":
+    """The array module of a: cupy for a CuPy array (imported only when one is seen), the emulated cupy of
+    refbert_kernels.cuda.emulate for its device arrays, else numpy."""
+    if isinstance(a, np.ndarray):
+        if type(a) is not np.ndarray and type(a).__module__ == _EMU:
+            from .emulate import cupy
+            return cupy
+        return np
+    if type(a).__module__.split(".")[0] == "cupy":
         import cupy
         return cupy
     return np
+
+
+def on_device(a):
+    """True for a CuPy array or an emulated device array (refbert_kernels.cuda.emulate), False for NumPy."""
+    return a is not None and xp_of(a) is not np
+
+
+# Value checks that need a device array's values on the host (a NaN logit, an id out of range, a row of -inf
+# scores) synchronise the device: on device arrays they run only with REFBERT_CUDA_CHECKS=1. On host arrays (the
+# model's inputs before they move, the simulator's NumPy arrays) they always run, as the oracle's do.
+STRICT = os.environ.get("REFBERT_CUDA_CHECKS", "0") not in ("", "0")
+
+
+def checks_on(*arrays):
+    """Whether value checks on these arrays run here: they are all on the host, or REFBERT_CUDA_CHECKS=1."""
+    return STRICT or not any(on_device(a) for a in arrays)
 
 
 def stub(a):

@@ -6,12 +6,18 @@ Where the arrays live
                   (refbert.model calls `to_device` on each), and writes them back through `to_host` when it saves.
     activations   CuPy arrays; every op allocates its outputs with the array module of its inputs, so a forward
                   and a backward never leave the device.
-    inputs        input_ids, token types, positions, the attention mask, labels, the MLM rows: the model builds
-                  them as NumPy arrays (it validates them on the host, as the numpy backend does) and each op moves
-                  what it reads to the device at entry (`_dev`): one small host-to-device copy per op and call.
-    outputs       stay on the device, as torch's do: logits, hidden states, the loss (a 0-d CuPy array) and every
-                  gradient are CuPy arrays. Back to NumPy: `refbert.model.to_numpy(x)` (any nesting of dicts,
-                  tuples and model outputs), `x.get()`, or `cupy.asnumpy(x)`.
+    inputs        input_ids, token types, positions and the attention mask are validated on the host by the model
+                  (as the numpy backend does), then moved in one copy per forward (`stage`: one pinned buffer,
+                  one asynchronous transfer; the ids' sorted order for the embedding backward rides along). Labels
+                  and the MLM rows move once each, at the op that reads them. Nothing moves per layer.
+    outputs       stay on the device, as torch's do: logits, hidden states, the loss (a 0-d CuPy array, never read
+                  back by the step) and every gradient are CuPy arrays. Back to NumPy: `refbert.model.to_numpy(x)`
+                  (any nesting of dicts, tuples and model outputs), `x.get()`, or `cupy.asnumpy(x)`.
+    no syncs      no op reads a device array back in a forward or backward: the checks that need values (ids and
+                  labels in range) run on the host arrays before they move; the ones that would need a read back
+                  (a NaN logit, a row of -inf scores) run only with REFBERT_CUDA_CHECKS=1 (without it a NaN gives
+                  a NaN loss, as PyTorch's). A copy from pageable host memory would synchronise the stream too,
+                  hence the pinned staging buffer.
     zero copies   a CuPy array exports DLPack (`__dlpack__`) and the CUDA array interface
                   (`__cuda_array_interface__`): `torch.from_dlpack(out.logits)` is a torch CUDA tensor on the same
                   memory, `cupy.from_dlpack(tensor)` the way back, and `numba.cuda.as_cuda_array(a)` a Numba
@@ -20,42 +26,64 @@ Where the arrays live
 What runs where
     matmuls       cuBLAS through cupy.matmul (linear forward and backward, the tied MLM decoder); fp32 stays fp32
                   (CuPy uses TF32 only when CUPY_TF32=1 is set, which this backend never does).
-    fused ops     the Numba CUDA kernels of refbert_kernels.cuda (each module's best version, see KERNELS):
-                  softmax, layernorm / residual / dropout + residual layernorm, dropout, gelu / bias + gelu,
-                  attention (flash forward and backward, Philox dropout regenerated in the backward),
-                  cross_entropy.
-    small ops     embedding lookups (a gather; the backward a scatter-add, cupyx.scatter_add: atomics, so the
-                  order of additions into a repeated id's row is not fixed), the pooler's tanh, add, gather_rows,
-                  mse and bce_with_logits: a few CuPy element-wise calls each, written here (the oracle's checks
-                  and messages, on any array module).
-    fallbacks     a kernel module that is missing or fails to import leaves its ops undefined here (FALLBACKS
-                  names each and why), and get_backend("cuda") fills them in as it does for any module
-                  (refbert.backends.Backend): the oracle, run on host copies of its inputs, its outputs moved back
-                  to the device — slow, but the model still runs and stays correct.
+    fused ops     per op and dtype, the fastest version that validated on this device (refbert_kernels.cuda.versions:
+                  CUDA C launched by CuPy first, then the Numba CUDA versions; pinned with REFBERT_CUDA_VERSIONS or
+                  versions.pin, ordered by the bench's measurements with REFBERT_CUDA_ORDER): softmax, layernorm /
+                  residual / dropout + residual layernorm, dropout, gelu / bias + gelu, attention (flash forward
+                  and backward, Philox dropout regenerated in the backward), cross_entropy.
+    bias grads    linear_backward's db by the column_sum versions (a deterministic two-pass column-sum kernel, a
+                  product with a ones vector, or the array module's sum), never a generic reduction per call.
+    embeddings    the lookup is a gather; its backward the embedding versions: a sorted segment sum (C1, and the
+                  Numba 2 and 1: the same bits every run) before the atomic scatter-add (cupyx.scatter_add, whose
+                  order of additions into a repeated id's row is not fixed). The bitwise-reproducible choice is
+                  the default: every kernel here adds in a fixed order (no float atomics), and cuBLAS gives the
+                  same bits for the same shapes on the same GPU and library (NVIDIA's cuBLAS documentation).
+    small ops     the pooler's tanh, add, gather_rows, mse and bce_with_logits: a few CuPy element-wise calls each,
+                  written here (the oracle's checks and messages, on any array module).
+    fallbacks     nothing slows down in silence: a version that fails validation at first use is demoted and
+                  reported (a RuntimeWarning; describe(); a failing row of `refbert check --device cuda` and of the
+                  bench), a CUDA C launcher that hands a call to its Numba version likewise, and a kernel module
+                  that fails to import leaves its ops undefined here (FALLBACKS, warned when the backend is built):
+                  get_backend("cuda") then runs the oracle on host copies (refbert.backends.Backend) — slow, but
+                  the model still runs and stays correct.
 
-Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set before numba is first imported): the array module is NumPy,
-the kernels run simulated on the CPU (one Python thread per GPU thread: tiny shapes only) and the matmuls are
-NumPy's. This is how tests/test_cuda_backend_sim.py tests the whole model in CI without a GPU.
+Three ways to run (MODE): "gpu" (CuPy, a CUDA GPU); "sim" (NUMBA_ENABLE_CUDASIM=1: the array module is NumPy, the
+Numba kernels run simulated on the CPU, one Python thread per GPU thread: tiny shapes only; CUDA C versions do not
+run); "emu" (REFBERT_CUDA_EMULATE=1 with the simulator: the array module is refbert_kernels.cuda.emulate's CuPy
+stand-in, the CUDA C kernels run on CPU threads and every transfer is counted). tests/test_cuda_backend_sim.py
+and tests/test_cuda_emu.py test the whole model in CI without a GPU that way.
 
 Importing this module without a GPU + CuPy and without the simulator raises ImportError with the reason
 (refbert.model.get_backend turns it into a ValueError).
 """
-import importlib
+import os
+import warnings
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from refbert import validate as V
+
+from . import _common as C
+from . import versions
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the device: a GPU through CuPy, or Numba's simulator on NumPy
 
 def _device():
-    """("sim", numpy) under NUMBA_ENABLE_CUDASIM=1, ("gpu", cupy) with a visible GPU; ImportError otherwise."""
+    """("emu", emulated cupy) under REFBERT_CUDA_EMULATE=1 (with the simulator), ("sim", numpy) under
+    NUMBA_ENABLE_CUDASIM=1, ("gpu", cupy) with a visible GPU; ImportError otherwise."""
     try:
         from numba.core import config
     except ImportError as e:                              # pragma: no cover
         raise ImportError(f"the cuda backend needs numba and numba-cuda (pip install 'refbert[cuda]'): {e}") from None
+    if os.environ.get("REFBERT_CUDA_EMULATE", "0") not in ("", "0"):
+        if not config.ENABLE_CUDASIM:
+            raise ImportError("REFBERT_CUDA_EMULATE=1 needs NUMBA_ENABLE_CUDASIM=1 too (the Numba kernels run "
+                              "in the simulator beside the emulated CUDA C ones)")
+        from .emulate import cupy
+        return "emu", cupy
     if config.ENABLE_CUDASIM:
         return "sim", np
     try:
@@ -75,23 +103,51 @@ def _device():
 
 MODE, xp = _device()
 SIM = MODE == "sim"
-ARRAY_LIBRARY = "numpy" if SIM else "cupy"   # the library of the model's arrays (to_device keeps them there)
+EMU = MODE == "emu"
+ARRAY_LIBRARY = "cupy" if MODE == "gpu" else "numpy"   # the library of the model's arrays (the emulator's device
+#                                                        arrays are NumPy arrays to refbert.backends)
+versions.configure(MODE, xp)
 
 
 def device_name():
     """A readable name of the device the backend runs on."""
-    if SIM:
-        return "Numba CUDA simulator (CPU)"
-    props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
-    name = props["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
+    return versions.device_name()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # moving arrays: to the device at op entry, back on request
 
 def _on_device(a):
-    return isinstance(a, xp.ndarray)
+    return isinstance(a, xp.ndarray) and (xp is np or C.on_device(a))
+
+
+_PINNED = []        # (event, pinned memory) of copies in flight: kept alive until the device has read them
+
+
+def _h2d(a):
+    """A contiguous host array on the device. On a GPU the bytes go through pinned memory with an asynchronous
+    copy: a copy from pageable memory would synchronise the stream (CUDA's rule for pageable transfers) and stop
+    the host from queueing ahead."""
+    a = np.ascontiguousarray(a)
+    if MODE != "gpu" or a.nbytes == 0:
+        return xp.asarray(a)
+    while _PINNED and _PINNED[0][0].done:
+        _PINNED.pop(0)
+    mem = xp.cuda.alloc_pinned_memory(a.nbytes)
+    host = np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
+    host[...] = a
+    out = xp.empty(a.shape, a.dtype)
+    stream = xp.cuda.get_current_stream()
+    out.set(host, stream=stream)
+    ev = xp.cuda.Event()
+    ev.record(stream)
+    _PINNED.append((ev, mem))
+    return out
+
+
+if MODE != "sim":                                      # the CUDA C launchers move host labels the same way
+    from . import cuda_c as _cuda_c
+    _cuda_c.H2D = _h2d
 
 
 def _dev(a):
@@ -99,7 +155,61 @@ def _dev(a):
     (a backward's dloss) and None as they are."""
     if not isinstance(a, np.ndarray) or _on_device(a):
         return a
-    return xp.asarray(np.ascontiguousarray(a))         # (a broadcast view, e.g. position_ids, made whole first)
+    return _h2d(a)                                     # (a broadcast view, e.g. position_ids, made whole first)
+
+
+_SORTED = []        # (device ids, (sid, pos)) of the last stage(): the embedding backward's sorted order
+
+
+def stage(*arrays):
+    """The model's host inputs (ids, token types, positions, the mask; None passes) on the device in ONE copy: packed
+    at 256-byte offsets into one buffer, moved once, viewed back with their dtypes and shapes. Integer 2-D arrays
+    (ids) also get their positions sorted by id on the host, moved in the same copy, for the embedding backward
+    (a sorted segment sum needs the order, and sorting on the device could synchronise)."""
+    if xp is np:
+        return arrays
+    host, extra = [], []
+    for a in arrays:
+        if isinstance(a, np.ndarray) and not _on_device(a):
+            a = np.ascontiguousarray(a)
+            host.append(a)
+            if a.dtype.kind in "iu" and a.ndim == 2:
+                flat = a.reshape(-1).astype(np.int64)
+                key = np.sort(flat * flat.size + np.arange(flat.size, dtype=np.int64))
+                extra.append(np.stack([key // flat.size, key % flat.size]))
+    if not host:
+        return arrays
+    parts = host + extra
+    offs, total = [], 0
+    for a in parts:
+        offs.append(total)
+        total += -(-a.nbytes // 256) * 256
+    buf = np.zeros(max(total, 1), np.uint8)
+    for a, o in zip(parts, offs):
+        buf[o:o + a.nbytes] = a.view(np.uint8).reshape(-1)
+    dev = _h2d(buf)
+    views = [dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape) for a, o in zip(parts, offs)]
+    out, k, j = [], 0, len(host)
+    _SORTED.clear()
+    for a in arrays:
+        if isinstance(a, np.ndarray) and not _on_device(a):
+            d = views[k]
+            k += 1
+            if a.dtype.kind in "iu" and a.ndim == 2:
+                _SORTED.append((d, (views[j][0], views[j][1])))
+                j += 1
+            out.append(d)
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _sorted_of(ids):
+    """The (sid, pos) staged with these very ids, or None."""
+    for d, sp in _SORTED:
+        if d is ids:
+            return sp
+    return None
 
 
 def to_device(a, dtype=None):
@@ -170,7 +280,12 @@ def _scalar_dout(op, d, dtype):
 
 
 def _ids(op, name, x, upper, allow=None):
-    V.ids(op, name, to_host(x) if _on_device(x) and xp is not np else x, upper, allow)
+    """The oracle's range check of integer inputs: on host arrays always (before they move), on device arrays only
+    with REFBERT_CUDA_CHECKS=1 (a read back; the model checks its inputs on the host before staging them)."""
+    if not _on_device(x) or xp is np:
+        V.ids(op, name, x, upper, allow)
+    elif C.STRICT:
+        V.ids(op, name, to_host(x), upper, allow)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,8 +305,9 @@ def linear_forward(x, w, b=None):
 
 
 def linear_backward(dout, cache):
-    """dx = dout @ w, dw = dout2.T @ x2, db = dout2.sum(0): two GEMMs and a reduction. (Unlike the oracle no rows
-    of zeros are skipped: finding them would cost a device-to-host sync; the sums are the same.)"""
+    """dx = dout @ w, dw = dout2.T @ x2 (two GEMMs), db = the column sums of dout2 (a column_sum version: one
+    deterministic kernel pair, not a generic reduction). (Unlike the oracle no rows of zeros are skipped: finding
+    them would cost a device-to-host sync; the sums are the same.)"""
     x, w, has_b = cache
     dout = _dev(dout)
     _dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
@@ -201,38 +317,51 @@ def linear_backward(dout, cache):
     dw = xp.matmul(dout2.T, x2)
     if not has_b:
         return dx, dw
-    return dx, dw, dout2.sum(0)
+    return dx, dw, column_sum(dout2)
+
+
+def column_sum(x2):
+    """The sums over the rows of a (R, C) array, by the column_sum version chosen for its dtype."""
+    v = versions.choose("column_sum", x2.dtype)
+    versions.ran("column_sum", x2.dtype, v.key)
+    return v.forward(x2)
 
 
 def embedding_forward(ids, w, padding_idx=None):
-    """out = w[ids] (refbert.ops.embedding_forward); ids (host or device) moved to the device."""
+    """out = w[ids] (refbert.ops.embedding_forward); ids (host or device) moved to the device. The cache carries
+    the ids' sorted order when stage() made it (the embedding versions' backward is a sorted segment sum)."""
     _floats("embedding", w=w)
     V.shape("embedding", "w", _stub(w), (None, None), "(V, C)")
     _ids("embedding", "ids", ids, w.shape[0])
     if padding_idx is not None and not 0 <= padding_idx < w.shape[0]:
         raise ValueError(f"embedding: argument 'padding_idx' expected a row in [0, {w.shape[0]}), got {padding_idx}")
     ids_d = _dev(ids)
-    return w[ids_d], (ids_d, w.shape, w.dtype, padding_idx)
+    v = versions.choose("embedding", w.dtype)
+    versions.ran("embedding", w.dtype, v.key)
+    return w[ids_d], Chosen(v, (ids_d, w.shape, w.dtype, padding_idx), _sorted_of(ids_d))
+
+
+def embedding_backward(dout, cache):
+    v, inner, sorted_ids = _unwrap("embedding", cache)
+    dout = _dev(dout)
+    if v.key == "C1":
+        from .cuda_c import embedding_backward_c1
+        return embedding_backward_c1(dout, inner, sorted_ids)
+    if v.key in ("1", "2"):
+        from .embedding import backward
+        return backward(int(v.key), dout, inner, sorted_ids)
+    return v.backward(dout, inner)
 
 
 def _scatter_add(dst, index, src):
     """dst[index[n]] += src[n] for every n, repeated indices summed (np.add.at / cupyx.scatter_add)."""
     if xp is np:
         np.add.at(dst, index, src)
+    elif EMU:
+        xp.cupyx.scatter_add(dst, index, src)
     else:
         import cupyx
         cupyx.scatter_add(dst, index, src)
-
-
-def embedding_backward(dout, cache):
-    ids, w_shape, dtype, padding_idx = cache
-    dout = _dev(dout)
-    _dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
-    dw = xp.zeros(w_shape, dtype)
-    _scatter_add(dw, ids.reshape(-1), dout.reshape(-1, w_shape[1]))
-    if padding_idx is not None:
-        dw[padding_idx] = 0
-    return dw
 
 
 def gather_rows_forward(x, rows):
@@ -248,6 +377,8 @@ def gather_rows_forward(x, rows):
 
 
 def gather_rows_backward(dout, cache):
+    """dx2[rows] = dout: rows are distinct (the labelled positions), so the scatter has no collisions and no
+    order to fix."""
     shape, dtype, rows = cache
     dout = _dev(dout)
     _dout("gather_rows", dout, (rows.size, shape[-1]), dtype)
@@ -298,10 +429,14 @@ def mse_backward(dloss, cache):
 
 
 def bce_with_logits_forward(logits, targets):
+    if isinstance(targets, np.ndarray) and not _on_device(targets) and targets.size and \
+            not ((targets >= 0) & (targets <= 1)).all():          # the range check on the host, before the move
+        raise ValueError(f"bce_with_logits: argument 'targets' expected values in [0, 1], got values in "
+                         f"[{float(targets.min())}, {float(targets.max())}]")
     targets = _dev(targets)
     _floats("bce_with_logits", logits=logits, targets=targets)
     V.shape("bce_with_logits", "targets", _stub(targets), logits.shape, "(same as logits)")
-    if targets.size and not bool(((targets >= 0) & (targets <= 1)).all()):
+    if C.STRICT and targets.size and not bool(((targets >= 0) & (targets <= 1)).all()):
         raise ValueError(f"bce_with_logits: argument 'targets' expected values in [0, 1], got values in "
                          f"[{float(targets.min())}, {float(targets.max())}]")
     e = xp.exp(-xp.abs(logits))
@@ -317,88 +452,136 @@ def bce_with_logits_backward(dloss, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the fused ops: refbert_kernels.cuda's kernels, or the oracle on host copies where a kernel module is missing
+# the fused ops: the version refbert_kernels.cuda.versions chose for (op, dtype), or the oracle on host copies
+# where no kernel module imports
 
-# op -> (kernel module, the public names it must provide)
-_FUSED = {
-    "softmax": ("softmax", ("softmax_forward", "softmax_backward")),
-    "layernorm": ("layernorm", ("layernorm_forward", "layernorm_backward")),
-    "residual_layernorm": ("layernorm", ("residual_layernorm_forward", "residual_layernorm_backward")),
-    "dropout_residual_layernorm": ("layernorm", ("dropout_residual_layernorm_forward",
-                                                 "dropout_residual_layernorm_backward")),
-    "dropout": ("dropout", ("dropout_forward", "dropout_backward")),
-    "gelu": ("gelu", ("gelu_forward", "gelu_backward")),
-    "bias_gelu": ("gelu", ("bias_gelu_forward", "bias_gelu_backward")),
-    "attention": ("attention", ("attention_forward", "attention_backward", "attention_probs")),
-    "cross_entropy": ("cross_entropy", ("cross_entropy_forward", "cross_entropy_backward")),
-}
+class Chosen(NamedTuple):
+    """A fused op's cache here: the Version that ran the forward (its backward reads the rest), the version's own
+    cache, and anything the backend adds (the embedding's sorted ids)."""
+    version: Any
+    cache: Any
+    extra: Any = None
 
-KERNELS = {}        # op -> "refbert_kernels.cuda.<module>": ops whose Numba CUDA kernel runs
+
+def _unwrap(op, cache):
+    if not isinstance(cache, Chosen):
+        raise ValueError(f"{op}: argument 'cache' expected the cache of the cuda backend's {op}_forward, got "
+                         f"{type(cache).__name__}")
+    return cache
+
+
+# op -> (the argument that fixes the dtype, its position)
+_FUSED = {"softmax": ("x", 0), "layernorm": ("x", 0), "residual_layernorm": ("x", 0),
+          "dropout_residual_layernorm": ("x", 0), "dropout": ("x", 0), "gelu": ("x", 0), "bias_gelu": ("x", 0),
+          "attention": ("q", 0), "cross_entropy": ("logits", 0)}
+# forwards whose additive mask may come from the host: (keyword, position) moved to the device
+_MOVE = {"softmax": ("mask", 2), "attention": ("mask", 4)}
+
+KERNELS = {}        # op -> the versions it has here (refbert_kernels.cuda.versions)
 FALLBACKS = {}      # op -> why it has no kernel here (refbert.backends runs the oracle on host copies instead)
 
-# forwards whose additive mask comes from the model as a host array: (keyword, position) moved to the device
-_MOVE = {"softmax_forward": ("mask", 2), "attention_forward": ("mask", 4)}
 
-
-def _entry(name, fn):
-    """The exported op: what the model hands over from the host moved to the device at entry (a backward's dout,
-    a forward's mask, by keyword or position)."""
-    if name.endswith("_backward"):
-        def backward(dout, cache):
-            return fn(_dev(dout), cache)
-        backward.__name__, backward.__doc__ = name, fn.__doc__
-        return backward
-    if name not in _MOVE or xp is np:
-        return fn
-    key, pos = _MOVE[name]
+def _forward(op):
+    key, pos = _FUSED[op]
+    move = _MOVE.get(op)
 
     def forward(*args, **kw):
-        if kw.get(key) is not None:
-            kw[key] = _dev(kw[key])
-        elif len(args) > pos and args[pos] is not None:
-            args = (*args[:pos], _dev(args[pos]), *args[pos + 1:])
-        return fn(*args, **kw)
-    forward.__name__, forward.__doc__ = name, fn.__doc__
+        x = kw[key] if key in kw else args[pos]
+        if move is not None and xp is not np:
+            mk, mp = move
+            if kw.get(mk) is not None:
+                kw[mk] = _dev(kw[mk])
+            elif len(args) > mp and args[mp] is not None:
+                args = (*args[:mp], _dev(args[mp]), *args[mp + 1:])
+        if not C.is_array(x) or np.dtype(x.dtype).type not in C.STORAGE:
+            return versions.versions()[op][-1].forward(*args, **kw)   # the oracle's error, from a Numba version
+        v = versions.choose(op, x.dtype, versions.variant(op, args, kw))
+        out, cache = v.forward(*args, **kw)
+        versions.ran(op, x.dtype, v.key)
+        return out, Chosen(v, cache)
+    forward.__name__ = f"{op}_forward"
+    forward.__doc__ = f"refbert.ops.{op}_forward by the version chosen for the input's dtype (versions.choose)."
     return forward
 
 
+def _backward(op):
+    def backward(dout, cache):
+        v, inner, _ = _unwrap(op, cache)
+        return v.backward(_dev(dout), inner)
+    backward.__name__ = f"{op}_backward"
+    return backward
+
+
+def attention_probs(cache):
+    v, inner, _ = _unwrap("attention", cache)
+    return v.probs(inner)
+
+
 def _load():
-    modules = {}
-    for op, (mod, names) in _FUSED.items():
-        if mod not in modules:
-            try:
-                modules[mod] = importlib.import_module(f"refbert_kernels.cuda.{mod}")
-            except Exception as e:                        # missing, half-written, or failing to compile
-                modules[mod] = e
-        m = modules[mod]
-        missing = [] if isinstance(m, Exception) else [n for n in names if not hasattr(m, n)]
-        if isinstance(m, Exception) or missing:
-            FALLBACKS[op] = (f"refbert_kernels.cuda.{mod}: {type(m).__name__}: {m}" if isinstance(m, Exception)
-                             else f"refbert_kernels.cuda.{mod} has no {', '.join(missing)}")
+    vs = versions.versions()
+    for op in _FUSED:
+        if not vs.get(op):
+            why = "; ".join(f"refbert_kernels.cuda.{m}: {e}" for m, e in versions.IMPORT_ERRORS.items()
+                            if versions.MODULE.get(op) == m) or "no version"
+            FALLBACKS[op] = why
             continue                                      # left undefined: the Backend runs the oracle on the host
-        KERNELS[op] = f"refbert_kernels.cuda.{mod}"
-        for n in names:
-            globals()[n] = _entry(n, getattr(m, n))
+        KERNELS[op] = [v.key for v in vs[op]]
+        globals()[f"{op}_forward"] = _forward(op)
+        globals()[f"{op}_backward"] = _backward(op)
+    if "attention" in FALLBACKS:
+        del globals()["attention_probs"]
+    if FALLBACKS:
+        warnings.warn("refbert cuda backend: no kernel for " + "; ".join(f"{op} ({why})" for op, why in
+                                                                         FALLBACKS.items())
+                      + ": the oracle runs these on host copies (slow)", RuntimeWarning, stacklevel=2)
 
 
 _load()
 
 
 def specs():
-    """Every KernelSpec of every refbert_kernels.cuda module this backend runs (each op's numbered versions)."""
-    out = []
-    for mod in dict.fromkeys(v.rsplit(".", 1)[1] for v in KERNELS.values()):
-        m = importlib.import_module(f"refbert_kernels.cuda.{mod}")
-        out += list(getattr(m, "SPECS", []))
+    """Every KernelSpec of every refbert_kernels.cuda module this backend runs (each op's numbered Numba versions;
+    the CUDA C ones are validated on the device by version_rows())."""
+    import importlib
+    out, seen = [], set()
+    for op in KERNELS:
+        mod = versions.MODULE[op]
+        if mod in seen:
+            continue
+        seen.add(mod)
+        out += list(getattr(importlib.import_module(f"refbert_kernels.cuda.{mod}"), "SPECS", []))
+    if "embedding" not in seen and not versions.IMPORT_ERRORS.get("embedding"):
+        out += list(importlib.import_module("refbert_kernels.cuda.embedding").SPECS)
     return out
 
 
+def version_rows(dtypes=("float32",)):
+    """[(label, dtype, err/tol, ok, error)]: every CUDA C version validated on this device against the oracle, then
+    one failing row per problem (a demotion, a CUDA C call handed to Numba, a module that did not import): the rows
+    `refbert check --device cuda` and the bench add to the Numba versions'."""
+    import math
+    rows = []
+    for op, vs in versions.versions().items():
+        for v in vs:
+            if not v.cuda_c:
+                continue
+            for dt in dtypes:
+                if not versions.takes(v, dt):
+                    continue
+                worst, err = versions.validate(v, dt)
+                rows.append((f"{op} {v.key}", dt, worst, err is None and worst <= 1, err))
+    for op, why in versions.problems():
+        rows.append((f"{op} FALLBACK", "—", math.inf, False, why))
+    return rows
+
+
 def describe():
-    """One paragraph: the device, which ops run as kernels, which fall back to the oracle and why."""
-    lines = [f"cuda backend on {device_name()} (array module: {xp.__name__})",
-             "  kernels:   " + ", ".join(f"{op} ({mod.rsplit('.', 1)[1]})" for op, mod in KERNELS.items()),
+    """The device, which version of each op runs (per dtype, once chosen) and why, every fallback."""
+    lines = [f"cuda backend on {device_name()} (array module: {xp.__name__}; mode {MODE})",
              "  cuBLAS:    linear (and the tied MLM decoder)" if not SIM else "  matmuls:   NumPy (simulator)",
-             "  array ops: embedding, gather_rows, tanh, add, mse, bce_with_logits"]
+             "  array ops: embedding lookup, gather_rows, tanh, add, mse, bce_with_logits",
+             "  versions (chosen per dtype at the first call; order: pinned, measured, or built in):"]
+    lines += versions.describe()
     for op, why in FALLBACKS.items():
-        lines.append(f"  fallback:  {op}: oracle on the host ({why})")
+        lines.append(f"  FALLBACK  {op}: oracle on the host ({why})")
     return "\n".join(lines)

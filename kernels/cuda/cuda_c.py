@@ -1,25 +1,41 @@
-"""CuPy launchers for the CUDA C kernels in kernels/cuda/csrc/*.cu, with the oracle's signatures.
+"""CuPy launchers for the CUDA C kernels in kernels/cuda/csrc/*.cu, with the oracle's signatures and ValueErrors.
 
-    attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True) -> (out, cache)
-    attention_backward(dout, cache) -> (dq, dk, dv);   attention_probs(cache) (Numba's, kernels/cuda/attention.py)
-    softmax_forward(x, scale=1.0, mask=None) / softmax_backward(dout, cache)
-    layernorm_forward(x, w, b, eps=1e-12) / layernorm_backward(dout, cache)
-Oracle: refbert.ops (same ValueErrors, raised by the same checks before any launch; same dropout elements).
+Every launcher takes its CUDA C path on float32 device arrays (CuPy's, or refbert_kernels.cuda.emulate's on a
+machine without a GPU) and falls back to the op's Numba version for anything else (NumPy arrays in the
+simulator, fp64, fp16 / bf16, a head size the kernels lack); such a fallback is recorded in FELL_BACK and warned
+about once, never silent (refbert_kernels.cuda.versions reports it). Oracle: refbert.ops (the same ValueErrors,
+raised by the same checks before any launch; the same dropout elements).
 
-Which kernel runs (anything else falls back to the Numba CUDA version of the op, which takes every dtype):
-    attention forward: CuPy float16, hs = 64  -> attn_fwd_v2 (tensor cores, cp.async; attention_forward.cu v2)
-                       CuPy float32 / float16, hs in {32, 64, 128} -> attn_fwd_v1 (scalar flash)
-    attention backward: CuPy float32 / float16, hs in {32, 64, 128} -> attn_bwd_D, attn_bwd_dkdv_v1, attn_bwd_dq_v1
-    softmax, layernorm: CuPy float32 -> the warp-per-row float4 kernels (softmax.cu v2, layernorm.cu v1)
-(CuPy has no bfloat16 dtype, so bf16 storage is the Numba path's, on NumPy arrays viewed as uint16.)
-The attention cache is kernels/cuda/attention.py's tuple (q, k, v, mask4, H, out, m, linv, drop), so its
-attention_probs and either backward read it.
+    op                           version  kernels (csrc/)                                     fast path
+    attention                    C1       attention_forward.cu v1 (scalar flash), v2 (tensor   f32 / f16, hs in
+                                          cores, f16 hs = 64), attention_backward.cu v1         {32, 64, 128}
+                                 C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
+                                          forward and backward, dynamic shared memory)
+    softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
+    layernorm                    C1, C2   layernorm.cu v1, v2 (kind ln)                        f32
+    residual_layernorm           C2       layernorm.cu v2 (kind res)                           f32
+    dropout_residual_layernorm   C2       layernorm.cu v2 (kind drop: Philox in every pass)    f32
+    dropout                      C1       dropout.cu v1 (a thread per Philox block, float4)    f32
+    gelu, bias_gelu              C1       gelu.cu v1 (fused db partials + colsum_final)        f32
+    cross_entropy                C1       cross_entropy.cu v1 (kept rows found on the device,  f32
+                                          the loss and its count stay there)
+    column_sum (bias gradients)  C1       colsum.cu v1 (chunk partials, then a fixed-order sum) f32
+    embedding (backward)         C1       embedding.cu v1 (sorted segment sum: deterministic)  f32
+The CUDA C caches are their own NamedTuples (a forward that fell back leaves the Numba version's cache, which its
+backward hands to the Numba backward); attention's is kernels/cuda/attention.py's tuple (q, k, v, mask4, H, out,
+m, linv, drop), so attention_probs and either backward read it.
 
-Each .cu is compiled once per process by NVRTC through cupy.RawModule with -DNO_MAIN (the standalone validating
-main and every host header sit behind it) and -I csrc (common.cuh). cupy is imported on first use only.
+Launch arguments are NumPy scalars of the kernel's exact C type (np.int32 for int, np.float32 for float, np.int64
+for long long, np.uint64 for u64): CuPy packs a Python int as 8 bytes and a float as a double, which a kernel
+would misread. refbert_kernels.cuda.emulate checks every launch against the kernel's signature.
+
+No device-to-host reads: checks that need values (a NaN logit, a row of -inf scores) run only on host arrays or
+with REFBERT_CUDA_CHECKS=1 (_common.STRICT). Each .cu is compiled once per process by NVRTC through
+xp.RawModule with -DNO_MAIN (the standalone validating main and every host header sit behind it) and -I csrc.
 """
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,28 +47,87 @@ from refbert import validate as V
 from . import _common as C
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("attention_forward.cu", "attention_backward.cu", "softmax.cu", "layernorm.cu")
+SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", "softmax.cu", "layernorm.cu", "gelu.cu",
+           "dropout.cu", "cross_entropy.cu", "colsum.cu", "embedding.cu")
 _DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+F32 = np.dtype(np.float32)
+FELL_BACK = {}          # (op, version) -> why the last call took the Numba version instead
+H2D = None              # the backend's host-to-device copy (pinned, asynchronous on a GPU); None: xp.asarray
 
 
 @functools.lru_cache(maxsize=None)
-def module(name):
-    """The compiled cupy.RawModule of csrc/<name> (NVRTC, sm of the current device)."""
-    import cupy
+def _module(name, xp):
     code = (CSRC / name).read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", "-DNO_MAIN", f"-I{CSRC}"))
+    return xp.RawModule(code=code, options=("-std=c++17", "-DNO_MAIN", f"-I{CSRC}"))
 
 
-def kernel(source, name):
-    return module(source).get_function(name)
+def module(name, xp=None):
+    """The compiled RawModule of csrc/<name> (NVRTC, for the current device; or the emulated one)."""
+    if xp is None:
+        import cupy as xp
+    return _module(name, xp)
+
+
+RECORD = None       # a list while the bench's launch probe records: (name, kernel, grid, block, args) per launch
+
+
+def kernel(source, name, xp=None):
+    fn = module(source, xp).get_function(name)
+    if RECORD is None:
+        return fn
+
+    def recorded(grid, block, args, **kw):
+        RECORD.append((name, fn, grid, block, args))
+        return fn(grid, block, args, **kw)
+    return recorded
+
+
+def _i(n):
+    return np.int32(n)
+
+
+def _f(x):
+    return np.float32(x)
+
+
+def _c_ok(*arrays, dtypes=(F32,)):
+    """The CUDA C path applies: every array on a device (CuPy or emulated) with a dtype the kernels take."""
+    return all(a is not None and C.on_device(a) and a.dtype in dtypes for a in arrays)
 
 
 def _is_cupy(*arrays):
-    return all(a is not None and C.xp_of(a) is not np for a in arrays)
+    return all(a is not None and C.on_device(a) for a in arrays)
+
+
+def _aligned(*arrays):
+    """Every array's data 16-byte aligned (the float4 paths)."""
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _fallback(op, version, why, fn, *args, **kwargs):
+    """Run the Numba version instead, recording (and warning once) why: a slow path is never silent."""
+    if FELL_BACK.get((op, version)) != why:
+        FELL_BACK[(op, version)] = why
+        if any(C.on_device(a) for a in args if C.is_array(a)):       # device arrays: it matters (not the simulator)
+            warnings.warn(f"refbert cuda: {op} {version} took the Numba kernel instead ({why})", RuntimeWarning,
+                          stacklevel=3)
+    return fn(*args, **kwargs)
+
+
+def _why(*arrays):
+    a = next((a for a in arrays if a is not None), None)
+    if a is None:
+        return "no arrays"
+    if not C.on_device(a):
+        return "host (NumPy) arrays"
+    return f"dtype {a.dtype} (the CUDA C kernels take float32)"
+
+
+_NODROP = (np.uint64(0), np.uint64(0), np.uint64(0), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# attention
+# attention (C1)
 
 def _mask_strides(mask4):
     """Element strides of the contiguous (1 or full)^4 mask for index (b, h, i, j): 0 on axes of length 1."""
@@ -69,24 +144,31 @@ def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, trai
     A = _numba()
     B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
     hs = Cc // H
-    if not (_is_cupy(q, k, v) and q.dtype in _DT and hs in (32, 64, 128)) or q.size == 0:
-        return A.attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train)
-    import cupy
+    if not (_c_ok(q, k, v, dtypes=tuple(_DT)) and hs in (32, 64, 128)) or q.size == 0:
+        why = _why(q) if not _c_ok(q, k, v, dtypes=tuple(_DT)) else (f"head size {hs} (kernels for 32, 64, 128)"
+                                                                     if q.size else "an empty input")
+        return _fallback("attention", "C1", why, A.attention_forward, q, k, v, n_heads, mask, dropout_p, rng, train)
+    xp = C.xp_of(q)
     dt = _DT[q.dtype]
-    q, k, v = (cupy.ascontiguousarray(a) for a in (q, k, v))
-    mask4 = A._mask4(cupy, mask, B, H, T, q.dtype)
-    m32 = cupy.ascontiguousarray(mask4, np.float32)
+    q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    mask4 = A._mask4(xp, mask, B, H, T, q.dtype)
+    m32 = xp.ascontiguousarray(mask4.astype(np.float32) if mask4.dtype != F32 else mask4)
     dropping, p_ok, (seed, stream, thresh, dscale) = A._drop(dropout_p, rng, train)
-    out = cupy.empty_like(q)
-    m = cupy.empty((B, H, T), np.float32)
-    linv = cupy.empty((B, H, T), np.float32)
-    tc = dt == "f16" and hs == 64 and all(a.data.ptr % 16 == 0 for a in (q, k, v))   # cp.async: 16-byte rows
+    out = xp.empty(q.shape, q.dtype)
+    m = xp.empty((B, H, T), np.float32)
+    linv = xp.empty((B, H, T), np.float32)
+    tc = dt == "f16" and hs == 64
+    if tc and not _aligned(q, k, v):                              # cp.async moves 16-byte rows
+        tc = False
+        FELL_BACK[("attention", "C1 tensor cores")] = "q, k or v not 16-byte aligned: the scalar kernel ran"
+        warnings.warn("refbert cuda: attention C1 float16 took the scalar kernel (q, k or v not 16-byte aligned)",
+                      RuntimeWarning, stacklevel=2)
     name = f"attn_fwd_v2_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
-    args = (q, k, v, m32, *_mask_strides(mask4), np.int32(B), np.int32(T), np.int32(H),
-            np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh, np.float32(dscale), out, m, linv)
-    kernel("attention_forward.cu", name)(((T + 63) // 64, B * H), (128 if tc else 64,), args)
-    if not (bool(cupy.isfinite(m).all()) and bool(cupy.isfinite(linv).all())):
-        raise ValueError(A._SOFTMAX_ERROR)
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), out, m, linv)
+    kernel("attention_forward.cu", name, xp)(((T + 63) // 64, B * H), (128 if tc else 64,), args)
+    if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and bool(xp.isfinite(linv).all())):
+        raise ValueError(A._SOFTMAX_ERROR)               # (a read back: only with REFBERT_CUDA_CHECKS=1)
     if not p_ok or (train and dropout_p > 0.0 and not isinstance(rng, A.DropoutRNG)):
         ops.dropout_forward(np.zeros(0, np.float32), dropout_p, rng, train)  # the oracle's dropout error
     if dropping:
@@ -100,24 +182,24 @@ def attention_backward(dout, cache):
     C.dout("attention", dout, out.shape, out.dtype)
     B, T, Cc = q.shape
     hs = Cc // H
-    if not (_is_cupy(q, dout) and q.dtype in _DT and hs in (32, 64, 128) and m is not None
+    if not (_c_ok(q, dout, dtypes=tuple(_DT)) and hs in (32, 64, 128) and m is not None
             and m.dtype == np.float32) or q.size == 0:
-        return A.attention_backward(dout, cache)
-    import cupy
+        return _fallback("attention", "C1", _why(q, dout) if not _c_ok(q, dout, dtypes=tuple(_DT))
+                         else f"head size {hs} or the forward's cache", A.attention_backward, dout, cache)
+    xp = C.xp_of(q)
     dt = _DT[q.dtype]
-    dout = cupy.ascontiguousarray(dout)
-    m32 = cupy.ascontiguousarray(mask4, np.float32)
+    dout = xp.ascontiguousarray(dout)
+    m32 = xp.ascontiguousarray(mask4.astype(np.float32) if mask4.dtype != F32 else mask4)
     seed, stream, thresh, dscale = drop
-    Dr = cupy.empty((B, H, T), np.float32)
-    kernel("attention_backward.cu", f"attn_bwd_D_{dt}")(((B * H * T + 7) // 8,), (256,),
-                                                          (dout, out, np.int32(B), np.int32(T), np.int32(H),
-                                                           np.int32(hs), Dr))
-    dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    args = (q, k, v, m32, *_mask_strides(mask4), np.int32(B), np.int32(T), np.int32(H),
-            np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh, np.float32(dscale), m, linv, dout, Dr)
+    Dr = xp.empty((B, H, T), np.float32)
+    kernel("attention_backward.cu", f"attn_bwd_D_{dt}", xp)(((B * H * T + 7) // 8,), (256,),
+                                                              (dout, out, _i(B), _i(T), _i(H), _i(hs), Dr))
+    dq, dk, dv = xp.empty(q.shape, q.dtype), xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
-    kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}")(grid, (64,), args + (dk, dv))
-    kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}")(grid, (64,), args + (dq,))
+    kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
+    kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
     return dq, dk, dv
 
 
@@ -126,30 +208,109 @@ def attention_probs(cache):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# softmax (float32 CuPy arrays; anything else: refbert_kernels.cuda.softmax)
+# attention (C3): the register-tiled fp32 flash of attention_f32.cu (hs = 64)
+
+A3_FWD_SMEM = 3 * 64 * 68 * 4                 # q, k (then p), v tiles of 64 rows padded to 68 floats
+A3_BWD_SMEM = (6 * 64 * 68 + 3 * 64) * 4      # four input tiles, two product tiles, three row vectors
+_SMEM_SET = set()
+
+
+def kernel_smem(source, name, xp, nbytes):
+    """kernel(source, name) with its dynamic shared memory limit raised to nbytes (once per process): a launch
+    asking for more than 48 KiB fails on a GPU without it."""
+    key = (id(xp), source, name)
+    if key not in _SMEM_SET:
+        module(source, xp).get_function(name).max_dynamic_shared_size_bytes = nbytes
+        _SMEM_SET.add(key)
+    return kernel(source, name, xp)
+
+
+def _c3_ok(*arrays, hs):
+    return _c_ok(*arrays) and hs == 64 and _aligned(*arrays)
+
+
+def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    A = _numba()
+    B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
+    hs = Cc // H
+    xp = C.xp_of(q)
+    if _c_ok(q, k, v):
+        q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    if not _c3_ok(q, k, v, hs=hs) or q.size == 0:
+        why = _why(q) if not _c_ok(q, k, v) else (f"head size {hs} (kernels for 64)" if hs != 64 else
+                                                  "an empty input" if not q.size else "q, k or v not 16-byte aligned")
+        return _fallback("attention", "C3", why, attention_forward, q, k, v, n_heads, mask, dropout_p, rng, train)
+    mask4 = A._mask4(xp, mask, B, H, T, q.dtype)
+    m32 = xp.ascontiguousarray(mask4)
+    dropping, p_ok, (seed, stream, thresh, dscale) = A._drop(dropout_p, rng, train)
+    out = xp.empty(q.shape, np.float32)
+    m = xp.empty((B, H, T), np.float32)
+    linv = xp.empty((B, H, T), np.float32)
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), out, m, linv)
+    kernel_smem("attention_f32.cu", "attn_fwd_v3_f32_hs64", xp, A3_FWD_SMEM)(((T + 63) // 64, B * H), (128,), args,
+                                                                           shared_mem=A3_FWD_SMEM)
+    if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and bool(xp.isfinite(linv).all())):
+        raise ValueError(A._SOFTMAX_ERROR)               # (a read back: only with REFBERT_CUDA_CHECKS=1)
+    if not p_ok or (train and dropout_p > 0.0 and not isinstance(rng, A.DropoutRNG)):
+        ops.dropout_forward(np.zeros(0, np.float32), dropout_p, rng, train)  # the oracle's dropout error
+    if dropping:
+        assert rng.next_stream() == (int(seed), int(stream))
+    return out, (q, k, v, mask4, H, out, m, linv, (seed, stream, thresh, float(dscale)))
+
+
+def attention_backward_c3(dout, cache):
+    q, k, v, mask4, H, out, m, linv, drop = cache
+    C.dout("attention", dout, out.shape, out.dtype)
+    B, T, Cc = q.shape
+    hs = Cc // H
+    xp = C.xp_of(q)
+    if _c_ok(dout):
+        dout = xp.ascontiguousarray(dout)
+    if not (_c3_ok(q, k, v, dout, hs=hs) and m is not None and m.dtype == np.float32) or q.size == 0:
+        return _fallback("attention", "C3", _why(q, dout) if not _c_ok(q, dout) else
+                         f"head size {hs}, alignment or the forward's cache", attention_backward, dout, cache)
+    m32 = xp.ascontiguousarray(mask4.astype(np.float32) if mask4.dtype != F32 else mask4)
+    seed, stream, thresh, dscale = drop
+    Dr = xp.empty((B, H, T), np.float32)
+    kernel("attention_f32.cu", "attn_bwd_D_v3_f32", xp)(((B * H * T + 7) // 8,), (256,),
+                                                        (dout, out, _i(B), _i(T), _i(H), Dr))
+    dq, dk, dv = (xp.empty(q.shape, np.float32) for _ in range(3))
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
+            _f(dscale), m, linv, dout, Dr)
+    grid = ((T + 63) // 64, B * H)
+    kernel_smem("attention_f32.cu", "attn_bwd_dkdv_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
+                                                                                 shared_mem=A3_BWD_SMEM)
+    kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
+                                                                               shared_mem=A3_BWD_SMEM)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# softmax (C2)
 
 def softmax_forward(x, scale=1.0, mask=None):
     from . import softmax as S
-    if not (_is_cupy(x) and x.dtype == np.float32 and x.ndim >= 1 and x.size
-            and (mask is None or (_is_cupy(mask) and mask.dtype == np.float32))):
-        return S.softmax_forward(x, scale, mask)
-    import cupy
+    if not (_c_ok(x) and x.ndim >= 1 and x.size and (mask is None or _c_ok(mask))):
+        return _fallback("softmax", "C2", _why(x, mask) if not _c_ok(x) or (mask is not None and not _c_ok(mask))
+                         else "an empty input", S.softmax_forward, x, scale, mask)
+    xp = C.xp_of(x)
     V.broadcasts_to("softmax", "mask", C.stub(mask), x.shape) if mask is not None else None
     T = x.shape[-1]
-    x2 = cupy.ascontiguousarray(x).reshape(-1, T)
+    x2 = xp.ascontiguousarray(x).reshape(-1, T)
     R = x2.shape[0]
     if mask is None:
-        m2, mrow = cupy.zeros((1, T), np.float32), cupy.zeros(R, np.int64)
+        m2, mrow = xp.zeros((1, T), np.float32), xp.zeros(R, np.int64)
     else:
         mk = mask.reshape((1,) * (x.ndim - mask.ndim) + mask.shape)
-        m2 = cupy.ascontiguousarray(cupy.broadcast_to(mk, mk.shape[:-1] + (T,))).reshape(-1, T)
-        rows = np.broadcast_to(np.arange(m2.shape[0]).reshape(mk.shape[:-1]), x.shape[:-1]).reshape(-1)
-        mrow = cupy.asarray(np.ascontiguousarray(rows, np.int64))
-    p = cupy.empty(x.shape, np.float32)
-    bad = cupy.zeros(R, np.int32)
-    kernel("softmax.cu", "softmax_fwd_v2")(((R + 7) // 8,), (256,),
-                                           (x2, np.float32(scale), m2, mrow, np.int32(R), np.int32(T), p, bad))
-    if int(bad.max()):
+        m2 = xp.ascontiguousarray(xp.broadcast_to(mk, mk.shape[:-1] + (T,))).reshape(-1, T)
+        mrow = xp.ascontiguousarray(xp.broadcast_to(xp.arange(m2.shape[0]).reshape(mk.shape[:-1]),
+                                                    x.shape[:-1]).reshape(-1), np.int64)
+    p = xp.empty(x.shape, np.float32)
+    bad = xp.zeros(R, np.int32)
+    kernel("softmax.cu", "softmax_fwd_v2", xp)(((R + 7) // 8,), (256,),
+                                              (x2, _f(scale), m2, mrow, _i(R), _i(T), p, bad))
+    if C.checks_on(bad) and int(bad.max()):
         raise ValueError("softmax: argument 'x' (with 'mask') expected every row to have a finite maximum, got a row "
                          "that is entirely -inf, or a NaN/+inf score")
     return p, ops.SoftmaxCache(p, scale)
@@ -158,24 +319,23 @@ def softmax_forward(x, scale=1.0, mask=None):
 def softmax_backward(dout, cache):
     from . import softmax as S
     p, scale = cache
-    if not (_is_cupy(p, dout) and p.dtype == np.float32 and p.size):
-        return S.softmax_backward(dout, cache)
-    import cupy
+    if not (_c_ok(p, dout) and p.size):
+        return _fallback("softmax", "C2", _why(p, dout), S.softmax_backward, dout, cache)
+    xp = C.xp_of(p)
     C.dout("softmax", dout, p.shape, p.dtype)
     T = p.shape[-1]
     R = p.size // T
-    dx = cupy.empty(p.shape, np.float32)
-    kernel("softmax.cu", "softmax_bwd_v2")(((R + 7) // 8,), (256,),
-                                           (cupy.ascontiguousarray(dout), p, np.float32(scale), np.int32(R),
-                                            np.int32(T), dx))
+    dx = xp.empty(p.shape, np.float32)
+    kernel("softmax.cu", "softmax_bwd_v2", xp)(((R + 7) // 8,), (256,),
+                                              (xp.ascontiguousarray(dout), p, _f(scale), _i(R), _i(T), dx))
     return dx
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# layernorm (float32 CuPy arrays; anything else: refbert_kernels.cuda.layernorm)
+# layernorm (C1: plain; C2: plain, residual, dropout + residual)
 
 class LayerNormCacheC(NamedTuple):
-    """The CUDA C layernorm's cache (float32 CuPy arrays; mean, rstd of shape x.shape[:-1] + (1,)). Its own type:
+    """The CUDA C layernorm's cache (float32 device arrays; mean, rstd of shape x.shape[:-1] + (1,)). Its own type:
     a forward that fell back to Numba leaves Numba's cache, and the backward must tell the two apart."""
     x: Any
     w: Any
@@ -185,44 +345,419 @@ class LayerNormCacheC(NamedTuple):
 
 def layernorm_forward(x, w, b, eps=1e-12):
     from . import layernorm as L
-    if not (_is_cupy(x, w, b) and x.dtype == w.dtype == b.dtype == np.float32 and x.ndim >= 1 and x.size):
-        return L.layernorm_forward(x, w, b, eps)
-    import cupy
+    if not (_c_ok(x, w, b) and x.ndim >= 1 and x.size):
+        return _fallback("layernorm", "C1", _why(x, w, b) if not _c_ok(x, w, b) else "an empty input",
+                         L.layernorm_forward, x, w, b, eps)
+    xp = C.xp_of(x)
     V.shape("layernorm", "w", C.stub(w), (x.shape[-1],), "(C,)")
     V.shape("layernorm", "b", C.stub(b), (x.shape[-1],), "(C,)")
     Cc = x.shape[-1]
-    x = cupy.ascontiguousarray(x)
+    x = xp.ascontiguousarray(x)
     R = x.size // Cc
-    out = cupy.empty_like(x)
-    mean = cupy.empty(x.shape[:-1] + (1,), np.float32)
-    rstd = cupy.empty(x.shape[:-1] + (1,), np.float32)
-    kernel("layernorm.cu", "layernorm_fwd_v1")(((R + 7) // 8,), (256,),
-                                               (x, cupy.ascontiguousarray(w), cupy.ascontiguousarray(b),
-                                                np.float32(eps), np.int32(R), np.int32(Cc), out, mean, rstd))
+    out = xp.empty(x.shape, np.float32)
+    mean = xp.empty(x.shape[:-1] + (1,), np.float32)
+    rstd = xp.empty(x.shape[:-1] + (1,), np.float32)
+    kernel("layernorm.cu", "layernorm_fwd_v1", xp)(((R + 7) // 8,), (256,),
+                                                   (x, xp.ascontiguousarray(w), xp.ascontiguousarray(b), _f(eps),
+                                                    _i(R), _i(Cc), out, mean, rstd))
     return out, LayerNormCacheC(x, w, mean, rstd)
 
 
 def layernorm_backward(dout, cache):
     from . import layernorm as L
-    if not isinstance(cache, LayerNormCacheC):          # the forward fell back to Numba (not float32 CuPy)
+    if isinstance(cache, LayerNormCacheC2):
+        return layernorm_backward_c2(dout, cache)
+    if not isinstance(cache, LayerNormCacheC):          # the forward fell back to Numba (not float32 device arrays)
         return L.layernorm_backward(dout, cache)
     x, w, mean, rstd = cache
-    import cupy
+    xp = C.xp_of(x)
     C.dout("layernorm", dout, x.shape, x.dtype)
     Cc = x.shape[-1]
     R = x.size // Cc
     per, chunks = C.chunks(R)
-    dout = cupy.ascontiguousarray(dout)
-    w = cupy.ascontiguousarray(w)
-    dx = cupy.empty_like(x)
-    kernel("layernorm.cu", "layernorm_bwd_dx_v1")(((R + 7) // 8,), (256,),
-                                                  (dout, x, w, mean, rstd, np.int32(R), np.int32(Cc), dx))
-    pw, pb = cupy.empty((chunks, Cc), np.float32), cupy.empty((chunks, Cc), np.float32)
-    kernel("layernorm.cu", "layernorm_bwd_dwdb_partial")(((Cc + 255) // 256, chunks), (256,),
-                                                         (dout, x, mean, rstd, np.int32(R), np.int32(Cc),
-                                                          np.int32(per), pw, pb))
-    dw, db = cupy.empty(Cc, np.float32), cupy.empty(Cc, np.float32)
-    colsum = kernel("layernorm.cu", "column_sum")
-    colsum(((Cc + 255) // 256,), (256,), (pw, np.int32(chunks), np.int32(Cc), dw))
-    colsum(((Cc + 255) // 256,), (256,), (pb, np.int32(chunks), np.int32(Cc), db))
+    dout = xp.ascontiguousarray(dout)
+    w = xp.ascontiguousarray(w)
+    dx = xp.empty(x.shape, np.float32)
+    kernel("layernorm.cu", "layernorm_bwd_dx_v1", xp)(((R + 7) // 8,), (256,),
+                                                      (dout, x, w, mean, rstd, _i(R), _i(Cc), dx))
+    pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
+    kernel("layernorm.cu", "layernorm_bwd_dwdb_partial", xp)(((Cc + 255) // 256, chunks), (256,),
+                                                             (dout, x, mean, rstd, _i(R), _i(Cc), _i(per), pw, pb))
+    dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
+    kernel("layernorm.cu", "column_sum2", xp)(((Cc + 255) // 256,), (256,), (pw, pb, _i(chunks), _i(Cc), dw, db))
     return dx, dw, db
+
+
+class LayerNormCacheC2(NamedTuple):
+    """Version C2's cache: kind ("ln", "res", "drop"), the rows of x and a (float32 device arrays; a None for ln),
+    the dropout call (seed, stream, thresh, scale) or None, w, mean and rstd (R,), and the shape of x. s is
+    recomputed by the backward (and the keep factors regenerated), never stored."""
+    kind: str
+    x2: Any
+    a2: Any
+    drop: Any
+    w: Any
+    mean: Any
+    rstd: Any
+    shape: tuple
+
+
+def _ln2_forward(kind, x, a, w, b, eps, drop):
+    xp = C.xp_of(x)
+    Cc = x.shape[-1]
+    x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
+    a2 = None if a is None else xp.ascontiguousarray(a).reshape(-1, Cc)
+    w, b = xp.ascontiguousarray(w), xp.ascontiguousarray(b)
+    R = x2.shape[0]
+    out = xp.empty(x.shape, np.float32)
+    mean, rstd = xp.empty(R, np.float32), xp.empty(R, np.float32)
+    seed, stream, thr, scale = drop or _NODROP
+    if R and Cc:
+        out2 = out.reshape(R, Cc)
+        vec = Cc % 4 == 0 and _aligned(x2, a2, w, b, out2)
+        kernel("layernorm.cu", f"layernorm_fwd_v2_{kind}", xp)(
+            ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), w, b, _f(eps),
+                                      _i(R), _i(Cc), _i(vec), out2, mean, rstd))
+    return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape)
+
+
+def _ln2_backward(dout, cache):
+    """(dx, da or None, dw, db) of version C2."""
+    kind, x2, a2, drop, w, mean, rstd, shape = cache
+    C.dout("layernorm", dout, shape, x2.dtype)
+    xp = C.xp_of(x2)
+    R, Cc = x2.shape
+    dx = xp.empty(shape, np.float32)
+    da = xp.empty(shape, np.float32) if kind == "drop" else None
+    if R == 0 or Cc == 0:
+        return dx, da, xp.zeros(Cc, np.float32), xp.zeros(Cc, np.float32)
+    seed, stream, thr, scale = drop or _NODROP
+    d2 = xp.ascontiguousarray(dout).reshape(R, Cc)
+    dx2 = dx.reshape(R, Cc)
+    da2 = dx2 if da is None else da.reshape(R, Cc)
+    a = x2 if a2 is None else a2
+    vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
+    kernel("layernorm.cu", f"layernorm_bwd_dx_v2_{kind}", xp)(
+        ((R + 7) // 8,), (256,), (d2, x2, a, seed, stream, thr, _f(scale), w, mean, rstd, _i(R), _i(Cc), _i(vec),
+                                  dx2, da2))
+    per, chunks = C.chunks(R)
+    pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
+    kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(
+        ((Cc + 255) // 256, chunks), (256,), (d2, x2, a, seed, stream, thr, _f(scale), mean, rstd, _i(R), _i(Cc),
+                                              _i(per), pw, pb))
+    dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
+    kernel("layernorm.cu", "column_sum2", xp)(((Cc + 255) // 256,), (256,), (pw, pb, _i(chunks), _i(Cc), dw, db))
+    return dx, da, dw, db
+
+
+def layernorm_forward_c2(x, w, b, eps=1e-12):
+    from . import layernorm as L
+    if not (_c_ok(x, w, b) and x.ndim >= 1):
+        return _fallback("layernorm", "C2", _why(x, w, b), L.layernorm_forward_v2, x, w, b, eps)
+    L._check_ln(x, w, b)
+    return _ln2_forward("ln", x, None, w, b, eps, None)
+
+
+def layernorm_backward_c2(dout, cache):
+    from . import layernorm as L
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.layernorm_backward(dout, cache)
+    dx, _, dw, db = _ln2_backward(dout, cache)
+    return dx, dw, db
+
+
+def residual_layernorm_forward_c2(x, a, w, b, eps=1e-12):
+    from . import layernorm as L
+    if not (_c_ok(x, a, w, b) and x.ndim >= 1):
+        return _fallback("residual_layernorm", "C2", _why(x, a, w, b), L.residual_layernorm_forward_v2,
+                         x, a, w, b, eps)
+    C.floats("residual_layernorm", x=x, a=a)
+    V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
+    L._check_ln(x, w, b)
+    return _ln2_forward("res", x, a, w, b, eps, None)
+
+
+def residual_layernorm_backward_c2(dout, cache):
+    from . import layernorm as L
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.residual_layernorm_backward(dout, cache)
+    ds, _, dw, db = _ln2_backward(dout, cache)
+    return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, as the oracle
+
+
+def dropout_residual_layernorm_forward_c2(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    from . import layernorm as L
+    from .dropout import draw
+    if not (_c_ok(x, a, w, b) and x.ndim >= 1):
+        return _fallback("dropout_residual_layernorm", "C2", _why(x, a, w, b),
+                         L.dropout_residual_layernorm_forward_v2, x, a, w, b, eps, p, rng, train)
+    C.floats("dropout_residual_layernorm", x=x, a=a)
+    V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
+    C.floats("dropout", x=a)
+    drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
+    L._check_ln(x, w, b)
+    return _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop)
+
+
+def dropout_residual_layernorm_backward_c2(dout, cache):
+    from . import layernorm as L
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.dropout_residual_layernorm_backward(dout, cache)
+    ds, da, dw, db = _ln2_backward(dout, cache)
+    return ds, (ds.copy() if da is None else da), dw, db   # eval / p = 0: da is a copy of ds, as dropout_backward
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dropout (C1)
+
+def _dropout_apply(x, drop):
+    xp = C.xp_of(x)
+    seed, stream, thr, scale = drop
+    x = xp.ascontiguousarray(x)
+    out = xp.empty(x.shape, np.float32)
+    n = x.size
+    if n:
+        blocks = -(-n // 4)
+        kernel("dropout.cu", "dropout_v1", xp)(((blocks + 255) // 256,), (256,),
+                                               (x.reshape(-1), np.int64(n), seed, stream, thr, _f(scale),
+                                                _i(_aligned(x, out)), out.reshape(-1)))
+    return out
+
+
+def dropout_forward_c1(x, p, rng=None, train=True):
+    from . import dropout as D
+    if not _c_ok(x):
+        return _fallback("dropout", "C1", _why(x), D.dropout_forward_v2, x, p, rng, train)
+    C.floats("dropout", x=x)
+    drop = D.draw(rng, p, train)
+    if drop is None:
+        return x, ops.DropoutCache(None, 1.0, x.shape, x.dtype)
+    return _dropout_apply(x, drop), ops.DropoutCache(("C1", drop), drop[3], x.shape, x.dtype)
+
+
+def dropout_backward_c1(dout, cache):
+    from . import dropout as D
+    keep, scale, shape, dtype = cache
+    if not (isinstance(keep, tuple) and keep[0] == "C1"):
+        return D.dropout_backward_v1(dout, cache)
+    C.dout("dropout", dout, shape, dtype)
+    return _dropout_apply(dout, keep[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gelu, bias + gelu (C1)
+
+class GeluCacheC(NamedTuple):
+    """x as rows (R, I), the bias (None: gelu), approximate, the shape of x."""
+    x2: Any
+    b: Any
+    approximate: str
+    shape: tuple
+
+
+def _gelu_name(approximate):
+    return "tanh" if approximate == "tanh" else "erf"
+
+
+def _gelu_run(x, b, approximate):
+    xp = C.xp_of(x)
+    I = x.shape[-1] if b is not None else max(x.size, 1)
+    x2 = xp.ascontiguousarray(x).reshape(-1, I)
+    out = xp.empty(x.shape, np.float32)
+    n = x.size
+    if n:
+        bb = x2 if b is None else xp.ascontiguousarray(b)
+        out2 = out.reshape(x2.shape)
+        vec = I % 4 == 0 and _aligned(x2, bb, out2)
+        threads = n // 4 if vec else n
+        kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
+            ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), out2))
+    return out, GeluCacheC(x2, b, approximate, x.shape)
+
+
+def gelu_forward_c1(x, approximate="none"):
+    from . import gelu as G
+    if not _c_ok(x):
+        return _fallback("gelu", "C1", _why(x), G.gelu_forward_v2, x, approximate)
+    C.floats("gelu", x=x)
+    G._check_approximate(approximate)
+    return _gelu_run(x, None, approximate)
+
+
+def gelu_backward_c1(dout, cache):
+    from . import gelu as G
+    if not isinstance(cache, GeluCacheC):
+        return G.gelu_backward_v2(dout, cache)
+    x2, _, approximate, shape = cache
+    C.dout("gelu", dout, shape, x2.dtype)
+    xp = C.xp_of(x2)
+    dx = xp.empty(shape, np.float32)
+    n = x2.size
+    if n:
+        d2 = xp.ascontiguousarray(dout).reshape(x2.shape)
+        dx2 = dx.reshape(x2.shape)
+        I = x2.shape[1]
+        vec = I % 4 == 0 and _aligned(d2, x2, dx2)
+        threads = n // 4 if vec else n
+        kernel("gelu.cu", f"gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
+            ((threads + 255) // 256,), (256,), (d2, x2, x2, _i(0), np.int64(n), _i(I), _i(vec), dx2))
+    return dx
+
+
+def bias_gelu_forward_c1(x, b, approximate="none"):
+    from . import gelu as G
+    if not (_c_ok(x, b) and x.ndim >= 1):
+        return _fallback("bias_gelu", "C1", _why(x, b), G.bias_gelu_forward_v2, x, b, approximate)
+    C.floats("bias_gelu", x=x, b=b)
+    V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
+    V.shape("bias_gelu", "b", C.stub(b), (x.shape[-1],), "(I,)")
+    G._check_approximate(approximate)
+    return _gelu_run(x, b, approximate)
+
+
+def bias_gelu_backward_c1(dout, cache):
+    from . import gelu as G
+    if not isinstance(cache, GeluCacheC):
+        return G.bias_gelu_backward_v2(dout, cache)
+    x2, b, approximate, shape = cache
+    C.dout("gelu", dout, shape, x2.dtype)            # the oracle's bias_gelu backward checks as gelu_backward
+    xp = C.xp_of(x2)
+    R, I = x2.shape
+    dx = xp.empty(shape, np.float32)
+    if x2.size == 0:
+        return dx, xp.zeros(I, np.float32)
+    per, chunks = C.chunks(R)
+    parts = xp.empty((chunks, I), np.float32)
+    db = xp.empty(I, np.float32)
+    kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
+        ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x2, b, _i(R), _i(I), _i(per),
+                                             dx.reshape(R, I), parts))
+    kernel("gelu.cu", "colsum_final_v1", xp)(((I + 255) // 256,), (256,), (parts, _i(chunks), _i(I), db))
+    return dx, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cross-entropy (C1): no host round trip
+
+class CrossEntropyCacheC(NamedTuple):
+    """The logits as rows (N, V), the labels (N,) int64 on the device, ignore_index, the per-row m and log-sum s,
+    the kept-row count (1,) float32 on the device, and the logits' shape."""
+    z2: Any
+    y: Any
+    ignore: int
+    m: Any
+    s: Any
+    count: Any
+    shape: tuple
+
+
+def cross_entropy_forward_c1(logits, labels, ignore_index=-100):
+    from . import cross_entropy as X
+    if not _c_ok(logits):
+        return _fallback("cross_entropy", "C1", _why(logits), X.cross_entropy_forward_v2, logits, labels,
+                         ignore_index)
+    C.floats("cross_entropy", logits=logits)
+    V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
+    xp = C.xp_of(logits)
+    lead, Vn = logits.shape[:-1], logits.shape[-1]
+    if not C.is_array(labels) or labels.shape != lead or np.dtype(labels.dtype).kind not in "iu":
+        got = C.stub(labels) if C.is_array(labels) else labels
+        raise ValueError(f"cross_entropy: argument 'labels' expected an integer array of shape {lead} "
+                         f"(logits.shape[:-1]), got {V._desc(got)}")
+    if C.checks_on(labels):                          # host labels: the oracle's range check, free before they move
+        V.ids("cross_entropy", "labels", C.to_host(labels), Vn, allow=ignore_index)
+    if C.on_device(labels):
+        y = xp.ascontiguousarray(labels.reshape(-1))
+    else:                                            # one copy, through the backend's pinned buffer on a GPU
+        y = (H2D or xp.asarray)(np.ascontiguousarray(labels.reshape(-1), np.int64))
+    if y.dtype != np.int64:
+        y = y.astype(np.int64)
+    z2 = xp.ascontiguousarray(logits).reshape(-1, Vn)
+    N = z2.shape[0]
+    m, s, term = (xp.empty(N, np.float32) for _ in range(3))
+    kept = xp.empty(N, np.int32)
+    loss, count = xp.empty((), np.float32), xp.empty(1, np.float32)
+    if N:
+        vec = Vn % 4 == 0 and _aligned(z2)
+        kernel("cross_entropy.cu", "ce_fwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index),
+                                                                   _i(vec), m, s, term, kept))
+        kernel("cross_entropy.cu", "ce_loss_v1", xp)((1,), (256,), (term, kept, _i(N), loss.reshape(1), count))
+        if C.checks_on(m):                           # a read back: only with REFBERT_CUDA_CHECKS=1
+            keep = C.to_host(kept).astype(bool)
+            if not np.isfinite(C.to_host(m)[keep]).all():
+                raise ValueError("cross_entropy: argument 'logits' expected finite rows, got a NaN, +inf or all -inf "
+                                 "row")
+    else:
+        loss, count = xp.zeros((), np.float32), xp.zeros(1, np.float32)
+    return loss, CrossEntropyCacheC(z2, y, int(ignore_index), m, s, count, logits.shape)
+
+
+def cross_entropy_backward_c1(dloss, cache):
+    from . import cross_entropy as X
+    if not isinstance(cache, CrossEntropyCacheC):
+        return X.cross_entropy_backward_v2(dloss, cache)
+    z2, y, ignore, m, s, count, shape = cache
+    if np.ndim(dloss) != 0:
+        raise ValueError(f"cross_entropy: argument 'dloss' expected a scalar (the loss is a scalar), got shape "
+                         f"{np.shape(dloss)}")
+    xp = C.xp_of(z2)
+    N, Vn = z2.shape
+    dz = xp.empty((N, Vn), np.float32)
+    if N:
+        if C.on_device(dloss):                       # the loss's own gradient array: read on the device
+            dptr, on_dev, dval = xp.ascontiguousarray(dloss.astype(np.float32)).reshape(1), 1, 0.0
+        else:
+            dptr, on_dev, dval = count, 0, float(np.float32(dloss))
+        vec = Vn % 4 == 0 and _aligned(z2, dz)
+        kernel("cross_entropy.cu", "ce_bwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore), _i(vec), m, s,
+                                                                   count, dptr, _i(on_dev), _f(dval), dz))
+    return dz.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# column sums (C1): the bias gradient of a linear layer
+
+def column_sum_c1(x2):
+    """out[c] = sum_r x2[r, c] of a (R, C) float32 device array, deterministic (chunk partials in a fixed order)."""
+    if not _c_ok(x2):
+        return _fallback("column_sum", "C1", _why(x2), lambda a: a.sum(0), x2)
+    xp = C.xp_of(x2)
+    R, Cc = x2.shape
+    if R == 0 or Cc == 0:
+        return xp.zeros(Cc, x2.dtype)
+    x2 = xp.ascontiguousarray(x2)
+    per, chunks = C.chunks(R)
+    parts = xp.empty((chunks, Cc), np.float32)
+    out = xp.empty(Cc, np.float32)
+    kernel("colsum.cu", "colsum_partial_v1", xp)(((Cc + 255) // 256, chunks), (256,),
+                                                 (x2, _i(R), _i(Cc), _i(per), parts))
+    kernel("colsum.cu", "colsum_final_v1", xp)(((Cc + 255) // 256,), (256,), (parts, _i(chunks), _i(Cc), out))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the embedding backward (C1): sorted segment sum
+
+def embedding_backward_c1(dout, cache, sorted_ids=None):
+    """dw of the cuda backend's embedding (cache (ids, w_shape, dtype, padding_idx)): a sorted segment sum, the same
+    bits every run. sorted_ids: (sid, pos) if the caller has them (the backend's stage())."""
+    ids, w_shape, dtype, padding_idx = cache
+    if not (_c_ok(dout) and np.dtype(dtype) == F32):
+        from .embedding import backward
+        return _fallback("embedding", "C1", _why(dout), backward, 2, dout, cache, sorted_ids)
+    xp = C.xp_of(dout)
+    C.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
+    N, Cc = ids.size, w_shape[1]
+    dw = xp.zeros(w_shape, np.float32)
+    if N == 0 or Cc == 0:
+        return dw
+    from .embedding import sort_ids
+    sid, pos = sorted_ids if sorted_ids is not None else sort_ids(xp, ids)
+    d2 = xp.ascontiguousarray(dout).reshape(N, Cc)
+    part = xp.empty((N, Cc), np.float32)
+    kernel("embedding.cu", "emb_bwd_runs_v1", xp)(((N + 31) // 32, (Cc + 255) // 256), (256,),
+                                                  (sid, pos, d2, _i(N), _i(Cc), part))
+    kernel("embedding.cu", "emb_bwd_segments_v1", xp)((N, (Cc + 255) // 256), (256,),
+                                                      (sid, part, _i(N), _i(Cc),
+                                                       np.int64(-1 if padding_idx is None else padding_idx), dw))
+    return dw

@@ -4,8 +4,11 @@
 // The .cu files compile two ways:
 //   standalone:  nvcc -O3 -arch=sm_90 -o x file.cu && ./x      (a main validates against a CPU reference, times)
 //   CuPy:        cupy.RawModule(code=..., options=("-I<csrc>", "-DNO_MAIN", "-std=c++17"))  (NVRTC; see cuda_c.py)
-// Under NVRTC (__CUDACC_RTC__) no host headers exist, so everything host-side sits behind HOST_CODE.
+//   cpusim:      g++ -std=c++20 -pthread -ffp-contract=off -DCPUSIM -x c++ file.cu  (CPU threads; cpusim.cuh)
+// Under NVRTC (__CUDACC_RTC__) no host headers exist, so everything host-side sits behind HOST_CODE. Under CPUSIM
+// there is no fp16 / bf16 storage and no inline PTX (tensor cores, cp.async): HALF_TYPES is left undefined.
 #pragma once
+#include "cpusim.cuh"
 
 #if !defined(__CUDACC_RTC__) && !defined(NO_MAIN)
 #define HOST_CODE 1
@@ -16,14 +19,22 @@
 #include <cstring>
 #include <vector>
 #include <algorithm>
+#ifndef CPUSIM
 #include <cuda_runtime.h>
 #endif
+#endif
 
+#ifndef CPUSIM
+#define HALF_TYPES 1
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#endif
 
 #ifndef INFINITY                                          // NVRTC has no <cmath>
 #define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
 #endif
 
 typedef unsigned int u32;
@@ -33,13 +44,16 @@ typedef unsigned long long u64;
 // storage <-> float32 (every sum and exp runs in float32; one rounding on the store)
 
 __device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+#ifdef HALF_TYPES
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+#endif
 
+#ifdef HALF_TYPES
 // two floats -> one 32-bit register of two 16-bit values (low half = first), the A/B operand format of mma
 __device__ __forceinline__ u32 pack2(float lo, float hi, __half) {
     __half2 h = __floats2half2_rn(lo, hi);
@@ -49,6 +63,7 @@ __device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&h);
 }
+#endif
 
 // ----------------------------------------------------------------------------------------------------------------
 // Philox4x32-10, exactly refbert/philox.py: element e of dropout call (seed, stream) gets word e % 4 of
@@ -95,6 +110,31 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// fixed-order block sum for blockDim.x a multiple of 32 (<= 1024): warp sums, then every warp adds the warp totals
+// in warp order through buf (shared, >= 32 floats); every thread gets the same total, the same bits every run.
+__device__ __forceinline__ float block_sum(float v, float* buf) {
+    v = warp_sum(v);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();                                               // buf is free (a previous call has read it)
+    if (lane == 0) buf[w] = v;
+    __syncthreads();
+    return warp_sum(lane < nw ? buf[lane] : 0.f);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// 128-bit accesses (the launchers pass vec = 1 only when C % 4 == 0 and every pointer is 16-byte aligned) and the
+// keep factors of four consecutive elements e .. e + 3 with e % 4 == 0: the four words of one Philox block
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+__device__ __forceinline__ float4 keep4(u64 e, u64 seed, u64 stream, u64 thresh, float dscale) {
+    const uint4 w = philox4x32_10(e >> 2, stream, seed);
+    return make_float4((u64)w.x >= thresh ? dscale : 0.f, (u64)w.y >= thresh ? dscale : 0.f,
+                       (u64)w.z >= thresh ? dscale : 0.f, (u64)w.w >= thresh ? dscale : 0.f);
+}
+
+#ifdef HALF_TYPES
 // ----------------------------------------------------------------------------------------------------------------
 // tensor cores (sm_80+): mma.sync m16n8k16, fp16 / bf16 inputs, fp32 accumulators.  Fragments, with
 // g = lane / 4 (groupID), t = lane % 4 (thread in group):
@@ -122,6 +162,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif  // HALF_TYPES
 
 // ----------------------------------------------------------------------------------------------------------------
 // host helpers for the standalone mains
@@ -185,6 +226,9 @@ inline void validate_result(const T* d_got, const float* ref, const char* name, 
 
 template <class F>
 inline float benchmark_kernel(int repeats, F launch) {       // mean ms per launch, after one warm-up
+#ifdef CPUSIM
+    repeats = 1;                                             // CPU threads: one run, the time means nothing
+#endif
     cudaEvent_t a, b;
     cudaCheck(cudaEventCreate(&a));
     cudaCheck(cudaEventCreate(&b));

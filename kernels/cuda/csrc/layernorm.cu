@@ -1,22 +1,34 @@
 /*
-LayerNorm over the last axis, forward and backward, float32.
-Oracle: refbert.ops.layernorm_forward / layernorm_backward (Python launchers: kernels/cuda/cuda_c.py).
-    x, out, dout, dx: (R, C) contiguous rows   w, b, dw, db: (C,)   mean, rstd: (R,)
-    forward:  mean = x.mean(), rstd = 1/sqrt(var + eps) (biased var), xhat = (x - mean) rstd, out = xhat w + b
-    backward: wdy = dout w;  c1 = mean(wdy xhat);  c2 = mean(wdy);  dx = (wdy - (xhat c1 + c2)) rstd
+LayerNorm over the last axis, forward and backward, float32; version 2 fuses the residual sum and the residual's
+dropout (refbert.ops.residual_layernorm / dropout_residual_layernorm: the post-LN step of every encoder layer).
+Oracle: refbert.ops.layernorm_forward / layernorm_backward, residual_layernorm_*, dropout_residual_layernorm_*
+(Python launchers: kernels/cuda/cuda_c.py; the Numba versions and the math: kernels/cuda/layernorm.py).
+    x, a, out, dout, dx, da: (R, C) contiguous rows   w, b, dw, db: (C,)   mean, rstd: (R,)
+    s = x (kind ln), x + a (res), x + a * keep * dscale (drop: keep of element r*C + j from Philox (seed, stream),
+        refbert/philox.py, dscale = 1/(1-p))
+    forward:  mean = s.mean(), rstd = 1/sqrt(var + eps) (biased var), xhat = (s - mean) rstd, out = xhat w + b
+    backward: wdy = dout w;  c1 = mean(wdy xhat);  c2 = mean(wdy);  ds = (wdy - (xhat c1 + c2)) rstd
+              dx = ds;  da = ds (res) or ds * keep * dscale (drop)
               wdy is __fmul_rn(dout, w) in both passes: rounded once and never contracted into an fma with the
               subtraction, so at C = 1 wdy - c2 is exactly 0 as in the oracle, not the product's
               rounding error times rstd = 1/sqrt(eps) = 1e6 (the first H200 run: dx 2e-3 where the oracle has 0)
               dw = sum_rows dout xhat,  db = sum_rows dout   (deterministic: per-chunk partials, then a column sum)
 
 Versions:
-  1  a warp per row (8 rows per 256-thread block), 128-bit loads (float4) when C % 4 == 0: two-pass mean and
-     variance (the row is re-read from L1/L2, not kept in registers, so any C works); backward likewise for dx,
-     and dw/db by a thread per column over a chunk of rows (coalesced) into (chunks, C) partials, then a
+  1  plain LayerNorm: a warp per row (8 rows per 256-thread block), 128-bit loads (float4) when C % 4 == 0: two-pass
+     mean and variance (the row is re-read from L1/L2, not kept in registers, so any C works); backward likewise
+     for dx, and dw/db by a thread per column over a chunk of rows (coalesced) into (chunks, C) partials, then a
      column-sum kernel in chunk order — no atomics, the same bits every run
+  2  version 1 with s = x + a * keep * dscale formed in every pass (kinds ln, res, drop: one template), never
+     stored: the backward re-reads x, a and regenerates the keep factors (one Philox call per 4 elements on the
+     float4 path); dx and da written by one kernel; the partials recompute s; dw and db summed by one launch
+     (column_sum2). The Numba version 2's arithmetic (kernels/cuda/layernorm.py), a warp per row instead of a
+     block. `vec` (a launch argument) selects the float4 path: C % 4 == 0 and every pointer 16-byte aligned.
 
-Build and run standalone (validates against the CPU reference, then times):
+Build and run standalone (validates every version against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o layernorm layernorm.cu && ./layernorm
+On CPU threads (kernels/cuda/csrc/cpusim.cuh; small shapes, no timing):
+    g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ layernorm.cu -o ln && ./ln
 Compile check only (tests/test_cuda_nvcc.py):  nvcc -arch=sm_90 -std=c++17 -c layernorm.cu
 */
 #include "common.cuh"
@@ -178,47 +190,315 @@ extern "C" __global__ void column_sum(const float* __restrict__ parts, int chunk
 }
 
 // ----------------------------------------------------------------------------------------------------------------
+// version 2: the residual sum and its dropout fused (KIND 0 = ln: s = x, 1 = res: s = x + a, 2 = drop)
+
+template <int KIND>
+__device__ __forceinline__ float s1(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
+                                    float dscale) {
+    float v = x[e];
+    if (KIND >= 1) v = v + (KIND == 2 ? a[e] * keep_z(e, seed, stream, thresh, dscale) : a[e]);
+    return v;
+}
+template <int KIND>
+__device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
+                                     float dscale) {                 // elements e .. e + 3, e % 4 == 0
+    float4 v = ld4(x + e);
+    if (KIND >= 1) {
+        float4 u = ld4(a + e);
+        if (KIND == 2) {
+            const float4 z = keep4(e, seed, stream, thresh, dscale);
+            u = make_float4(u.x * z.x, u.y * z.y, u.z * z.z, u.w * z.w);
+        }
+        v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+    }
+    return v;
+}
+
+#define LN2_ARGS const float *__restrict__ x, const float *__restrict__ a, u64 seed, u64 stream, u64 thresh, \
+    float dscale
+
+template <int KIND>
+__device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
+                                          float eps, int R, int C, int vec, float* __restrict__ out,
+                                          float* __restrict__ mean, float* __restrict__ rstd) {
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= R) return;                                             // warp-uniform
+    const size_t row = (size_t)r * C;
+    float s = 0.f;
+    if (vec) {
+        for (int c = lane * 4; c < C; c += 128) {
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            s += (v.x + v.y) + (v.z + v.w);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) s += s1<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+    }
+    const float m = warp_sum(s) / C;
+    float q = 0.f;                                                  // second pass: sum (s - m)^2
+    if (vec) {
+        for (int c = lane * 4; c < C; c += 128) {
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float d0 = v.x - m, d1 = v.y - m, d2 = v.z - m, d3 = v.w - m;
+            q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) {
+            const float d = s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m;
+            q += d * d;
+        }
+    }
+    const float rs = 1.f / sqrtf(warp_sum(q) / C + eps);
+    if (vec) {
+        for (int c = lane * 4; c < C; c += 128) {
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float4 ww = ld4(w + c), bb = ld4(b + c);
+            st4(out + row + c, make_float4((v.x - m) * rs * ww.x + bb.x, (v.y - m) * rs * ww.y + bb.y,
+                                           (v.z - m) * rs * ww.z + bb.z, (v.w - m) * rs * ww.w + bb.w));
+        }
+    } else {
+        for (int c = lane; c < C; c += 32)
+            out[row + c] = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs * w[c] + b[c];
+    }
+    if (lane == 0) { mean[r] = m; rstd[r] = rs; }
+}
+
+template <int KIND>
+__device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w,
+                                             const float* __restrict__ mean, const float* __restrict__ rstd, int R,
+                                             int C, int vec, float* __restrict__ dx, float* __restrict__ da) {
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= R) return;
+    const size_t row = (size_t)r * C;
+    const float m = mean[r], rs = rstd[r];
+    float c1 = 0.f, c2 = 0.f;
+    if (vec) {
+        for (int c = lane * 4; c < C; c += 128) {
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float4 g = ld4(dout + row + c), ww = ld4(w + c);
+            const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
+                        w3 = __fmul_rn(g.w, ww.w);
+            c1 += w0 * ((v.x - m) * rs) + w1 * ((v.y - m) * rs) + w2 * ((v.z - m) * rs) + w3 * ((v.w - m) * rs);
+            c2 += (w0 + w1) + (w2 + w3);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) {
+            const float wd = __fmul_rn(dout[row + c], w[c]);
+            c1 += wd * ((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs);
+            c2 += wd;
+        }
+    }
+    c1 = warp_sum(c1) / C;
+    c2 = warp_sum(c2) / C;
+    if (vec) {
+        for (int c = lane * 4; c < C; c += 128) {
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float4 g = ld4(dout + row + c), ww = ld4(w + c);
+            const float4 d = make_float4((__fmul_rn(g.x, ww.x) - ((v.x - m) * rs * c1 + c2)) * rs,
+                                         (__fmul_rn(g.y, ww.y) - ((v.y - m) * rs * c1 + c2)) * rs,
+                                         (__fmul_rn(g.z, ww.z) - ((v.z - m) * rs * c1 + c2)) * rs,
+                                         (__fmul_rn(g.w, ww.w) - ((v.w - m) * rs * c1 + c2)) * rs);
+            st4(dx + row + c, d);
+            if (KIND == 2) {
+                const float4 z = keep4(row + c, seed, stream, thresh, dscale);
+                st4(da + row + c, make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w));
+            }
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) {
+            const float xh = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs;
+            const float d = (__fmul_rn(dout[row + c], w[c]) - (xh * c1 + c2)) * rs;
+            dx[row + c] = d;
+            if (KIND == 2) da[row + c] = d * keep_z(row + c, seed, stream, thresh, dscale);
+        }
+    }
+}
+
+// dw, db partials: grid (ceil(C / 256), chunks), a thread per column over rows [chunk * per, ...), s recomputed
+template <int KIND>
+__device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, int R, int C, int per,
+                                           float* __restrict__ dw_part, float* __restrict__ db_part) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
+    if (c >= C) return;
+    float sw = 0.f, sb = 0.f;
+    const int r1 = min(R, (chunk + 1) * per);
+    for (int r = chunk * per; r < r1; r++) {
+        const size_t e = (size_t)r * C + c;
+        const float g = dout[e];
+        sw += g * (s1<KIND>(x, a, e, seed, stream, thresh, dscale) - mean[r]) * rstd[r];
+        sb += g;
+    }
+    dw_part[(size_t)chunk * C + c] = sw;
+    db_part[(size_t)chunk * C + c] = sb;
+}
+
+#define LN2_KERNELS(NAME, KIND)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
+        LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
+        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
+        ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, w, b, eps, R, C, vec, out, mean, rstd);            \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v2_##NAME(                                \
+        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
+        const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da) { \
+        ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, w, mean, rstd, R, C, vec, dx, da);        \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
+        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
+        const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
+        float* __restrict__ db_part) {                                                                          \
+        ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, mean, rstd, R, C, per, dw_part, db_part);  \
+    }
+LN2_KERNELS(ln, 0)
+LN2_KERNELS(res, 1)
+LN2_KERNELS(drop, 2)
+
+// dw and db in one launch: out_w[c] = sum_k pw[k, c], out_b[c] = sum_k pb[k, c], in chunk order
+extern "C" __global__ void __launch_bounds__(256) column_sum2(const float* __restrict__ pw,
+                                                             const float* __restrict__ pb, int chunks, int C,
+                                                             float* __restrict__ out_w, float* __restrict__ out_b) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sw = 0.f, sb = 0.f;
+    for (int k = 0; k < chunks; k++) { sw += pw[(size_t)k * C + c]; sb += pb[(size_t)k * C + c]; }
+    out_w[c] = sw;
+    out_b[c] = sb;
+}
+
+// ----------------------------------------------------------------------------------------------------------------
 // launcher, main
 
 #ifdef HOST_CODE
+// CPU reference of every kind (double sums), the dropout keep factors from the host Philox
+struct LnRef { std::vector<float> out, mean, rstd, dx, da, dw, db; };
+LnRef layernorm_cpu(int kind, const float* x, const float* a, u64 seed, u64 stream, u64 thresh, float dscale,
+                    const float* w, const float* b, const float* dout, float eps, int R, int C) {
+    LnRef o{std::vector<float>((size_t)R * C), std::vector<float>(R), std::vector<float>(R),
+            std::vector<float>((size_t)R * C), std::vector<float>((size_t)R * C), std::vector<float>(C),
+            std::vector<float>(C)};
+    std::vector<double> dw(C, 0.0), db(C, 0.0), sv(C), xh(C);
+    for (int r = 0; r < R; r++) {
+        double m = 0, v = 0;
+        for (int c = 0; c < C; c++) {
+            size_t e = (size_t)r * C + c;
+            double z = kind == 2 ? (philox_word_host(e, stream, seed) >= thresh ? dscale : 0.0) : 1.0;
+            sv[c] = x[e] + (kind >= 1 ? (double)a[e] * z : 0.0);
+            m += sv[c];
+        }
+        m /= C;
+        for (int c = 0; c < C; c++) v += (sv[c] - m) * (sv[c] - m);
+        double rs = 1.0 / sqrt(v / C + eps), c1 = 0, c2 = 0;
+        for (int c = 0; c < C; c++) {
+            size_t e = (size_t)r * C + c;
+            xh[c] = (sv[c] - m) * rs;
+            o.out[e] = (float)(xh[c] * w[c] + b[c]);
+            c1 += (double)dout[e] * w[c] * xh[c];
+            c2 += (double)dout[e] * w[c];
+            dw[c] += (double)dout[e] * xh[c];
+            db[c] += dout[e];
+        }
+        c1 /= C; c2 /= C;
+        for (int c = 0; c < C; c++) {
+            size_t e = (size_t)r * C + c;
+            double d = ((double)dout[e] * w[c] - (xh[c] * c1 + c2)) * rs;
+            double z = kind == 2 ? (philox_word_host(e, stream, seed) >= thresh ? dscale : 0.0) : 1.0;
+            o.dx[e] = (float)d;
+            o.da[e] = (float)(d * z);
+        }
+        o.mean[r] = (float)m;
+        o.rstd[r] = (float)rs;
+    }
+    for (int c = 0; c < C; c++) { o.dw[c] = (float)dw[c]; o.db[c] = (float)db[c]; }
+    return o;
+}
+
+struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db, *pw, *pb; };
+
+// one version's forward + backward; v1 has kind 0 only
+void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, float dscale, float eps, int R,
+         int C, int per, int chunks) {
+    const int vec = (C & 3) == 0, grid = (R + 7) / 8;
+    const dim3 pgrid((C + 255) / 256, chunks);
+    if (version == 1) {
+        LAUNCH(layernorm_fwd_v1, grid, 256, d.x, d.w, d.b, eps, R, C, d.out, d.mean, d.rstd);
+        LAUNCH(layernorm_bwd_dx_v1, grid, 256, d.dout, d.x, d.w, d.mean, d.rstd, R, C, d.dx);
+        LAUNCH(layernorm_bwd_dwdb_partial, pgrid, 256, d.dout, d.x, d.mean, d.rstd, R, C, per, d.pw, d.pb);
+        LAUNCH(column_sum, (C + 255) / 256, 256, d.pw, chunks, C, d.dw);
+        LAUNCH(column_sum, (C + 255) / 256, 256, d.pb, chunks, C, d.db);
+    } else {
+        auto fwd = kind == 0 ? layernorm_fwd_v2_ln : kind == 1 ? layernorm_fwd_v2_res : layernorm_fwd_v2_drop;
+        auto bdx = kind == 0 ? layernorm_bwd_dx_v2_ln : kind == 1 ? layernorm_bwd_dx_v2_res : layernorm_bwd_dx_v2_drop;
+        auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
+                : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
+        LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, d.w, d.b, eps, R, C, vec, d.out, d.mean,
+               d.rstd);
+        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.w, d.mean, d.rstd, R, C, vec, d.dx,
+               d.da);
+        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.mean, d.rstd, R, C, per, d.pw, d.pb);
+        LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
+    }
+    cudaCheck(cudaGetLastError());
+}
+
 int main() {
-    const int R = 4 * 512, C = 768, per = 32, chunks = (R + per - 1) / per;
-    const float eps = 1e-12f;
-    size_t n = (size_t)R * C;
-    float *x = make_random_float(n, 1), *dout = make_random_float(n, 2), *w = make_random_float(C, 3);
-    float* b = make_random_float(C, 4);
-    std::vector<float> out(n), mean(R), rstd(R), dx(n), dw(C), db(C);
-    layernorm_forward_cpu(x, w, b, eps, R, C, out.data(), mean.data(), rstd.data());
-    layernorm_backward_cpu(dout, x, w, mean.data(), rstd.data(), R, C, dx.data(), dw.data(), db.data());
-    float *dx_, *ddo, *dw_, *db_, *dout_, *dm, *dr, *ddx, *ddw, *ddb, *pw, *pb;
-    cudaCheck(cudaMalloc(&dx_, n * 4)); cudaCheck(cudaMalloc(&ddo, n * 4)); cudaCheck(cudaMalloc(&dout_, n * 4));
-    cudaCheck(cudaMalloc(&ddx, n * 4)); cudaCheck(cudaMalloc(&dw_, C * 4)); cudaCheck(cudaMalloc(&db_, C * 4));
-    cudaCheck(cudaMalloc(&ddw, C * 4)); cudaCheck(cudaMalloc(&ddb, C * 4)); cudaCheck(cudaMalloc(&dm, R * 4));
-    cudaCheck(cudaMalloc(&dr, R * 4)); cudaCheck(cudaMalloc(&pw, (size_t)chunks * C * 4));
-    cudaCheck(cudaMalloc(&pb, (size_t)chunks * C * 4));
-    cudaCheck(cudaMemcpy(dx_, x, n * 4, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(ddo, dout, n * 4, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(dw_, w, C * 4, cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(db_, b, C * 4, cudaMemcpyHostToDevice));
-    auto fwd = [&]() { layernorm_fwd_v1<<<(R + 7) / 8, 256>>>(dx_, dw_, db_, eps, R, C, dout_, dm, dr); };
-    auto bwd = [&]() {
-        layernorm_bwd_dx_v1<<<(R + 7) / 8, 256>>>(ddo, dx_, dw_, dm, dr, R, C, ddx);
-        layernorm_bwd_dwdb_partial<<<dim3((C + 255) / 256, chunks), 256>>>(ddo, dx_, dm, dr, R, C, per, pw, pb);
-        column_sum<<<(C + 255) / 256, 256>>>(pw, chunks, C, ddw);
-        column_sum<<<(C + 255) / 256, 256>>>(pb, chunks, C, ddb);
-    };
-    fwd(); bwd();
-    cudaCheck(cudaDeviceSynchronize());
-    // float32 sums in another order than the CPU's (double mean/var there): ~1e-6 relative on O(1) values;
-    // dw, db sum R = 2048 rows
-    validate_result(dout_, out.data(), "out", n, 1e-5f, 1e-5f);
-    validate_result(ddx, dx.data(), "dx", n, 1e-5f, 1e-4f);
-    validate_result(ddw, dw.data(), "dw", C, 1e-3f, 1e-4f);
-    validate_result(ddb, db.data(), "db", C, 1e-3f, 1e-4f);
-    float ms_f = benchmark_kernel(20, fwd), ms_b = benchmark_kernel(20, bwd);
-    // forward reads x, writes out; backward reads x, dout twice (dx pass, dw/db pass), writes dx
-    printf("version 1 | forward %.4f ms %.1f GB/s | backward %.4f ms %.1f GB/s\n", ms_f, 2.0 * n * 4 / ms_f / 1e6,
-           ms_b, 5.0 * n * 4 / ms_b / 1e6);
+#ifdef CPUSIM_SMALL
+    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {2, 260}};           // C = 1; tails of warps and float4 rows
+    const bool timing = false;
+#else
+    const int shapes[][2] = {{1, 1}, {3, 37}, {67, 52}, {130, 772}, {4 * 512, 768}};
+    const bool timing = true;
+#endif
+    const float eps = 1e-12f, p = 0.1f;
+    const u64 seed = 0x123456789ABCDEFull, stream = 7, thresh = (u64)llround(p * 4294967296.0);
+    const float dscale = 1.f / (1.f - p);
+    for (auto& sh : shapes) {
+        const int R = sh[0], C = sh[1], chunks_max = 64, per = (R + chunks_max - 1) / chunks_max,
+                  chunks = (R + per - 1) / per;
+        const size_t n = (size_t)R * C;
+        float *x = make_random_float(n, 1), *a = make_random_float(n, 2), *dout = make_random_float(n, 3);
+        float *w = make_random_float(C, 4), *b = make_random_float(C, 5);
+        Dev d;
+        float** bufs[] = {&d.x, &d.a, &d.dout, &d.out, &d.dx, &d.da};
+        for (float** q : bufs) cudaCheck(cudaMalloc(q, n * 4));
+        float** cbufs[] = {&d.w, &d.b, &d.dw, &d.db};
+        for (float** q : cbufs) cudaCheck(cudaMalloc(q, C * 4));
+        cudaCheck(cudaMalloc(&d.mean, R * 4)); cudaCheck(cudaMalloc(&d.rstd, R * 4));
+        cudaCheck(cudaMalloc(&d.pw, (size_t)chunks * C * 4)); cudaCheck(cudaMalloc(&d.pb, (size_t)chunks * C * 4));
+        cudaCheck(cudaMemcpy(d.x, x, n * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d.a, a, n * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d.dout, dout, n * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d.w, w, C * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d.b, b, C * 4, cudaMemcpyHostToDevice));
+        for (int version = 1; version <= 2; version++)
+            for (int kind = 0; kind < (version == 1 ? 1 : 3); kind++) {
+                printf("layernorm v%d kind %s R=%d C=%d\n", version, kind == 0 ? "ln" : kind == 1 ? "res" : "drop",
+                       R, C);
+                LnRef ref = layernorm_cpu(kind, x, a, seed, stream, thresh, dscale, w, b, dout, eps, R, C);
+                run(version, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks);
+                cudaCheck(cudaDeviceSynchronize());
+                // float32 sums in another order than the double reference: ~1e-6 relative on O(1) values; dx cancels
+                // terms of size |wdy| (C = 1: exactly 0 on both sides); dw, db sum R rows
+                validate_result(d.out, ref.out.data(), "out", n, 1e-5f, 1e-5f);
+                validate_result(d.mean, ref.mean.data(), "mean", R, 1e-6f, 1e-5f);
+                validate_result(d.rstd, ref.rstd.data(), "rstd", R, 1e-6f, 1e-5f);
+                validate_result(d.dx, ref.dx.data(), "dx", n, 1e-5f, 1e-4f);
+                if (kind == 2) validate_result(d.da, ref.da.data(), "da", n, 1e-5f, 1e-4f);
+                validate_result(d.dw, ref.dw.data(), "dw", C, 1e-4f + 1e-6f * R, 1e-4f);
+                validate_result(d.db, ref.db.data(), "db", C, 1e-4f + 1e-6f * R, 1e-4f);
+                if (timing && R * C >= 1 << 20) {
+                    float ms = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale, eps,
+                                                                R, C, per, chunks); });
+                    // forward reads x (a), writes out; backward reads dout, x (a) twice, writes dx (da)
+                    double bytes = (kind == 0 ? 7.0 : kind == 1 ? 9.0 : 10.0) * n * 4;
+                    printf("  v%d forward + backward %.4f ms, %.0f GB/s\n", version, ms, bytes / ms / 1e6);
+                }
+            }
+        free(x); free(a); free(dout); free(w); free(b);
+        for (float** q : bufs) cudaFree(*q);
+        for (float** q : cbufs) cudaFree(*q);
+        cudaFree(d.mean); cudaFree(d.rstd); cudaFree(d.pw); cudaFree(d.pb);
+    }
+    printf("layernorm: every version ok\n");
     return 0;
 }
 #endif

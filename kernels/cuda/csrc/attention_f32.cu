@@ -1,0 +1,525 @@
+/*
+Flash attention in float32, forward and backward, register-tiled for head size 64 (attention kernels v3: the op's
+version C3). fp32 stays fp32: every product is an FFMA on the CUDA cores (no TF32, no tensor cores), as PyTorch's
+memory-efficient SDPA kernel runs fp32.
+Oracle: refbert.ops.attention_forward / attention_backward (Python launchers: kernels/cuda/cuda_c.py
+attention_forward_c3 / attention_backward_c3; the math and the Numba versions: kernels/cuda/attention.py; the
+scalar flash v1 in attention_forward.cu / attention_backward.cu is the explanation of this one).
+
+q, k, v, out, dout, dq, dk, dv: (B, T, C) float32, C = H * 64, head h = columns h*64 .. h*64 + 63, every row 16-byte
+aligned (the launcher checks). mask: float32 at mask[b*sb + h*sh + i*si + j*sj] (stride 0 on a broadcast axis;
+a (1, 1, 1, 1) zero mask when there is none). m, linv: (B, H, T), the row max of s = scale q.k + mask and 1 / l,
+l = sum_j exp(s_ij - m_i). Dropout keeps element e = ((b*H + h)*T + i)*T + j iff its Philox4x32-10 word (seed,
+stream) >= thresh; kept probabilities are scaled by dscale = 1/(1-p); thresh = 0: no dropout.
+    forward:   out_i = sum_j p_ij z_ij v_j,  p_ij = exp(s_ij - m_i) / l_i   (online over key tiles)
+    backward:  D_i = dout_i . out_i;  dv_j = sum_i p_ij z_ij dout_i;  dp_ij = z_ij dout_i . v_j
+               ds_ij = p_ij (dp_ij - D_i);  dq_i = scale sum_j ds_ij k_j;  dk_j = scale sum_i ds_ij q_i
+
+Version 3 (this file):
+  tiles of 64 query rows x 64 keys in shared memory (rows padded to 68 floats: the 128-bit reads below are free of
+  bank conflicts), 128 threads: thread (ty = tid / 8, tx = tid % 8) computes the 4 x 8 products of rows ty + 16 i
+  and columns tx + 8 j of a tile product (tile_dot: 128 FFMA per 12 shared 128-bit loads), and accumulates the
+  4 x 8 outputs of rows ty + 16 i, head columns 4 tx + 32 k of a product with a value tile (tile_pv). The row max
+  and sum of the online softmax by shuffles among the 8 lanes of a row. The dropout mask is regenerated over the
+  tile in shared memory with one Philox call per 4 consecutive keys (T % 4 == 0; one per element otherwise), not
+  per element of each thread.
+  forward   a block per (b, h, 64 query rows), q resident, k and v tiles streamed; p overwrites the k tile.
+            51 KB of dynamic shared memory.
+  backward  D_i by a warp per row; dk, dv by a block per (b, h, 64 keys) streaming query tiles (k, v resident; p,
+            dp written as tiles, then p z and ds transposed, so that dv += (p z)^T dout and dk += ds^T q are tile_pv
+            products); dq by a block per (b, h, 64 query rows) streaming key tiles. No atomics; 103 KB each.
+The launcher raises each kernel's dynamic shared memory limit (RawKernel.max_dynamic_shared_size_bytes).
+
+Build and run standalone (validates against the CPU reference, then times):
+    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T]
+On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ attention_f32.cu
+*/
+#include "common.cuh"
+
+#define A3_HS 64
+#define A3_LD 68                    // padded row: 272 bytes, 8 consecutive rows start in 8 distinct bank quads
+#define A3_NT 128
+#define A3_TILE (64 * A3_LD)
+#define A3_FWD_SMEM (3 * A3_TILE * 4)
+#define A3_BWD_SMEM ((6 * A3_TILE + 3 * 64) * 4)
+
+#define A3_ARGS                                                                                                   \
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,                       \
+        const float *__restrict__ mask, long long sb, long long sh, long long si, long long sj, int B, int Tn,    \
+        int H, float scale, u64 seed, u64 stream, u64 thresh, float dscale
+
+// rows row0 .. row0 + 63 of head h of a (B, T, C) tensor into a tile (zeros past T): 1024 float4, 8 per thread
+__device__ __forceinline__ void a3_load(float* __restrict__ dst, const float* __restrict__ src, size_t base,
+                                        int row0, int T, int C) {
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int idx = threadIdx.x + A3_NT * t, r = idx >> 4, c4 = (idx & 15) * 4;
+        const float4 val = row0 + r < T ? ld4(src + base + (size_t)(row0 + r) * C + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        st4(dst + r * A3_LD + c4, val);
+    }
+}
+
+// acc[i][j] = A[ty + 16 i] . B[tx + 8 j] over the 64 columns (two tiles of rows)
+__device__ __forceinline__ void tile_dot(float (&acc)[4][8], const float* __restrict__ A,
+                                         const float* __restrict__ Bt) {
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
+#pragma unroll 2
+    for (int d = 0; d < A3_HS; d += 4) {
+        float4 a[4], b[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = ld4(A + (ty + 16 * i) * A3_LD + d);
+#pragma unroll
+        for (int j = 0; j < 8; j++) b[j] = ld4(Bt + (tx + 8 * j) * A3_LD + d);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float s = acc[i][j];
+                s = fmaf(a[i].x, b[j].x, s);
+                s = fmaf(a[i].y, b[j].y, s);
+                s = fmaf(a[i].z, b[j].z, s);
+                s = fmaf(a[i].w, b[j].w, s);
+                acc[i][j] = s;
+            }
+    }
+}
+
+// o[i][4 k + e] += sum_c P[ty + 16 i][c] V[c][4 tx + 32 k + e] over the 64 columns of P (rows of V)
+__device__ __forceinline__ void tile_pv(float (&o)[4][8], const float* __restrict__ P, const float* __restrict__ V) {
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+#pragma unroll 2
+    for (int c = 0; c < 64; c += 4) {
+        float4 p[4], w[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; i++) p[i] = ld4(P + (ty + 16 * i) * A3_LD + c);
+#pragma unroll
+        for (int cc = 0; cc < 4; cc++)
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) w[cc][kk] = ld4(V + (c + cc) * A3_LD + 4 * tx + 32 * kk);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float pc[4] = {p[i].x, p[i].y, p[i].z, p[i].w};
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+                for (int cc = 0; cc < 4; cc++) {
+                    o[i][4 * kk + 0] = fmaf(pc[cc], w[cc][kk].x, o[i][4 * kk + 0]);
+                    o[i][4 * kk + 1] = fmaf(pc[cc], w[cc][kk].y, o[i][4 * kk + 1]);
+                    o[i][4 * kk + 2] = fmaf(pc[cc], w[cc][kk].z, o[i][4 * kk + 2]);
+                    o[i][4 * kk + 3] = fmaf(pc[cc], w[cc][kk].w, o[i][4 * kk + 3]);
+                }
+        }
+    }
+}
+
+// the keep factors (0 or 1) of elements e .. e + 3 (one Philox call when e % 4 == 0)
+__device__ __forceinline__ float4 a3_keep(u64 e, u64 seed, u64 stream, u64 thresh) {
+    if ((e & 3) == 0) return keep4(e, seed, stream, thresh, 1.f);
+    return make_float4(keep_z(e, seed, stream, thresh, 1.f), keep_z(e + 1, seed, stream, thresh, 1.f),
+                       keep_z(e + 2, seed, stream, thresh, 1.f), keep_z(e + 3, seed, stream, thresh, 1.f));
+}
+
+__device__ __forceinline__ float a3_mask(const float* mask, long long sb, long long sh, long long si, long long sj,
+                                         int b, int h, int i, int j) {
+    return mask[b * sb + h * sh + i * si + j * sj];
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// forward: grid (ceil(T / 64), B * H), 128 threads, A3_FWD_SMEM bytes. (128, 2): up to 255 registers (left
+// alone, ptxas chose 168 and spilled 48 bytes; 2 blocks of 51 KB fit an SM either way)
+
+extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v3_f32_hs64(A3_ARGS, float* __restrict__ out,
+                                                                         float* __restrict__ m_out,
+                                                                         float* __restrict__ linv_out) {
+    DYN_SHARED(float, sm);
+    float *Qs = sm, *Ks = sm + A3_TILE, *Vs = sm + 2 * A3_TILE;          // the p tile overwrites Ks
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int C = H * A3_HS, q0 = blockIdx.x * 64;
+    const size_t base = (size_t)b * Tn * C + h * A3_HS;
+    a3_load(Qs, q, base, q0, Tn, C);
+    float o[4][8], mi[4], li[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        mi[i] = -INFINITY;
+        li[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[i][j] = 0.f;
+    }
+    for (int k0 = 0; k0 < Tn; k0 += 64) {
+        __syncthreads();                                              // the previous tile's p and v are used
+        a3_load(Ks, k, base, k0, Tn, C);
+        a3_load(Vs, v, base, k0, Tn, C);
+        __syncthreads();
+        float s[4][8];
+        tile_dot(s, Qs, Ks);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = min(q0 + ty + 16 * i, Tn - 1);           // (rows past T: any finite mask row)
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int col = k0 + tx + 8 * j;
+                s[i][j] = col < Tn ? s[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, row, col) : -INFINITY;
+                mx = fmaxf(mx, s[i][j]);
+            }
+#pragma unroll
+            for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mn = fmaxf(mi[i], mx);
+            float sum = 0.f;
+            if (mn == -INFINITY) {                                    // only -inf so far: nothing to add
+#pragma unroll
+                for (int j = 0; j < 8; j++) s[i][j] = 0.f;
+            } else {
+                const float alpha = __expf(mi[i] - mn);               // exp(-inf) = 0 on the first finite tile
+#pragma unroll
+                for (int j = 0; j < 8; j++) { s[i][j] = __expf(s[i][j] - mn); sum += s[i][j]; }
+                li[i] *= alpha;
+#pragma unroll
+                for (int j = 0; j < 8; j++) o[i][j] *= alpha;
+                mi[i] = mn;
+            }
+#pragma unroll
+            for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            li[i] += sum;
+        }
+        __syncthreads();                                              // every thread is done reading Ks
+        float* Ps = Ks;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) Ps[(ty + 16 * i) * A3_LD + tx + 8 * j] = s[i][j];
+        __syncthreads();
+        if (thresh) {                                                 // z (0 or 1) over the tile, 4 keys a call
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+                const float4 z = a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh);
+                float4 p = ld4(Ps + r * A3_LD + c4);
+                st4(Ps + r * A3_LD + c4, make_float4(p.x * z.x, p.y * z.y, p.z * z.z, p.w * z.w));
+            }
+            __syncthreads();
+        }
+        tile_pv(o, Ps, Vs);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = q0 + ty + 16 * i;
+        if (row >= Tn) continue;
+        const float inv = 1.f / li[i], f = inv * dscale;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+            st4(out + base + (size_t)row * C + 4 * tx + 32 * kk,
+                make_float4(o[i][4 * kk] * f, o[i][4 * kk + 1] * f, o[i][4 * kk + 2] * f, o[i][4 * kk + 3] * f));
+        if (tx == 0) {
+            m_out[(size_t)bh * Tn + row] = mi[i];
+            linv_out[(size_t)bh * Tn + row] = inv;
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// backward
+
+// D[bh, i] = dout_i . out_i: a warp per row, grid ceil(B H T / 8), 256 threads
+extern "C" __global__ void __launch_bounds__(256) attn_bwd_D_v3_f32(const float* __restrict__ dout,
+                                                                    const float* __restrict__ out, int B, int Tn,
+                                                                    int H, float* __restrict__ Dr) {
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= B * H * Tn) return;
+    const int i = row % Tn, bh = row / Tn, b = bh / H, h = bh % H, C = H * A3_HS;
+    const size_t off = ((size_t)b * Tn + i) * C + h * A3_HS;
+    const float s = warp_sum(dout[off + lane] * out[off + lane] + dout[off + lane + 32] * out[off + lane + 32]);
+    if (lane == 0) Dr[row] = s;
+}
+
+// dk, dv: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
+    DYN_SHARED(float, sm);
+    float *Ks = sm, *Vs = sm + A3_TILE, *Qs = sm + 2 * A3_TILE, *dOs = sm + 3 * A3_TILE, *Pa = sm + 4 * A3_TILE,
+          *Pb = sm + 5 * A3_TILE, *mrow = sm + 6 * A3_TILE, *lrow = mrow + 64, *drow = lrow + 64;
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int C = H * A3_HS, k0 = blockIdx.x * 64;
+    const size_t base = (size_t)b * Tn * C + h * A3_HS;
+    a3_load(Ks, k, base, k0, Tn, C);
+    a3_load(Vs, v, base, k0, Tn, C);
+    float dka[4][8], dva[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) { dka[i][j] = 0.f; dva[i][j] = 0.f; }
+    for (int q0 = 0; q0 < Tn; q0 += 64) {
+        __syncthreads();
+        a3_load(Qs, q, base, q0, Tn, C);
+        a3_load(dOs, dout, base, q0, Tn, C);
+        if (tid < 64) {
+            const int r = q0 + tid;
+            mrow[tid] = r < Tn ? m[(size_t)bh * Tn + r] : 0.f;
+            lrow[tid] = r < Tn ? linv[(size_t)bh * Tn + r] : 0.f;
+            drow[tid] = r < Tn ? Dr[(size_t)bh * Tn + r] : 0.f;
+        }
+        __syncthreads();
+        {
+            float st[4][8], dpt[4][8];                                // [key ty + 16 i][query tx + 8 j]
+            tile_dot(st, Ks, Qs);
+            tile_dot(dpt, Vs, dOs);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int cl = ty + 16 * i, rl = tx + 8 * j, c = k0 + cl, r = q0 + rl;
+                    const float p = (c < Tn && r < Tn)
+                        ? __expf(st[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, r, c) - mrow[rl]) * lrow[rl]
+                        : 0.f;
+                    Pa[rl * A3_LD + cl] = p;                          // [query][key]: 4 keys share a Philox call
+                    Pb[rl * A3_LD + cl] = dpt[i][j];
+                }
+        }
+        __syncthreads();
+        float pz[8][4], ds[8][4];
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+            const float4 p = ld4(Pa + r * A3_LD + c4), dp = ld4(Pb + r * A3_LD + c4);
+            const float4 z = thresh ? a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh)
+                                    : make_float4(1.f, 1.f, 1.f, 1.f);
+            const float D = drow[r];
+            const float pp[4] = {p.x, p.y, p.z, p.w}, dd[4] = {dp.x, dp.y, dp.z, dp.w}, zz[4] = {z.x, z.y, z.z, z.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float zs = zz[e] * dscale;
+                pz[t][e] = pp[e] * zs;
+                ds[t][e] = pp[e] * (dd[e] * zs - D);
+            }
+        }
+        __syncthreads();                                              // every tile read: write them transposed
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                Pa[(c4 + e) * A3_LD + r] = pz[t][e];                  // (p z)^T: [key][query]
+                Pb[(c4 + e) * A3_LD + r] = ds[t][e];                  // ds^T
+            }
+        }
+        __syncthreads();
+        tile_pv(dva, Pa, dOs);                                        // dv[key][:] += sum_r (p z)[r][key] dout_r
+        tile_pv(dka, Pb, Qs);                                         // dk[key][:] += sum_r ds[r][key] q_r
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int c = k0 + ty + 16 * i;
+        if (c >= Tn) continue;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const size_t off = base + (size_t)c * C + 4 * tx + 32 * kk;
+            st4(dk + off, make_float4(dka[i][4 * kk] * scale, dka[i][4 * kk + 1] * scale, dka[i][4 * kk + 2] * scale,
+                                      dka[i][4 * kk + 3] * scale));
+            st4(dv + off, make_float4(dva[i][4 * kk], dva[i][4 * kk + 1], dva[i][4 * kk + 2], dva[i][4 * kk + 3]));
+        }
+    }
+}
+
+// dq: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dq_v3_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dq) {
+    DYN_SHARED(float, sm);
+    float *Qs = sm, *dOs = sm + A3_TILE, *Ks = sm + 2 * A3_TILE, *Vs = sm + 3 * A3_TILE, *Pa = sm + 4 * A3_TILE,
+          *Pb = sm + 5 * A3_TILE, *drow = sm + 6 * A3_TILE;
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int C = H * A3_HS, q0 = blockIdx.x * 64;
+    const size_t base = (size_t)b * Tn * C + h * A3_HS;
+    a3_load(Qs, q, base, q0, Tn, C);
+    a3_load(dOs, dout, base, q0, Tn, C);
+    if (tid < 64) drow[tid] = q0 + tid < Tn ? Dr[(size_t)bh * Tn + q0 + tid] : 0.f;
+    float mi[4], li[4], dqa[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = q0 + ty + 16 * i;
+        mi[i] = r < Tn ? m[(size_t)bh * Tn + r] : 0.f;
+        li[i] = r < Tn ? linv[(size_t)bh * Tn + r] : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) dqa[i][j] = 0.f;
+    }
+    for (int k0 = 0; k0 < Tn; k0 += 64) {
+        __syncthreads();
+        a3_load(Ks, k, base, k0, Tn, C);
+        a3_load(Vs, v, base, k0, Tn, C);
+        __syncthreads();
+        {
+            float s[4][8], dp[4][8];                                  // [query ty + 16 i][key tx + 8 j]
+            tile_dot(s, Qs, Ks);
+            tile_dot(dp, dOs, Vs);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int rl = ty + 16 * i, cl = tx + 8 * j, r = q0 + rl, c = k0 + cl;
+                    Pa[rl * A3_LD + cl] = (r < Tn && c < Tn)
+                        ? __expf(s[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, r, c) - mi[i]) * li[i] : 0.f;
+                    Pb[rl * A3_LD + cl] = dp[i][j];
+                }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < 8; t++) {                                 // ds in place (each group: one thread)
+            const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+            const float4 p = ld4(Pa + r * A3_LD + c4), d = ld4(Pb + r * A3_LD + c4);
+            const float4 z = thresh ? a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh)
+                                    : make_float4(1.f, 1.f, 1.f, 1.f);
+            const float D = drow[r];
+            st4(Pa + r * A3_LD + c4, make_float4(p.x * (d.x * (z.x * dscale) - D), p.y * (d.y * (z.y * dscale) - D),
+                                                 p.z * (d.z * (z.z * dscale) - D), p.w * (d.w * (z.w * dscale) - D)));
+        }
+        __syncthreads();
+        tile_pv(dqa, Pa, Ks);                                         // dq[r][:] += sum_key ds[r][key] k_key
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = q0 + ty + 16 * i;
+        if (r >= Tn) continue;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+            st4(dq + base + (size_t)r * C + 4 * tx + 32 * kk,
+                make_float4(dqa[i][4 * kk] * scale, dqa[i][4 * kk + 1] * scale, dqa[i][4 * kk + 2] * scale,
+                            dqa[i][4 * kk + 3] * scale));
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// CPU reference (double sums), launcher, main
+
+#ifdef HOST_CODE
+void attention_cpu(const float* q, const float* k, const float* v, const float* mask, const float* dout, int B,
+                   int T, int H, float scale, u64 seed, u64 stream, u64 thresh, float dscale, float* out, float* dq,
+                   float* dk, float* dv) {
+    const int C = H * A3_HS;
+    std::vector<double> p(T), z(T), dp(T);
+    std::fill(dq, dq + (size_t)B * T * C, 0.f);
+    std::fill(dk, dk + (size_t)B * T * C, 0.f);
+    std::fill(dv, dv + (size_t)B * T * C, 0.f);
+    std::vector<double> gq((size_t)T * A3_HS), gk((size_t)T * A3_HS), gv((size_t)T * A3_HS);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            std::fill(gq.begin(), gq.end(), 0.0); std::fill(gk.begin(), gk.end(), 0.0); std::fill(gv.begin(), gv.end(), 0.0);
+            auto at = [&](const float* x, int i, int d) { return (double)x[((size_t)b * T + i) * C + h * A3_HS + d]; };
+            for (int i = 0; i < T; i++) {
+                double mx = -INFINITY, l = 0, D = 0;
+                for (int j = 0; j < T; j++) {
+                    double s = 0;
+                    for (int d = 0; d < A3_HS; d++) s += at(q, i, d) * at(k, j, d);
+                    p[j] = s * scale + mask[b * T + j];
+                    mx = std::max(mx, p[j]);
+                }
+                for (int j = 0; j < T; j++) { p[j] = exp(p[j] - mx); l += p[j]; }
+                for (int j = 0; j < T; j++) {
+                    p[j] /= l;
+                    u64 e = (((u64)b * H + h) * T + i) * T + j;
+                    z[j] = thresh == 0 || philox_word_host(e, stream, seed) >= thresh ? dscale : 0.0;
+                }
+                for (int d = 0; d < A3_HS; d++) {
+                    double o = 0;
+                    for (int j = 0; j < T; j++) o += p[j] * z[j] * at(v, j, d);
+                    out[((size_t)b * T + i) * C + h * A3_HS + d] = (float)o;
+                    D += o * at(dout, i, d);
+                }
+                for (int j = 0; j < T; j++) {
+                    double s = 0;
+                    for (int d = 0; d < A3_HS; d++) s += at(dout, i, d) * at(v, j, d);
+                    dp[j] = s * z[j];
+                }
+                for (int j = 0; j < T; j++) {
+                    const double ds = p[j] * (dp[j] - D);
+                    for (int d = 0; d < A3_HS; d++) {
+                        gv[(size_t)j * A3_HS + d] += p[j] * z[j] * at(dout, i, d);
+                        gq[(size_t)i * A3_HS + d] += scale * ds * at(k, j, d);
+                        gk[(size_t)j * A3_HS + d] += scale * ds * at(q, i, d);
+                    }
+                }
+            }
+            for (int i = 0; i < T; i++)
+                for (int d = 0; d < A3_HS; d++) {
+                    const size_t o = ((size_t)b * T + i) * C + h * A3_HS + d;
+                    dq[o] = (float)gq[(size_t)i * A3_HS + d]; dk[o] = (float)gk[(size_t)i * A3_HS + d];
+                    dv[o] = (float)gv[(size_t)i * A3_HS + d];
+                }
+        }
+}
+
+static float* dalloc(const float* h, size_t n) {
+    float* d;
+    cudaCheck(cudaMalloc(&d, n * sizeof(float)));
+    if (h) cudaCheck(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+int main(int argc, char** argv) {
+#ifdef CPUSIM_SMALL
+    const int shapes[][3] = {{2, 70, 2}, {1, 1, 1}, {1, 66, 1}};    // B, T, H: tails of both tiles, T % 4 != 0, T = 1
+#else
+    const int shapes[][3] = {{2, 70, 2}, {1, 1, 1}, {8, 512, 12}, {2, argc > 1 ? atoi(argv[1]) : 2048, 12}};
+#endif
+    for (auto& sh : shapes) {
+        const int B = sh[0], T = sh[1], H = sh[2], C = H * A3_HS;
+        const size_t n = (size_t)B * T * C, nr = (size_t)B * H * T;
+        const float p = 0.1f, dscale = 1.f / (1.f - p), scale = 0.125f;
+        const u64 seed = 1234, stream = 7, thresh = (u64)llround(p * 4294967296.0);
+        float *q = make_random_float(n, 1), *k = make_random_float(n, 2), *v = make_random_float(n, 3);
+        float* dout = make_random_float(n, 4);
+        std::vector<float> mask((size_t)B * T);                       // (B, 1, 1, T): right padding, HF's finfo.min
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < T; j++) mask[b * T + j] = j < (b % 2 ? (T + 1) / 2 : T) ? 0.f : -3.4028235e38f;
+        const bool small = (double)B * H * T * T <= 4e7;
+        std::vector<float> out(n), dq(n), dk(n), dv(n);
+        if (small) attention_cpu(q, k, v, mask.data(), dout, B, T, H, scale, seed, stream, thresh, dscale, out.data(),
+                                 dq.data(), dk.data(), dv.data());
+        float *dq_ = dalloc(q, n), *dk_ = dalloc(k, n), *dv_ = dalloc(v, n), *ddo = dalloc(dout, n);
+        float *dm = dalloc(mask.data(), (size_t)B * T), *o_ = dalloc(nullptr, n), *m_ = dalloc(nullptr, nr);
+        float *l_ = dalloc(nullptr, nr), *D_ = dalloc(nullptr, nr), *gq = dalloc(nullptr, n), *gk = dalloc(nullptr, n);
+        float* gv = dalloc(nullptr, n);
+        cudaCheck(cudaFuncSetAttribute(attn_fwd_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize, A3_FWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_dkdv_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_dq_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize, A3_BWD_SMEM));
+        const dim3 grid((T + 63) / 64, B * H);
+        auto fwd = [&]() {
+            LAUNCH_SMEM(attn_fwd_v3_f32_hs64, grid, A3_NT, A3_FWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL, 1LL,
+                        B, T, H, scale, seed, stream, thresh, dscale, o_, m_, l_);
+        };
+        auto bwd = [&]() {
+            LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
+            LAUNCH_SMEM(attn_bwd_dkdv_v3_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL,
+                        1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv);
+            LAUNCH_SMEM(attn_bwd_dq_v3_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL,
+                        1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gq);
+        };
+        fwd();
+        bwd();
+        cudaCheck(cudaGetLastError());
+        cudaCheck(cudaDeviceSynchronize());
+        printf("attention v3 f32 B=%d T=%d H=%d hs=64 dropout %.1f\n", B, T, H, p);
+        if (small) {
+            // float32 sums of 64 and T terms in another order than the double reference, __expf (2 ulp), online
+            // rescaling: ~1e-6 relative on O(1) outputs; the gradients sum T such terms
+            validate_result(o_, out.data(), "v3 out", n, 1e-5f, 1e-4f);
+            validate_result(gq, dq.data(), "v3 dq", n, 1e-4f, 1e-3f);
+            validate_result(gk, dk.data(), "v3 dk", n, 1e-4f, 1e-3f);
+            validate_result(gv, dv.data(), "v3 dv", n, 1e-4f, 1e-3f);
+        }
+        const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd);
+        const double fl = 4.0 * B * H * (double)T * T * A3_HS;
+        printf("  v3 f32: forward %.4f ms %.1f TFLOP/s | backward %.4f ms %.1f TFLOP/s (2.5x the forward's FLOPs)\n",
+               ms_f, fl / ms_f / 1e9, ms_b, 2.5 * fl / ms_b / 1e9);
+        free(q); free(k); free(v); free(dout);
+        for (float* d : {dq_, dk_, dv_, ddo, dm, o_, m_, l_, D_, gq, gk, gv}) cudaFree(d);
+    }
+    printf("attention_f32: every version ok\n");
+    return 0;
+}
+#endif

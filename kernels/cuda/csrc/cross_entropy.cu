@@ -1,0 +1,220 @@
+/*
+Mean softmax cross-entropy over the rows whose label is not ignore_index (torch's F.cross_entropy), float32, with
+no host round trip: the kept rows are found on the device, the loss and its count stay there.
+Oracle: refbert.ops.cross_entropy_forward / cross_entropy_backward (Python launchers: kernels/cuda/cuda_c.py; the
+Numba versions and the math: kernels/cuda/cross_entropy.py).
+    z, dz: (N, V) contiguous rows   y: (N,) int64 labels in [0, V) or ignore   m, s, term: (N,)   kept: (N,) int
+    forward, per row r with y[r] != ignore:  m = max(z);  s = log(sum exp(z - m));  term = s - (z[y] - m)
+                                             (= lse - z[y], no cancellation of lse against a 1e4 logit)
+             rows with y[r] == ignore: term = 0, kept = 0;  a label outside [0, V): term = NaN (a loud loss)
+             loss = (sum of terms, in row order, in double) / n, n = number of kept rows (0 when n = 0);
+             count = n (float)
+    backward, per row:  dz = (exp(z - m - s) - onehot(y)) * dloss / n;  ignored rows: 0 (written, not memset)
+             dloss is read from device memory (dloss_on_dev: the loss's own gradient array) or passed by value
+A NaN anywhere in a kept row makes its m NaN (so the loss is NaN, as in PyTorch; the oracle raises a ValueError,
+which the launcher does only where the logits are on the host, or with REFBERT_CUDA_CHECKS=1).
+
+Versions:
+  1  a block of 256 threads per row, one pass: each thread keeps an online (max, sum) over its strided elements
+     (float4 when vec: V % 4 == 0 and aligned pointers), merged across lanes by shuffles and across the 8 warps
+     in warp order through shared memory (deterministic); a one-block kernel sums the terms in a fixed order;
+     the backward a block per row. expf, logf (not __expf): the oracle's float32 tolerance.
+
+Build and run standalone (validates against the CPU reference, then times):
+    nvcc -O3 -arch=sm_90 -std=c++17 -o cross_entropy cross_entropy.cu && ./cross_entropy
+On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ cross_entropy.cu -o c && ./c
+*/
+#include "common.cuh"
+
+__device__ __forceinline__ void ce_online(float z, float& m, float& s, bool& nan) {
+    if (z != z) nan = true;
+    else if (z > m) { s = s * expf(m - z) + 1.f; m = z; }         // m = -inf at first: expf(-inf) = 0
+    else if (z > -INFINITY) s += expf(z - m);
+}
+__device__ __forceinline__ void ce_merge(float& m, float& s, float m2, float s2) {
+    const float mn = fmaxf(m, m2);
+    s = mn > -INFINITY ? (m > -INFINITY ? s * expf(m - mn) : 0.f) + (m2 > -INFINITY ? s2 * expf(m2 - mn) : 0.f) : 0.f;
+    m = mn;
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int vec, float* __restrict__ m_out,
+                                                            float* __restrict__ s_out, float* __restrict__ term,
+                                                            int* __restrict__ kept) {
+    __shared__ float wm[8], ws[8];
+    __shared__ int wnan[8];
+    const int r = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const long long label = y[r];
+    if (label == ignore) {                                         // block-uniform
+        if (t == 0) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; }
+        return;
+    }
+    const float* zr = z + (size_t)r * V;
+    float m = -INFINITY, s = 0.f;
+    bool nan = false;
+    if (vec) {
+        for (int j = 4 * t; j < V; j += 1024) {
+            const float4 v = ld4(zr + j);
+            ce_online(v.x, m, s, nan); ce_online(v.y, m, s, nan); ce_online(v.z, m, s, nan); ce_online(v.w, m, s, nan);
+        }
+    } else {
+        for (int j = t; j < V; j += 256) ce_online(zr[j], m, s, nan);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ce_merge(m, s, m2, s2);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+    if (lane == 0) { wm[w] = m; ws[w] = s; wnan[w] = nan; }
+    __syncthreads();
+    if (t == 0) {
+        bool bad = false;
+        m = wm[0]; s = ws[0];
+        for (int k = 0; k < 8; k++) {
+            if (k) ce_merge(m, s, wm[k], ws[k]);
+            bad |= wnan[k] != 0;
+        }
+        if (bad) m = NAN;
+        const float ls = logf(s);
+        m_out[r] = m;
+        s_out[r] = ls;
+        term[r] = (label >= 0 && label < V) ? ls - (zr[label] - m) : NAN;
+        kept[r] = 1;
+    }
+}
+
+// loss = sum(term) / n in a fixed order (thread t sums rows t, t + 256, ...; then a tree), count = n
+extern "C" __global__ void __launch_bounds__(256) ce_loss_v1(const float* __restrict__ term,
+                                                             const int* __restrict__ kept, int N,
+                                                             float* __restrict__ loss, float* __restrict__ count) {
+    __shared__ double tb[256];
+    __shared__ int kb[256];
+    const int t = threadIdx.x;
+    double tot = 0.0;
+    int n = 0;
+    for (int r = t; r < N; r += 256) { tot += term[r]; n += kept[r]; }
+    tb[t] = tot;
+    kb[t] = n;
+    __syncthreads();
+    for (int h = 128; h > 0; h >>= 1) {
+        if (t < h) { tb[t] += tb[t + h]; kb[t] += kb[t + h]; }
+        __syncthreads();
+    }
+    if (t == 0) {
+        loss[0] = kb[0] ? (float)(tb[0] / kb[0]) : 0.f;
+        count[0] = (float)kb[0];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_bwd_v1(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int vec, const float* __restrict__ m_in,
+                                                            const float* __restrict__ s_in,
+                                                            const float* __restrict__ count,
+                                                            const float* __restrict__ dloss_ptr, int dloss_on_dev,
+                                                            float dloss_val, float* __restrict__ dz) {
+    const int r = blockIdx.x, t = threadIdx.x;
+    const long long label = y[r];
+    const float* zr = z + (size_t)r * V;
+    float* dr = dz + (size_t)r * V;
+    if (label == ignore) {
+        if (vec) { for (int j = 4 * t; j < V; j += 1024) st4(dr + j, make_float4(0.f, 0.f, 0.f, 0.f)); }
+        else { for (int j = t; j < V; j += 256) dr[j] = 0.f; }
+        return;
+    }
+    const float g = (dloss_on_dev ? dloss_ptr[0] : dloss_val) / fmaxf(count[0], 1.f);
+    const float m = m_in[r], s = s_in[r];
+    const bool ok = label >= 0 && label < V;
+    if (vec) {
+        for (int j = 4 * t; j < V; j += 1024) {
+            const float4 v = ld4(zr + j);
+            float4 o = make_float4(expf((v.x - m) - s), expf((v.y - m) - s), expf((v.z - m) - s), expf((v.w - m) - s));
+            if (j == label) o.x -= 1.f;
+            if (j + 1 == label) o.y -= 1.f;
+            if (j + 2 == label) o.z -= 1.f;
+            if (j + 3 == label) o.w -= 1.f;
+            st4(dr + j, ok ? make_float4(o.x * g, o.y * g, o.z * g, o.w * g) : make_float4(NAN, NAN, NAN, NAN));
+        }
+    } else {
+        for (int j = t; j < V; j += 256) {
+            const float p = expf((zr[j] - m) - s) - (j == label ? 1.f : 0.f);   // z - m first: m + s would round
+            dr[j] = ok ? p * g : NAN;                                         // away s's bits near a 1e4 logit
+        }
+    }
+}
+
+#ifdef HOST_CODE
+int main() {
+#ifdef CPUSIM_SMALL
+    const int shapes[][2] = {{1, 1}, {5, 33}, {7, 1028}, {3, 13}};
+#else
+    const int shapes[][2] = {{1, 7}, {37, 52}, {15, 1031}, {6, 600}, {614, 30522}, {4096, 30522}};
+#endif
+    const long long ignore = -100;
+    for (int si = 0; si < (int)(sizeof(shapes) / sizeof(shapes[0])); si++) {
+        const int N = shapes[si][0], V = shapes[si][1];
+        const size_t n = (size_t)N * V;
+        const int vec = (V & 3) == 0;
+        float *z = make_random_float(n, 1), *dl = make_random_float(1, 5);
+        for (size_t i = 0; i < n; i++) z[i] *= 8.f;
+        std::vector<long long> y(N);
+        int kept_n = 0;
+        for (int r = 0; r < N; r++) {
+            y[r] = (si == 3 || (r % 3 == 1)) ? ignore : (r * 7919) % V;   // the last shape ignores every row
+            kept_n += y[r] != ignore;
+        }
+        if (N > 1) z[(size_t)1 * V + 0] = 1e4f;                        // a large logit (its row is ignored or not)
+        std::vector<float> dz(n, 0.f);
+        double tot = 0;
+        for (int r = 0; r < N; r++) {
+            if (y[r] == ignore) continue;
+            double mx = -INFINITY, s = 0;
+            for (int j = 0; j < V; j++) mx = fmax(mx, z[(size_t)r * V + j]);
+            for (int j = 0; j < V; j++) s += exp(z[(size_t)r * V + j] - mx);
+            tot += log(s) - (z[(size_t)r * V + y[r]] - mx);
+            for (int j = 0; j < V; j++)
+                dz[(size_t)r * V + j] = (float)((exp(z[(size_t)r * V + j] - mx) / s - (j == y[r])) * dl[0] /
+                                                std::max(kept_n, 1));
+        }
+        float loss_ref = kept_n ? (float)(tot / kept_n) : 0.f, count_ref = (float)kept_n;
+        float *dz_, *ddz, *m, *s, *term, *loss, *count, *ddl;
+        long long* dy;
+        int* kept;
+        cudaCheck(cudaMalloc(&dz_, n * 4)); cudaCheck(cudaMalloc(&ddz, n * 4)); cudaCheck(cudaMalloc(&dy, N * 8));
+        cudaCheck(cudaMalloc(&m, N * 4)); cudaCheck(cudaMalloc(&s, N * 4)); cudaCheck(cudaMalloc(&term, N * 4));
+        cudaCheck(cudaMalloc(&kept, N * 4)); cudaCheck(cudaMalloc(&loss, 4)); cudaCheck(cudaMalloc(&count, 4));
+        cudaCheck(cudaMalloc(&ddl, 4));
+        cudaCheck(cudaMemcpy(dz_, z, n * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(dy, y.data(), N * 8, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(ddl, dl, 4, cudaMemcpyHostToDevice));
+        auto fwd = [&]() {
+            LAUNCH(ce_fwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, term, kept);
+            LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count);
+        };
+        printf("cross_entropy v1 N=%d V=%d kept=%d\n", N, V, kept_n);
+        fwd();
+        for (int on_dev = 0; on_dev < 2; on_dev++) {
+            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, on_dev, dl[0], ddz);
+            cudaCheck(cudaDeviceSynchronize());
+            // expf / logf within 2 ulp, float32 sums in another order (and an online max): 1e-5 relative
+            validate_result(ddz, dz.data(), on_dev ? "dz (dloss on the device)" : "dz", n, 1e-7f, 1e-5f);
+        }
+        validate_result(loss, &loss_ref, "loss", 1, 1e-6f, 1e-5f);
+        validate_result(count, &count_ref, "count", 1, 1e-30f, 0.f);
+        if (n >= (1 << 20)) {
+            float ms_f = benchmark_kernel(20, fwd);
+            float ms_b = benchmark_kernel(20, [&]() {
+                LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 0, 1.f, ddz); });
+            printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, n * 4.0 / ms_f / 1e6, ms_b,
+                   2.0 * n * 4 / ms_b / 1e6);
+        }
+        free(z); free(dl);
+        cudaFree(dz_); cudaFree(ddz); cudaFree(dy); cudaFree(m); cudaFree(s); cudaFree(term); cudaFree(kept);
+        cudaFree(loss); cudaFree(count); cudaFree(ddl);
+    }
+    printf("cross_entropy: every version ok\n");
+    return 0;
+}
+#endif

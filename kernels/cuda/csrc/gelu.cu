@@ -1,0 +1,206 @@
+/*
+GELU and bias + GELU, forward and backward, float32 (approximate "none": u Phi(u), HF "gelu"; "tanh": HF
+"gelu_new"). Oracle: refbert.ops.gelu_forward / gelu_backward, bias_gelu_forward / bias_gelu_backward (Python
+launchers: kernels/cuda/cuda_c.py; the Numba versions and the math: kernels/cuda/gelu.py).
+    x, out, dout, dx: (R, I) contiguous rows   b, db: (I,) (has_b = 0: no bias, u = x)
+    forward:   u = x + b;  out = u Phi(u),  Phi(u) = erfc(-u / sqrt 2) / 2
+               (tanh: Phi ~ s = sigmoid(2a), a = sqrt(2/pi) (u + 0.044715 u^3), without overflow on either side)
+    backward:  du = dout (Phi(u) + u phi(u)),  phi(u) = exp(-u^2 / 2) / sqrt(2 pi)
+               tanh: du = dout (s + 2 u s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 u^2))
+               dx = du;  db[j] = sum over rows of du[:, j] (chunk partials, then colsum_final_v1 in chunk order)
+
+Versions:
+  1  forward a thread per 4 elements (float4 when vec: I % 4 == 0 and aligned pointers) or per element; backward
+     of gelu elementwise likewise; backward of bias + GELU fused as the Numba version 2: a thread per
+     (chunk, column) walks its chunk's rows, writes du and keeps db's partial in a register (consecutive threads,
+     consecutive columns: coalesced), then the fixed-order column sum. erfcf / expf (not the __expf intrinsic):
+     the oracle's float32 tolerance (kernels/cuda/gelu.py) holds with them.
+
+Build and run standalone (validates against the CPU reference, then times):
+    nvcc -O3 -arch=sm_90 -std=c++17 -o gelu gelu.cu && ./gelu
+On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ gelu.cu -o g && ./g
+*/
+#include "common.cuh"
+#include "colsum.cuh"
+
+#define GELU_C 0.7978845608028654f          // sqrt(2 / pi)
+#define GELU_K 0.044715f
+#define INV_SQRT_2PI 0.3989422804014327f
+#define SQRT_HALF 0.7071067811865476f
+
+__device__ __forceinline__ float sig(float a) {                     // sigmoid without exp of a large positive a
+    if (a >= 0.f) return 1.f / (1.f + expf(-a));
+    const float e = expf(a);
+    return e / (1.f + e);
+}
+template <int TANH> __device__ __forceinline__ float gelu_f(float u) {
+    if (TANH) return u * sig(2.f * GELU_C * (u + GELU_K * u * u * u));
+    return u * (0.5f * erfcf(-u * SQRT_HALF));
+}
+template <int TANH> __device__ __forceinline__ float dgelu_f(float u) {
+    if (TANH) {
+        const float s = sig(2.f * GELU_C * (u + GELU_K * u * u * u));
+        return s + 2.f * u * s * (1.f - s) * GELU_C * (1.f + 3.f * GELU_K * u * u);
+    }
+    return 0.5f * erfcf(-u * SQRT_HALF) + u * expf(-0.5f * u * u) * INV_SQRT_2PI;
+}
+
+// forward: out = gelu(x + b) over n = R * I elements; a thread per 4 (vec) or 1 element
+template <int TANH>
+__device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const float* __restrict__ b, int has_b,
+                                         long long n, int I, int vec, float* __restrict__ out) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        const long long e = 4 * t;
+        if (e >= n) return;
+        const float4 v = ld4(x + e);
+        const int j = (int)(e % I);
+        const float4 bb = has_b ? ld4(b + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        st4(out + e, make_float4(gelu_f<TANH>(v.x + bb.x), gelu_f<TANH>(v.y + bb.y), gelu_f<TANH>(v.z + bb.z),
+                                 gelu_f<TANH>(v.w + bb.w)));
+    } else {
+        if (t >= n) return;
+        out[t] = gelu_f<TANH>(x[t] + (has_b ? b[t % I] : 0.f));
+    }
+}
+
+// backward of gelu without a bias (or any elementwise use): dx = dout gelu'(x + b)
+template <int TANH>
+__device__ __forceinline__ void gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
+                                         const float* __restrict__ b, int has_b, long long n, int I, int vec,
+                                         float* __restrict__ dx) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (vec) {
+        const long long e = 4 * t;
+        if (e >= n) return;
+        const float4 v = ld4(x + e), g = ld4(dout + e);
+        const int j = (int)(e % I);
+        const float4 bb = has_b ? ld4(b + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        st4(dx + e, make_float4(g.x * dgelu_f<TANH>(v.x + bb.x), g.y * dgelu_f<TANH>(v.y + bb.y),
+                                g.z * dgelu_f<TANH>(v.z + bb.z), g.w * dgelu_f<TANH>(v.w + bb.w)));
+    } else {
+        if (t >= n) return;
+        dx[t] = dout[t] * dgelu_f<TANH>(x[t] + (has_b ? b[t % I] : 0.f));
+    }
+}
+
+// backward of bias + GELU, fused: grid (ceil(I / 256), chunks); thread (chunk, column j) over rows
+// [chunk * per, ...): dx[r, j] = dout[r, j] gelu'(x[r, j] + b[j]), parts[chunk, j] = the sum of those
+template <int TANH>
+__device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
+                                              const float* __restrict__ b, int R, int I, int per,
+                                              float* __restrict__ dx, float* __restrict__ parts) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
+    if (j >= I) return;
+    const float bj = b[j];
+    float s = 0.f;
+    const int r1 = min(R, (chunk + 1) * per);
+    for (int r = chunk * per; r < r1; r++) {
+        const size_t e = (size_t)r * I + j;
+        const float d = dout[e] * dgelu_f<TANH>(x[e] + bj);
+        dx[e] = d;
+        s += d;
+    }
+    parts[(size_t)chunk * I + j] = s;
+}
+
+#define GELU_KERNELS(NAME, TANH)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) gelu_fwd_v1_##NAME(                                        \
+        const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int vec,       \
+        float* __restrict__ out) {                                                                              \
+        gelu_fwd<TANH>(x, b, has_b, n, I, vec, out);                                                            \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
+        const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
+        long long n, int I, int vec, float* __restrict__ dx) {                                                  \
+        gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, dx);                                                       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) bias_gelu_bwd_v1_##NAME(                                   \
+        const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int R, int I, \
+        int per, float* __restrict__ dx, float* __restrict__ parts) {                                           \
+        bias_gelu_bwd<TANH>(dout, x, b, R, I, per, dx, parts);                                                  \
+    }
+GELU_KERNELS(erf, 0)
+GELU_KERNELS(tanh, 1)
+
+#ifdef HOST_CODE
+static double gelu_ref(double u, int tanh_, double* du) {
+    if (tanh_) {
+        const double c = sqrt(2.0 / M_PI), k = 0.044715, s = 1.0 / (1.0 + exp(-2.0 * c * (u + k * u * u * u)));
+        *du = s + 2.0 * u * s * (1.0 - s) * c * (1.0 + 3.0 * k * u * u);
+        return u * s;
+    }
+    const double Phi = 0.5 * erfc(-u / sqrt(2.0));
+    *du = Phi + u * exp(-0.5 * u * u) / sqrt(2.0 * M_PI);
+    return u * Phi;
+}
+
+int main() {
+#ifdef CPUSIM_SMALL
+    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {130, 12}};
+#else
+    const int shapes[][2] = {{1, 1}, {3, 37}, {67, 52}, {130, 781}, {4096, 3072}};
+#endif
+    for (auto& sh : shapes)
+        for (int tanh_ = 0; tanh_ < 2; tanh_++) {
+            const int R = sh[0], I = sh[1], per = (R + 63) / 64, chunks = (R + per - 1) / per;
+            const long long n = (long long)R * I;
+            const int vec = (I & 3) == 0;
+            float *x = make_random_float(n, 1), *b = make_random_float(I, 2), *dout = make_random_float(n, 3);
+            for (long long i = 0; i < n; i++) x[i] *= 4.f;                // u over [-5, 5): both tails of Phi
+            std::vector<float> out(n), dx(n), db(I), out_nb(n), dx_nb(n);
+            std::vector<double> dbd(I, 0.0);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < I; j++) {
+                    size_t e = (size_t)r * I + j;
+                    double d, d0;
+                    out[e] = (float)gelu_ref((double)x[e] + b[j], tanh_, &d);
+                    dx[e] = (float)(dout[e] * d);
+                    dbd[j] += dout[e] * d;
+                    out_nb[e] = (float)gelu_ref(x[e], tanh_, &d0);
+                    dx_nb[e] = (float)(dout[e] * d0);
+                }
+            for (int j = 0; j < I; j++) db[j] = (float)dbd[j];
+            float *dx_, *db_, *ddo, *dout_, *ddx, *ddb, *parts;
+            cudaCheck(cudaMalloc(&dx_, n * 4)); cudaCheck(cudaMalloc(&ddo, n * 4)); cudaCheck(cudaMalloc(&dout_, n * 4));
+            cudaCheck(cudaMalloc(&ddx, n * 4)); cudaCheck(cudaMalloc(&db_, I * 4)); cudaCheck(cudaMalloc(&ddb, I * 4));
+            cudaCheck(cudaMalloc(&parts, (size_t)chunks * I * 4));
+            cudaCheck(cudaMemcpy(dx_, x, n * 4, cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(ddo, dout, n * 4, cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(db_, b, I * 4, cudaMemcpyHostToDevice));
+            auto fwd = tanh_ ? gelu_fwd_v1_tanh : gelu_fwd_v1_erf;
+            auto bwd = tanh_ ? gelu_bwd_v1_tanh : gelu_bwd_v1_erf;
+            auto fused = tanh_ ? bias_gelu_bwd_v1_tanh : bias_gelu_bwd_v1_erf;
+            const long long threads = vec ? (n + 3) / 4 : n;
+            const int grid = (int)((threads + 255) / 256);
+            printf("gelu v1 %s R=%d I=%d\n", tanh_ ? "tanh" : "erf", R, I);
+            // erfcf / expf within 2 ulp, the float32 chain of the tanh form: a few ulp of O(1) values
+            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, dout_);
+            cudaCheck(cudaDeviceSynchronize());
+            validate_result(dout_, out.data(), "bias_gelu out", n, 1e-6f, 2e-5f);
+            LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, ddx, parts);
+            LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
+            cudaCheck(cudaDeviceSynchronize());
+            validate_result(ddx, dx.data(), "bias_gelu dx", n, 1e-6f, 2e-5f);
+            validate_result(ddb, db.data(), "bias_gelu db", I, 1e-5f * R, 2e-5f);
+            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, dout_);
+            LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, ddx);
+            cudaCheck(cudaDeviceSynchronize());
+            validate_result(dout_, out_nb.data(), "gelu out", n, 1e-6f, 2e-5f);
+            validate_result(ddx, dx_nb.data(), "gelu dx", n, 1e-6f, 2e-5f);
+            if (n >= (1 << 20)) {
+                float ms_f = benchmark_kernel(20, [&]() { LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, dout_); });
+                float ms_b = benchmark_kernel(20, [&]() {
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, ddx, parts);
+                    LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
+                });
+                printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, 2.0 * n * 4 / ms_f / 1e6,
+                       ms_b, 3.0 * n * 4 / ms_b / 1e6);
+            }
+            free(x); free(b); free(dout);
+            cudaFree(dx_); cudaFree(ddo); cudaFree(dout_); cudaFree(ddx); cudaFree(db_); cudaFree(ddb); cudaFree(parts);
+        }
+    printf("gelu: every version ok\n");
+    return 0;
+}
+#endif

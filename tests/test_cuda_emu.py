@@ -1,0 +1,205 @@
+"""The CUDA C versions and the cuda backend's device-side host logic, proven without a GPU: CuPy and the GPU
+emulated on the CPU (refbert_kernels.cuda.emulate: device arrays that refuse host arrays and count every transfer;
+the kernels of kernels/cuda/csrc/*.cu compiled by g++ under csrc/cpusim.cuh, each CUDA thread an OS thread, and
+every launch checked against the kernel's C signature). Children run with REFBERT_CUDA_EMULATE=1 and
+NUMBA_ENABLE_CUDASIM=1 (the Numba kernels in the simulator beside the emulated CUDA C ones).
+
+1. every CUDA C version of every op (kernels/cuda/versions.py) against the oracle through its launcher, float32,
+   on the op's GPU shapes (head sizes 32 and 64, rows past every warp and float4 tail, dropout, padding, ignored
+   labels, segments of one id over many positions), and no call handed to the Numba version on the way;
+2. the launch checks fail where a GPU would misread: a Python scalar, a wrong dtype, a host array, a strided view,
+   too many threads, a wrong argument count;
+3. one training step of BertForPreTraining (train mode, dropout 0.1, head size 64) on the cuda backend equals the
+   numpy backend in float64 (tests/test_cuda_backend_sim.py's comparison), every op of the step ran a CUDA C
+   version, and the step moved its inputs once: 4 host-to-device copies per forward (the staged batch, the MLM
+   rows, the two label arrays), whatever the number of layers, none in the backward, and not one device-to-host
+   read or synchronisation in either;
+4. the value checks that would need a read back run with REFBERT_CUDA_CHECKS=1 only: without, a NaN logit gives a
+   NaN loss and no read; with, the oracle's ValueError.
+Needs g++ with C++20 and numba-cuda; ~1-2 min on 2 cores the first time (the kernels' CPU builds are cached).
+"""
+import functools
+import importlib.util
+import shutil
+import textwrap
+
+import pytest
+
+import cudachild
+from test_cuda_backend_sim import CASES_HS32, _COMPARE, assert_ran_cuda_c
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda"),
+              pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the CUDA C kernels on CPU threads)")]
+
+
+def _env(code, checks=False):
+    code = textwrap.dedent(code)
+    prefix = "import os\nos.environ['REFBERT_CUDA_EMULATE'] = '1'\n"
+    if checks:
+        prefix += "os.environ['REFBERT_CUDA_CHECKS'] = '1'\n"
+    return prefix + code
+
+
+_run = functools.partial(cudachild.run, timeout=900)
+
+
+def test_emu_every_cuda_c_version_matches_oracle():
+    out = cudachild.check(_run(_env("""
+        import numpy as np
+        from refbert_kernels.cuda import backend as B, versions as VV, cuda_c as K, emulate as E
+        assert B.MODE == "emu"
+        # the GPU shapes, but attention's and the embedding's at sizes CPU threads run in seconds: head sizes 64 and
+        # 32 with padding, -inf masks, dropout and T = 1; segments of one id across two chunks of 32, a padding row
+        # (C3 has kernels for head size 64 only: a full causal mask (mask rows), 3 tiles, T % 4 != 0 (a Philox call
+        # per element), one real token)
+        own = {("attention", "C1"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
+                                     dict(B=1, T=70, H=2, hs=32, mask="ninf", p=0.1), dict(B=1, T=1, H=1, hs=64, mask="hf")],
+               ("attention", "C3"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
+                                     dict(B=1, T=70, H=2, hs=64, mask="full"),
+                                     dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1),
+                                     dict(B=1, T=1, H=1, hs=64, mask="hf")],
+               ("embedding", "C1"): [dict(N=(2, 45), V=2, C=37), dict(N=(37,), V=30, C=52, pad=0),
+                                     dict(N=(1,), V=1, C=1)]}
+        for op, vs in VV.versions().items():
+            for v in vs:
+                if not v.cuda_c:
+                    continue
+                E.COUNTS.reset()
+                K.FELL_BACK.clear()
+                spec = VV.spec_of(op)
+                shapes = own.get((op, v.key)) or (spec.notes["gpu_shapes"] if spec else None)
+                worst, err = VV.validate(v, "float32", shapes)
+                assert err is None and worst <= 1, (op, v.key, worst, err)
+                assert not K.FELL_BACK, (op, v.key, K.FELL_BACK)      # the CUDA C path ran, not the Numba one
+                assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
+                print(f"OK {op} {v.key} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
+    """)))
+    assert out.count("OK ") == 13, out                    # every CUDA C version of every op
+
+
+def test_emu_launches_are_checked_as_a_gpu_takes_them():
+    out = cudachild.check(_run(_env("""
+        import numpy as np
+        from refbert_kernels.cuda import emulate as E
+        cp = E.cupy
+        k = cp.RawModule(code=(E.CSRC / "colsum.cu").read_text()).get_function("colsum_partial_v1")
+        x, parts = cp.ones((5, 7), np.float32), cp.empty((5, 7), np.float32)
+        good = (x, np.int32(5), np.int32(7), np.int32(1), parts)
+        k((1, 5), (256,), good)
+        assert float(parts.sum()) == 35.0
+        bad = {"Python int": ((x, 5, np.int32(7), np.int32(1), parts), TypeError),
+               "wrong scalar type": ((x, np.int64(5), np.int32(7), np.int32(1), parts), TypeError),
+               "wrong pointer dtype": ((x.astype(np.float64), *good[1:]), TypeError),
+               "host array": ((np.ones((5, 7), np.float32), *good[1:]), TypeError),
+               "strided view": ((cp.ones((5, 14), np.float32)[:, ::2], *good[1:]), ValueError),
+               "too few arguments": (good[:4], TypeError)}
+        for what, (args, err) in bad.items():
+            try:
+                k((1, 5), (256,), args)
+            except err as e:
+                print("OK", what, "->", e)
+            else:
+                raise SystemExit(f"{what}: accepted")
+        for grid, block in (((1, 5), (512,)), ((1, 70000), (256,)), ((0, 5), (256,))):
+            try:
+                k(grid, block, good)
+            except ValueError as e:
+                print("OK launch", grid, block, "->", e)
+            else:
+                raise SystemExit(f"grid {grid} block {block}: accepted")
+        try:
+            x + np.ones(7, np.float32)                    # a host array in a device operation
+        except TypeError:
+            print("OK mixing")
+    """)))
+    assert out.count("OK ") == 10, out
+
+
+_COUNT = """
+import numpy as np, refbert
+from refbert.check import model_batch, tiny_config
+from refbert_kernels.cuda import emulate as E
+for L in (1, 2):
+    cfg = tiny_config("BertForPreTraining", num_hidden_layers=L, hidden_size=128, num_attention_heads=2,
+                      intermediate_size=96)
+    m = refbert.BertForPreTraining(cfg, seed=1, backend="cuda").train(True)
+    x = model_batch(cfg, "BertForPreTraining", B=2, T=8)
+    m(**x)                                               # a first step: versions chosen, kernels built
+    m.backward()
+    E.COUNTS.reset()
+    out = m(**x)
+    f = (E.COUNTS.h2d, E.COUNTS.d2h, E.COUNTS.syncs, E.COUNTS.launched(), [e[1] for e in E.COUNTS.events])
+    E.COUNTS.reset()
+    g = m.backward()
+    b = (E.COUNTS.h2d, E.COUNTS.d2h, E.COUNTS.syncs, E.COUNTS.launched(), [e[1] for e in E.COUNTS.events])
+    assert isinstance(out.loss, E.DevArray) and out.loss.ndim == 0, type(out.loss)   # the loss stays on the device
+    print(f"COUNT L={L} forward h2d={f[0]} d2h={f[1]} syncs={f[2]} launches={f[3]} | backward h2d={b[0]} "
+          f"d2h={b[1]} syncs={b[2]} launches={b[3]}")
+    print("  forward:", f[4], " backward:", b[4])
+"""
+
+
+def test_emu_training_step_equals_numpy_runs_cuda_c_and_moves_its_inputs_once():
+    # head size 64: the attention runs its register-tiled fp32 flash (C3) in the step
+    cases = CASES_HS32.replace("CASES = [", "HS64 = dict(hidden_size=128, num_attention_heads=2, intermediate_size=96)\n"
+                                             "CASES = [(\"BertForPreTraining\", np.float32, HS64)]\n_unused = [")
+    out = cudachild.check(_run(_env(cases + _COMPARE + _COUNT)))
+    assert out.count("OK ") == 1, out
+    assert_ran_cuda_c(out)
+    assert "('attention', 'float32', 'C3')" in out, out              # the register-tiled flash ran
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("COUNT"):
+            fwd, bwd = line.split("|")
+            counts[line.split()[1][2:]] = dict(w.split("=") for w in fwd.split() if "=" in w)
+            assert "h2d=0" in bwd and "d2h=0" in bwd and "syncs=0" in bwd, line      # nothing crosses in a backward
+            assert "d2h=0" in fwd and "syncs=0" in fwd, line                        # the forward reads nothing back
+    # the forward's copies: the staged batch (ids, token types, positions, mask and the ids' sorted orders in one),
+    # the MLM rows, the MLM labels, the NSP labels: 4 whatever the depth (were L + 10)
+    assert counts["1"]["h2d"] == counts["2"]["h2d"] == "4", out
+    assert int(counts["2"]["launches"]) > int(counts["1"]["launches"]), out
+
+
+def test_emu_value_checks_need_refbert_cuda_checks():
+    code = """
+        import numpy as np
+        from refbert_kernels.cuda import backend as B, emulate as E
+        z = np.zeros((3, 5), np.float32)
+        z[1, 2] = np.nan
+        E.COUNTS.reset()
+        try:
+            loss, _ = B.cross_entropy_forward(B.to_device(z), np.array([1, 2, -100]))
+            print("LOSS", float(loss), "reads before float()", E.COUNTS.d2h - 1)
+        except ValueError as e:
+            print("ERR", e)
+    """
+    plain = cudachild.check(_run(_env(code)))
+    assert "LOSS nan reads before float() 0" in plain, plain
+    strict = cudachild.check(_run(_env(code, checks=True)))
+    assert "ERR cross_entropy: argument 'logits' expected finite rows" in strict, strict
+
+
+def test_emu_bench_step_section_runs_end_to_end(tmp_path):
+    """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
+    step's own arguments) runs on the emulator: a tooling check of the code the GPU run will execute (its times
+    mean nothing here). Every CUDA C kernel of the step shows in the launch probe."""
+    import json
+    code = f"""
+        import sys
+        from refbert import bench_cuda as BC
+        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "--step", "2x8", "--repeats", "1",
+                          "--no-plot", "--out", {str(tmp_path)!r}]))
+    """
+    out = cudachild.check(_run(_env(code)))
+    data = json.loads((tmp_path / "cuda_step.json").read_text())
+    impls = [r["impl"] for r in data["rows"]]
+    assert "refbert cuda fp32 (all)" in impls and "refbert cuda fp32 (labelled)" in impls, impls
+    for r in data["rows"]:
+        if r["impl"].startswith("refbert"):
+            assert r["ms"] > 0 and r["floor_ms"] > 0 and r["gemm_tflop"] > 0, r
+    assert not any(r["impl"] == "FALLBACK" for r in data["rows"]), data["rows"]
+    kernels = {r["kernel"] for r in data["launch"]}
+    assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v2_drop",
+            "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
+            "attn_fwd_v1_f32_hs32", "attn_bwd_dq_v1_f32_hs32"} <= kernels, sorted(kernels)
+    assert "wrote" in out
