@@ -6,11 +6,17 @@
 Models: BERT tiny (refbert.check.tiny_config: vocab 23, H 12, L 2, 3 heads), mini (L4 H256) and base (L12 H768), the
 last two with BERT's vocabulary of 30,522, all BertForPreTraining, each with two sets of weights:
   init     transformers' own init (torch.manual_seed(0)), saved by save_pretrained: what the README's snippet loads;
-  trained  the same, then trained by refbert (AdamW, lr 1e-3, weight decay 0.01, clip 1.0; --steps steps on 8
-           synthetic batches other than the checked one, float32) and saved: every weight moved (the table gives
-           |w - w0| / |w0| over all weights), LayerNorm gains and biases off 1 and 0, the MLM head confident
-           (the train loss falls by 2 to 11 nats), which is what real weights do to the conditioning: peaked
-           softmaxes that cancel, large logits, gradients of every size. No download is possible here.
+  trained  the same, then trained by refbert (AdamW, lr LR[size], weight decay 0.01, clip 1.0, dropout on;
+           STEPS[size] steps on 8 synthetic batches other than the checked one, float32) and saved: every weight
+           moved (the table gives |w - w0| / |w0| over all weights), LayerNorm gains and biases off 1 and 0, the
+           MLM head confident (the train loss falls from ~11 to ~4 nats and less), which is what real weights do to
+           the conditioning: softmaxes that are sure, large logits, gradients of every size. Base at lr 1e-3 (the
+           small models' rate) collapsed: uniform attention in layers 2-11, their query and key gradients ~1e-30,
+           nothing like real weights; 1e-4 is BERT's own rate;
+  sharp    trained, then every layer's query and key weights and biases x3: attention scores x9, so that heads
+           are peaked as many of a real BERT's are (on [CLS], [SEP], a neighbour), where softmax's exp turns the
+           scores' rounding into a relative error of the probabilities.
+No download is possible here.
 and, for tiny only, `memorized`: trained on the checked batch itself until it is sure of its labels, a stress case
 outside the claim: a softmax sure of the right class leaves p - onehot ~ 0, computed from p ~ 1 whose float32
 rounding stays, so some gradients (the NSP bias's) carry float32 noise larger than 1e-3 of themselves, and their
@@ -43,6 +49,7 @@ from refbert.optim import AdamW, clip_grad_norm
 
 HEAD = "BertForPreTraining"
 STEPS = {"tiny": 300, "mini": 150, "base": 100}
+LR = {"tiny": 1e-3, "mini": 1e-3, "base": 1e-4}
 CHANGE = {"float64": 1e-9, "float32": 1e-3}
 
 
@@ -64,7 +71,14 @@ def make_checkpoint(size, weights, folder, steps):
         return 0.0
     model = verify.load(folder, HEAD, np.float32).train()        # dropout on, as in pretraining
     w0 = {k: v.astype(np.float64) for k, v in model.parameters().items()}
-    opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if weights == "sharp":                                      # the trained weights, attention sharpened
+        trained = verify.load(os.path.join(os.path.dirname(folder), f"{size}-trained"), HEAD, np.float32)
+        for k, v in model.parameters().items():
+            v[...] = trained.parameters()[k] * (3 if ".attention.self.query." in k or ".attention.self.key." in k
+                                                else 1)
+        model.save_pretrained(folder)
+        return _moved(model.parameters(), w0)
+    opt = AdamW(model.parameters(), lr=LR[size], weight_decay=0.01)
     seeds = [0] * 8 if weights == "memorized" else range(1, 9)       # the checked batch is seed 0
     batches = [verify.default_batch(model.config, HEAD, seed=s)[0] for s in seeds]
     for step in range(steps):
@@ -75,7 +89,10 @@ def make_checkpoint(size, weights, folder, steps):
         if step in (0, steps - 1):
             print(f"    {size} {weights}: step {step + 1} loss {float(out.loss):.3f}", flush=True)
     model.save_pretrained(folder)
-    w = model.parameters()
+    return _moved(model.parameters(), w0)
+
+
+def _moved(w, w0):
     return float(np.sqrt(sum(((w[k] - w0[k]) ** 2).sum() for k in w) / sum((w0[k] ** 2).sum() for k in w)))
 
 
@@ -205,7 +222,7 @@ def main(argv=None):
     work = a.work or tempfile.mkdtemp(prefix="verify_noise.")
     results = []
     for size in a.sizes.split(","):
-        for weights in ("init", "trained", "memorized") if size == "tiny" else ("init", "trained"):
+        for weights in ("init", "trained", "sharp") + (("memorized",) if size == "tiny" else ()):
             folder = os.path.join(work, f"{size}-{weights}")
             moved_file = os.path.join(folder, "moved.json")
             if not os.path.exists(moved_file):

@@ -414,14 +414,18 @@ def test_checkpoint_without_the_head_is_refused_for_a_dump(tmp_path, capsys):
 # ----------------------------------------------------------------------------------------------------------------
 # the noise model: Monte Carlo arithmetic over refbert's ops
 
-@pytest.mark.parametrize("head", HEADS)
-def test_monte_carlo_ops_at_scale_0_are_refbert(tmp_path, head):
+@pytest.mark.parametrize("head, cfg", [(h, {}) for h in HEADS] + [
+    ("BertForSequenceClassification", dict(num_labels=1)),                                     # MSE
+    ("BertForSequenceClassification", dict(problem_type="multi_label_classification"))])     # BCE
+def test_monte_carlo_ops_at_scale_0_are_refbert(tmp_path, head, cfg):
     """With its roundings scaled to 0, MonteCarloOps computes what refbert.ops does, bit for bit (attention split
     into its matmuls and softmax runs the same float64 operations in the same order): the noise model perturbs
-    refbert's computation and nothing else, and covers every op each head calls (a missing one raises)."""
-    ckpt = refbert_ckpt(tmp_path / "ckpt", head)
+    refbert's computation and nothing else, and covers every op each head and loss calls (a missing one raises)."""
+    ckpt = refbert_ckpt(tmp_path / "ckpt", head, **cfg)
     model = verify.load(ckpt, head, np.float64)
     batch, upstream = verify.default_batch(model.config, head)
+    if cfg.get("problem_type"):                                   # multi-label: a 0/1 target per class
+        batch["labels"] = (np.arange(3 * model.config.num_labels).reshape(3, -1) % 2).astype(np.float64)
     ref = verify.reference(model, batch, upstream)
     model.ops = verify.MonteCarloOps("float64", scale=0.0)
     same = verify.reference(model, batch, upstream)
