@@ -46,8 +46,9 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     a = ap.parse_args()
     work = tempfile.mkdtemp()
-    lines = ["# `refbert verify` against torch on a GPU", "", f"Device: {torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}; torch "
-             f"{torch.__version__}. Method: benchmarks/verify_noise_gpu.py (its docstring).", "",
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    lines = ["# `refbert verify` against torch on a GPU", "", f"Device: {device}; torch {torch.__version__}. Method: "
+             "benchmarks/verify_noise_gpu.py (its docstring).", "",
              "| model | dump | noise dtype | worst (units of noise) | tensor | K | pass | weakest 1-tensor change "
              "(units) | caught |", "|---|---|---|---|---|---|---|---|---|"]
     for size in a.sizes.split(","):

@@ -207,8 +207,8 @@ def default_batch(config, head, B=3, T=16, seed=0):
     B rows of T tokens (T at most max_position_embeddings), row 0 full and the others padded after 2T/3 tokens,
     segment A then B, the pad id only on padding; labels under HF's names, -100 on padding and on ~85% of MLM
     positions, a row's class 0 for row 0 and the last class for the others; BertForMultipleChoice gets 2 choices
-    per row (the second the rows reversed). Returns ({name: array}, {upstream name: array}): BertModel's random upstream gradients, {} for a
-    head."""
+    per row (the second the rows reversed). Returns ({name: array}, {upstream name: array}): BertModel's random
+    upstream gradients, {} for a head."""
     r = np.random.default_rng(seed)
     V, T = config.vocab_size, min(T, config.max_position_embeddings)
     real = max(1, 2 * T // 3)

@@ -95,7 +95,8 @@ def torch_dump(torch, transformers, ckpt, head, batch_path, out, dtype="float32"
     dump |= {f"output/{k}": v for k, v in out_.items() if k != "hidden_states"}
     dump |= {f"hidden_states/{i}": h for i, h in enumerate(out_.hidden_states)}
     dump |= {f"grad/{k}": p.grad for k, p in model.named_parameters()}
-    save_file({k: v.detach().clone().contiguous() for k, v in dump.items()}, out)   # BertModel: an output is a hidden state
+    # clone: BertModel's last_hidden_state is its last hidden state, one tensor, which save_file refuses twice
+    save_file({k: v.detach().clone().contiguous() for k, v in dump.items()}, out)
     return out
 
 
