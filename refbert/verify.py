@@ -24,19 +24,31 @@ The dump: one .safetensors file (F64, F32, F16 or BF16) or .npz, keys
     hidden_states/<i>            (B, T, C)     optional; HF's tuple: i = 0 the embeddings, i = l + 1 layer l's output
     grad/<parameter>             every parameter, named as torch's named_parameters(), when there is a loss
 
-Comparison. A tensor x of the dump against refbert's float64 r of the same key:
+Comparison. A tensor x of the dump against refbert's float64 r of the same key, and its noise n: how far an honest
+implementation computing in the dump's dtype strays from r on this very tensor, measured by Monte Carlo arithmetic
+(`noise`): refbert reruns the batch PROBES times with every op's result rounded at random as an implementation in
+that dtype would round it, and n is the largest deviation from r it saw. Then
 
-    error = max |x - r| / scale,   scale = max(max |r|, FLOOR * the largest |r| of its kind),   pass: error <= rtol
+    error = max |x - r| / s,   tolerance = K n / s,   s = max |r|  (n for a tensor 0 in exact arithmetic),
+    pass: max |x - r| <= K n          K = FACTOR[dtype]: 8 (float64, float32), 16 (float16, bfloat16)
 
-with one rtol for the dump, from the precision it was computed in (`tolerance`). A missing tensor, a wrong shape,
-an integer tensor or an unknown key fails its row; a batch refbert cannot run raises a ValueError naming the dump.
+So error is the relative error, and tolerance the smallest relative change of that tensor the check can see: it
+follows each tensor's own conditioning (a gradient that cancels has more noise than one that adds up). Measured
+(benchmarks/verify_noise.py; BERT tiny, mini, base; HF's init, trained, trained with peaked attention): a change of
+1e-3 in any one tensor of a float32 dump, and of 1e-9 in a float64 one, fails; float16 dumps see changes of a few
+percent, bfloat16 ones of tens of percent. A gradient 0 in exact arithmetic (`exact_zeros`) holds only rounding
+noise: it is judged in absolute terms, its error in units of noise. A missing tensor, a wrong shape, an integer
+tensor or an unknown key fails its row; a batch refbert cannot run raises a ValueError naming the dump.
 
 References: Hugging Face transformers, models/bert/modeling_bert.py (names, outputs, labels); Higham & Mary,
-"A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019 (the sqrt(n) growth).
+"A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019 (the sqrt(n) growth);
+D. Stott Parker, "Monte Carlo Arithmetic: exploiting randomness in floating-point arithmetic", UCLA CSD-970002, 1997,
+and Denis, de Oliveira Castro & Petit, "Verificarlo", ARITH 2016 (rounding errors estimated by random rounding).
 """
 import contextlib
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -46,6 +58,7 @@ import zipfile
 import numpy as np
 
 from . import model as M
+from . import ops as O
 from . import safetensors_io
 from .config import HEADS, BertConfig
 from .fileio import write_text
@@ -74,30 +87,20 @@ EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfl
 _CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
           "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 
-# Rounding errors are relative to the terms of a sum, not to its result: a gradient that cancels to ~0 carries
-# errors the size of its neighbours'. The key bias's gradient is exactly 0 (softmax ignores a shift shared by every
-# key) yet comes out at ~1e-19 in float64 and ~1e-10 in float32; the NSP bias's sums two examples that nearly cancel.
-# So a tensor's scale is at least 1% of the largest tensor of its kind (the gradients; the forward values).
-FLOOR = 1e-2
+# 16-bit kernels (torch's on CPU and GPU, cuBLAS's) sum in float32 and round the result to 16 bits.
+ACCUMULATOR = {"float64": "float64", "float32": "float32", "float16": "float32", "bfloat16": "float32"}
 
+# Monte Carlo runs per check. A tensor of one or two numbers (the loss, the NSP bias) gets one random draw of its
+# noise per run, about normal: one run falls under 1/8 of its typical size 1 time in 10, the largest of 3 runs
+# 1 time in 1,000.
+PROBES = 3
 
-def tolerance(dtype):
-    """rtol for a dump computed in `dtype` ("float64", "float32", "float16", "bfloat16"), against refbert's float64:
-
-        rtol = 64 eps(dtype) + 256 eps(accumulator)          accumulator: float64 for float64, else float32
-
-    64 eps of the dtype the values are stored in: every block rounds what it stores, and the backward chains the
-    L + 2 blocks. Measured against float64 on BERT tiny, mini and base (HF's init, B = 2, T = 6 to 16; torch in
-    float32, float16 and bfloat16), the worst tensor was 27 eps (the NSP bias over two examples), most under 8 eps.
-    256 eps of the accumulator: a sum of n terms carries ~sqrt(n) eps of it (Higham & Mary), so 256 covers sums of
-    65,536 terms (a weight gradient over B*T = 512 x 128 tokens); 16-bit kernels accumulate in float32. float64:
-    refbert and torch order their sums differently, measured 40 eps apart at BERT-base.
-    float32 3.8e-5, float64 7.1e-14, float16 0.063, bfloat16 0.50: bfloat16 keeps 8 significant bits, so its dump
-    only shows errors of the order of the tensor itself; compute in float32 for a finer check.
-    """
-    if dtype not in EPS:
-        raise ValueError(f"verify: argument 'dtype' expected one of {', '.join(EPS)}, got {dtype!r}")
-    return 64 * EPS[dtype] + 256 * EPS["float64" if dtype == "float64" else "float32"]
+# K, the error a tensor may show in units of its noise. The noise model rounds more coarsely than careful
+# kernels do (a sqrt(n) u sum, where pairwise or blocked sums err less): on BERT tiny, mini and base (HF's init,
+# trained, peaked; benchmarks/results/verify_noise.md) honest dumps strayed at most 1.6 n in float64 and float32
+# (torch; refbert's NumPy float32 and numba kernels) and 3.9 n in float16 and bfloat16 (torch), while a change of
+# 1e-3 of any one tensor of a float32 dump showed as 30 n or more. 16-bit dumps get 16: their model is cruder.
+FACTOR = {"float64": 8, "float32": 8, "float16": 16, "bfloat16": 16}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,11 +129,24 @@ def read_dump(path):
     return tensors, {k: a.dtype.name for k, a in tensors.items()}
 
 
+DUMP_SUFFIXES = (".safetensors", ".npz")
+
+
+def dump_format(path):
+    """"safetensors" or "npz", from the suffix of `path`; any other suffix is a ValueError (a dump written under a
+    name that hides its format would be read as the wrong thing)."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in DUMP_SUFFIXES:
+        raise ValueError(f"dump: --out '{os.fspath(path)}' expected a file name ending in .safetensors or .npz, got "
+                         f"{repr(suffix) if suffix else 'no suffix'}")
+    return suffix[1:]
+
+
 def write_dump(path, tensors, metadata=None):
-    """{key: array} to `path`, atomically (the old file or the whole new one, never half): .npz by its suffix,
-    safetensors otherwise."""
+    """{key: array} to `path`, atomically (the old file or the whole new one, never half), in the format its suffix
+    names (`dump_format`)."""
     path = os.fspath(path)
-    if not path.endswith(".npz"):
+    if dump_format(path) == "safetensors":
         safetensors_io.save_file(tensors, path, metadata=metadata)
         return
     buf = io.BytesIO()
@@ -186,12 +202,13 @@ def load(folder, head, dtype=np.float64, need_head=True):
     return model.eval()
 
 
-def default_batch(config, head, B=2, T=16, seed=0):
+def default_batch(config, head, B=3, T=16, seed=0):
     """The batch `refbert dump` and `refbert verify` use when none is given, deterministic in `seed`:
     B rows of T tokens (T at most max_position_embeddings), row 0 full and the others padded after 2T/3 tokens,
     segment A then B, the pad id only on padding; labels under HF's names, -100 on padding and on ~85% of MLM
-    positions; BertForMultipleChoice gets 2 choices per row (the second the rows reversed). Returns
-    ({name: array}, {upstream name: array}): BertModel's random upstream gradients, {} for a head."""
+    positions, a row's class 0 for row 0 and the last class for the others; BertForMultipleChoice gets 2 choices
+    per row (the second the rows reversed). Returns ({name: array}, {upstream name: array}): BertModel's random
+    upstream gradients, {} for a head."""
     r = np.random.default_rng(seed)
     V, T = config.vocab_size, min(T, config.max_position_embeddings)
     real = max(1, 2 * T // 3)
@@ -206,17 +223,21 @@ def default_batch(config, head, B=2, T=16, seed=0):
     batch = dict(input_ids=ids, token_type_ids=tt, attention_mask=am)
     mlm = np.where((r.random((B, T)) < 0.15) & (am == 1), r.integers(0, V, (B, T)), -100)
     mlm[0, 1] = r.integers(0, V)                                     # at least one masked position
-    pair = np.arange(B) % 2                                          # both classes of a binary label
+    # a row's class: 0 for row 0, the last class for the others. A head's bias gradient is sum_b softmax_b - the
+    # class counts: with each of 2 classes once, an undecided head (softmax ~ (1/2, 1/2), as at init) cancels it to
+    # ~1e-3 of its terms; with one class only, a head sure of it does; 1 row against 2 leaves ~1/2 either way,
+    # where float32 noise cannot hide a change of 1e-3 in it
     K = config.num_labels
+    last = lambda k: np.where(np.arange(B) == 0, 0, k - 1)  # noqa: E731
     if head == "BertForPreTraining":
-        batch.update(labels=mlm, next_sentence_label=pair)
+        batch.update(labels=mlm, next_sentence_label=last(2))
     elif head == "BertForMaskedLM":
         batch.update(labels=mlm)
     elif head == "BertForNextSentencePrediction":
-        batch.update(labels=pair)
+        batch.update(labels=last(2))
     elif head == "BertForSequenceClassification":
         regression = K == 1 or config.problem_type == "regression"
-        batch.update(labels=r.standard_normal(B) if regression else r.integers(0, K, B))
+        batch.update(labels=r.standard_normal(B) if regression else last(K))
     elif head == "BertForTokenClassification":
         batch.update(labels=np.where(am == 1, r.integers(0, K, (B, T)), -100))
     elif head == "BertForQuestionAnswering":
@@ -224,7 +245,7 @@ def default_batch(config, head, B=2, T=16, seed=0):
         batch.update(start_positions=start, end_positions=np.minimum(start + 2, real - 1))
     elif head == "BertForMultipleChoice":
         batch = {k: np.stack([v, v[::-1]], 1) for k, v in batch.items()}   # (B, 2, T)
-        batch.update(labels=pair)
+        batch.update(labels=last(2))
     upstream = {}
     if head == "BertModel":
         C = config.hidden_size
@@ -301,23 +322,224 @@ def reference(model, batch, upstream):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the noise: Monte Carlo arithmetic over refbert's ops
+
+class MonteCarloOps:
+    """refbert.ops with every result rounded at random as an implementation computing in `dtype` would round it:
+    Monte Carlo arithmetic (Parker) at the level of the ops, a model of an honest implementation's noise.
+
+    An op whose entries each sum n terms of size |t| returns y + d, per entry
+        d = (max(u |t|, tiny) + sqrt(n) u_acc |t|) r,      r uniform in [-1, 1], drawn from `seed`
+    u = eps/2 of `dtype` (the rounding of the stored result), u_acc that of its ACCUMULATOR (a sum of n terms errs by
+    ~sqrt(n) u_acc of their size: Higham & Mary), tiny = 2^-25 in float16 (half its subnormal spacing: gradients
+    under 2^-14 lose their relative precision; float32 and bfloat16 reach 1e-38). |t| is |y|, except where an op
+    rounds its terms before they cancel: cross-entropy's softmax before "- onehot", BCE's sigmoid before "- target",
+    MSE's prediction before "- target", the loss's logsumexp before "- logit". Rounded results feed the next op,
+    and the caches a backward reads (softmax's p, gelu's and tanh's outputs) hold them rounded, as a kernel's would,
+    so each rounding travels through the rest of the computation with its own conditioning: softmax's exp turns
+    the scores' absolute error into a relative one, a gradient that cancels keeps its terms' error.
+    Lookups, gathers and eval dropout are exact; attention is its matmuls and softmax, each rounded. Eval only. An op
+    not listed here raises AttributeError rather than run unrounded. scale multiplies u and u_acc (0: refbert.ops).
+    """
+    EXACT = ("embedding_forward", "gather_rows_forward", "gather_rows_backward", "dropout_forward",
+             "dropout_backward")
+
+    def __init__(self, dtype, seed=0, scale=1.0):
+        if dtype not in EPS:
+            raise ValueError(f"MonteCarloOps: argument 'dtype' expected one of {', '.join(EPS)}, got {dtype!r}")
+        self.u, self.u_acc = scale * EPS[dtype] / 2, scale * EPS[ACCUMULATOR[dtype]] / 2
+        self.tiny = scale * 2.0 ** -25 if dtype == "float16" else 0.0
+        self.rng = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        if name in MonteCarloOps.EXACT:
+            return getattr(O, name)
+        raise AttributeError(f"MonteCarloOps has no rounding model for op '{name}'")
+
+    def _round(self, y, n, t=None):
+        """y + d as above, in y's dtype; t: the size of the terms (default |y|)."""
+        y = np.asarray(y)
+        r = self.rng.random(y.shape, y.dtype)
+        r *= 2
+        r -= 1                                                           # uniform in [-1, 1)
+        if t is None and not self.tiny:
+            r *= self.u + math.sqrt(n) * self.u_acc
+            r *= y                                                       # d = c |y| r, as c y r: r is symmetric
+        else:
+            t = np.abs(y) if t is None else t
+            r *= np.maximum(self.u * t, self.tiny) + (math.sqrt(n) * self.u_acc) * t
+        r += y
+        return r
+
+    def linear_forward(self, x, w, b=None):
+        out, c = O.linear_forward(x, w, b)
+        return self._round(out, x.shape[-1] + (b is not None)), c
+
+    def linear_backward(self, dout, c):
+        dx, *dwb = O.linear_backward(dout, c)
+        N = dout.size // dout.shape[-1]                                  # dw, db: sums over every position
+        return (self._round(dx, dout.shape[-1]), *(self._round(g, N) for g in dwb))
+
+    def layernorm_forward(self, x, w, b, eps=1e-12):
+        out, c = O.layernorm_forward(x, w, b, eps)
+        return self._round(out, x.shape[-1]), c
+
+    def layernorm_backward(self, dout, c):
+        dx, dw, db = O.layernorm_backward(dout, c)
+        N = dout.size // dout.shape[-1]
+        return self._round(dx, dout.shape[-1]), self._round(dw, N), self._round(db, N)
+
+    def dropout_residual_layernorm_forward(self, x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+        self._eval(p, train)
+        out, c = O.dropout_residual_layernorm_forward(x, a, w, b, eps, p, rng, train)
+        return self._round(out, x.shape[-1]), c
+
+    def dropout_residual_layernorm_backward(self, dout, c):
+        ds, _, dw, db = O.dropout_residual_layernorm_backward(dout, c)   # eval: the skip and the branch get ds
+        N = dout.size // dout.shape[-1]
+        ds = self._round(ds, dout.shape[-1])
+        return ds, ds.copy(), self._round(dw, N), self._round(db, N)
+
+    def bias_gelu_forward(self, x, b, approximate="none"):
+        out, ((u, _, approx),) = O.bias_gelu_forward(x, b, approximate)
+        out = self._round(out, 2)                                        # x + b, then gelu's own rounding
+        return out, ((u, out, approx),)
+
+    def bias_gelu_backward(self, dout, c):
+        du, _ = O.bias_gelu_backward(dout, c)
+        du = self._round(du, 2)
+        return du, self._round(du.reshape(-1, du.shape[-1]).sum(0), du.size // du.shape[-1])
+
+    def tanh_forward(self, x):
+        out, _ = O.tanh_forward(x)
+        out = self._round(out, 1)
+        return out, (out,)
+
+    def tanh_backward(self, dout, c):
+        return self._round(O.tanh_backward(dout, c), 2)
+
+    def embedding_backward(self, dout, c):
+        ids = c[0]
+        dw = O.embedding_backward(dout, c)                               # row v sums the positions holding id v
+        rows, count = np.unique(ids, return_counts=True)                 # the other rows are exact zeros
+        dw[rows] = self._round(dw[rows], 1, np.abs(dw[rows]) * np.sqrt(count)[:, None])
+        return dw
+
+    def attention_forward(self, q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+        self._eval(dropout_p, train)
+        B, T, C = q.shape
+        hs = C // n_heads
+        qh, kh, vh = (a.reshape(B, T, n_heads, hs).transpose(0, 2, 1, 3) for a in (q, k, v))   # (B, H, T, hs)
+        att = self._round(qh @ kh.transpose(0, 1, 3, 2), hs)             # (B, H, T, T)
+        p, sm = O.softmax_forward(att, 1.0 / math.sqrt(hs), mask)
+        p = self._round(p, T)                                            # each row's sum of T exps
+        y = self._round(p @ vh, T)                                       # (B, H, T, hs)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C), (qh, kh, vh, sm._replace(p=p))
+
+    def attention_backward(self, dout, c):
+        qh, kh, vh, sm = c
+        B, H, T, hs = qh.shape
+        dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)            # (B, H, T, hs)
+        dp = self._round(dy @ vh.transpose(0, 1, 3, 2), hs)              # (B, H, T, T)
+        dvh = self._round(sm.p.transpose(0, 1, 3, 2) @ dy, T)
+        datt = self._round(O.softmax_backward(dp, sm), T)
+        dqh = self._round(datt @ kh, T)
+        dkh = self._round(datt.transpose(0, 1, 3, 2) @ qh, T)
+        merge = lambda g: g.transpose(0, 2, 1, 3).reshape(B, T, H * hs)  # noqa: E731
+        return merge(dqh), merge(dkh), merge(dvh)
+
+    def attention_probs(self, c):
+        return c[3].p
+
+    def cross_entropy_forward(self, logits, labels, ignore_index=-100):
+        loss, c = O.cross_entropy_forward(logits, labels, ignore_index)
+        kept, s = c[4], c[5]
+        Vn = logits.shape[-1]
+        lse = logits.reshape(-1, Vn)[kept].max(-1) + s[:, 0]             # (n,) each kept row's logsumexp
+        t = max(float(np.abs(lse).mean()) if kept.size else 0.0, abs(float(loss)))
+        return self._round(loss, Vn + kept.size, np.asarray(t)), c      # mean(lse - z[label]): terms of size |lse|
+
+    def cross_entropy_backward(self, dloss, c):
+        dz = O.cross_entropy_backward(dloss, c)                          # (p - onehot) dloss / n on kept rows
+        shape, zs, kept, s = c[0], c[2], c[4], c[5]
+        p = np.exp(zs - s) * (float(dloss) / max(kept.size, 1))         # the softmax, rounded before "- onehot"
+        dz2 = dz.reshape(-1, shape[-1])
+        dz2[kept] = self._round(dz2[kept], shape[-1], np.abs(p))
+        return dz
+
+    def bce_with_logits_forward(self, logits, targets):
+        loss, c = O.bce_with_logits_forward(logits, targets)
+        return self._round(loss, logits.size + 2, np.asarray(max(float(np.abs(logits).mean()), abs(float(loss))))), c
+
+    def bce_with_logits_backward(self, dloss, c):
+        s, targets = c
+        dz = O.bce_with_logits_backward(dloss, c)
+        return self._round(dz, 1, (np.abs(s) + np.abs(targets)) * abs(float(dloss)) / max(s.size, 1))
+
+    def mse_forward(self, pred, target):
+        loss, c = O.mse_forward(pred, target)
+        return self._round(loss, pred.size + 1), (c, np.abs(pred) + np.abs(target))
+
+    def mse_backward(self, dloss, c):
+        c, t = c
+        dpred, _ = O.mse_backward(dloss, c)
+        dpred = self._round(dpred, 1, t * (2 * abs(float(dloss)) / max(t.size, 1)))
+        return dpred, -dpred
+
+    @staticmethod
+    def _eval(p, train):
+        if train and p > 0:
+            raise ValueError("MonteCarloOps: expected eval mode (dropout off), got train mode with dropout")
+
+
+def noise(model, batch, upstream, ref, dtype, probes=PROBES):
+    """{key: n} for the keys of `ref` (refbert's float64 reference on this batch): the largest max|q - r| over
+    `probes` runs q of `model` with MonteCarloOps(dtype, seed) in place of its ops. `model` computes in float64 for a
+    float64 dump and in float32 for the others (whose rounding then counts as well); its ops are restored after."""
+    n, ops = dict.fromkeys(ref, 0.0), model.ops
+    try:
+        for seed in range(probes):
+            model.ops = MonteCarloOps(dtype, seed)
+            q = reference(model, batch, upstream)
+            for k, r in ref.items():
+                if k in q:
+                    n[k] = max(n[k], float(np.abs(q[k] - r).max(initial=0.0)))   # in float64, as r
+    finally:
+        model.ops = ops
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # comparison, and where to look
 
-def compare(ref, got, dtypes, rtol, optional=("hidden_states/",)):
-    """One row per key of `ref` (refbert's float64 tensors): error = max|got - ref| / scale with scale =
-    max(max|ref|, FLOOR * the largest |ref| of its kind), pass when error <= rtol. A key starting with one of
-    `optional` is compared only when `got` has it. Then the keys of `got` that refbert does not know, failed.
-    Rows are dicts: key, dtype, shape, error (None when not compared), tolerance, ok, note."""
-    largest = {}
-    for k, r in ref.items():
-        kind = _kind(k)
-        largest[kind] = max(largest.get(kind, 0.0), float(np.abs(r).max(initial=0.0)))
+def exact_zeros(head, keys):
+    """The gradients among `keys` that are 0 in exact arithmetic, because softmax ignores a shift shared by all its
+    inputs: every layer's key bias (shared by every key: its gradient sum_t dk_t = sum_q q_q sum_t dS_qt sums rows
+    of dS, each 0), BertForQuestionAnswering's qa_outputs.bias (by every position of the start, and of the end,
+    softmax) and BertForMultipleChoice's classifier.bias (by every choice). A dump holds only their rounding noise:
+    no relative change of them can be seen, so they are judged in absolute terms, against refbert's noise."""
+    shared = {"BertForQuestionAnswering": "grad/qa_outputs.bias",
+              "BertForMultipleChoice": "grad/classifier.bias"}.get(head)
+    return {k for k in keys if k.startswith("grad/") and (k.endswith(".attention.self.key.bias") or k == shared)}
+
+
+def compare(ref, got, dtypes, noise, factor, zeros=(), optional=("hidden_states/",)):
+    """One row per key of `ref` (refbert's float64 tensors), `noise` its noise n (`noise()`): pass when
+    max|got - ref| <= factor * n; the row shows error = max|got - ref| / s and tolerance = factor * n / s with
+    s = max|ref|, or n for a key in `zeros` (`exact_zeros`: its error in units of noise) and for a tensor whose
+    largest entry is under its noise. A key starting with one of `optional` is compared only when `got` has it.
+    Then the keys of `got` that refbert does not know, failed. Rows are dicts: key, dtype, shape, error (None when
+    not compared), tolerance, noise, ok, note."""
     rows = []
     for k, r in ref.items():
         x = got.get(k)
         if x is None and k.startswith(optional):
             continue
-        row = dict(key=k, dtype=dtypes.get(k, "-"), shape=list(r.shape), error=None, tolerance=rtol, ok=False, note="")
+        n = noise[k]
+        zero = k in zeros
+        s = max(n if zero else max(float(np.abs(r).max(initial=0.0)), n), np.finfo(np.float64).tiny)
+        row = dict(key=k, dtype=dtypes.get(k, "-"), shape=list(r.shape), error=None, tolerance=factor * n / s,
+                   noise=n, ok=False, note="")
         if x is None:
             row["note"] = "missing"
         elif x.dtype.kind != "f":
@@ -325,19 +547,15 @@ def compare(ref, got, dtypes, rtol, optional=("hidden_states/",)):
         elif x.shape != r.shape and not (k == "output/loss" and x.size == 1):   # a loss of shape (1,) is a loss
             row["note"] = f"shape {list(x.shape)}, expected {list(r.shape)}"
         else:
-            scale = max(float(np.abs(r).max(initial=0.0)), FLOOR * largest[_kind(k)], np.finfo(np.float64).tiny)
-            err = float(np.abs(x.astype(np.float64).reshape(r.shape) - r).max(initial=0.0)) / scale
-            row.update(error=err, ok=bool(err <= rtol), note="" if np.isfinite(err) else "not finite")
+            diff = float(np.abs(x.astype(np.float64).reshape(r.shape) - r).max(initial=0.0))
+            row.update(error=diff / s, ok=bool(diff <= factor * n),
+                       note="not finite" if not np.isfinite(diff) else "0 in exact arithmetic" if zero else "")
         rows.append(row)
     for k in got:
         if k not in ref:
             rows.append(dict(key=k, dtype=dtypes.get(k, "-"), shape=list(np.shape(got[k])), error=None,
-                             tolerance=rtol, ok=False, note="unexpected key"))
+                             tolerance=None, noise=None, ok=False, note="unexpected key"))
     return rows
-
-
-def _kind(key):
-    return "grad" if key.startswith("grad/") else "forward"
 
 
 def _group(name, n_layers):
@@ -400,32 +618,43 @@ def locate(rows, n_layers):
 # ----------------------------------------------------------------------------------------------------------------
 # the two checks
 
-def verify_dump(folder, dump_path, head=None, dtype=None, rtol=None):
+def expected(model, folder, head, batch, upstream, dtype, source):
+    """(ref, noise): refbert's float64 tensors on the batch (`reference`, by `model`, float64) and the noise of each
+    for an implementation computing in `dtype` (`noise`: float64 arithmetic for float64, float32 for the others)."""
+    try:
+        ref = reference(model, batch, upstream)
+        arith = model if dtype == "float64" else load(folder, head, np.float32, need_head=False)
+        return ref, noise(arith, batch, upstream, ref, dtype)
+    except ValueError as e:                              # a batch that does not fit the model: the model says why
+        raise ValueError(f"verify: {source}: {e}") from None
+
+
+def verify_dump(folder, dump_path, head=None, dtype=None, factor=None):
     """Check the dump at `dump_path` against refbert on checkpoint `folder` as class `head` (default: the config's
     architectures). dtype: the precision the dump was computed in (default: that of its least precise tensor);
-    rtol replaces tolerance(dtype). Returns the report (a dict): rows, passed, failed, first_failure, ..."""
+    factor replaces FACTOR[dtype]. Returns the report (a dict): rows, passed, failed, first_failure, ..."""
+    t0 = time.perf_counter()
     head = resolve_head(folder, head)
     tensors, dtypes = read_dump(dump_path)
     model = load(folder, head, np.float64)
     source = f"dump '{os.fspath(dump_path)}'"
     batch, upstream, used = split_batch(tensors, head, model.config, source)
-    try:
-        ref = reference(model, batch, upstream)
-    except ValueError as e:                              # a batch that does not fit the model: the model says why
-        raise ValueError(f"verify: {source}: {e}") from None
     got = {k: v for k, v in tensors.items() if k not in used}
+    if dtype is None:
+        compared = [dtypes[k] for k in got if dtypes[k] in EPS]
+        dtype = max(compared, key=EPS.get, default="float64")   # the least precise tensor sets the precision
+    if dtype not in EPS:
+        raise ValueError(f"verify: argument 'dtype' expected one of {', '.join(EPS)}, got {dtype!r}")
+    ref, n = expected(model, folder, head, batch, upstream, dtype, source)
     for alias, name in ALIASES.items():                  # the tied decoder, when listed: compared as its tensor
         if f"grad/{alias}" in got and f"grad/{name}" in ref:
-            ref[f"grad/{alias}"] = ref[f"grad/{name}"]
-    compared = [dtypes[k] for k in got if k in ref and dtypes[k] in EPS]
-    if dtype is None:
-        dtype = max(compared, key=EPS.get, default="float64")   # the least precise tensor sets the precision
-    rtol = tolerance(dtype) if rtol is None else rtol
-    rows = compare(ref, got, dtypes, rtol)
-    return dict(checkpoint=os.fspath(folder), dump=os.fspath(dump_path), head=head, dtype=dtype, tolerance=rtol,
-                batch_shape=list(batch["input_ids"].shape), rows=rows, passed=sum(r["ok"] for r in rows),
-                failed=sum(not r["ok"] for r in rows),
-                first_failure=locate(rows, model.config.num_hidden_layers))
+            ref[f"grad/{alias}"], n[f"grad/{alias}"] = ref[f"grad/{name}"], n[f"grad/{name}"]
+    factor = FACTOR[dtype] if factor is None else factor
+    rows = compare(ref, got, dtypes, n, factor, exact_zeros(head, ref))
+    return dict(checkpoint=os.fspath(folder), dump=os.fspath(dump_path), head=head, dtype=dtype, factor=factor,
+                probes=PROBES, batch_shape=list(batch["input_ids"].shape), rows=rows, passed=sum(r["ok"] for r in rows),
+                failed=sum(not r["ok"] for r in rows), first_failure=locate(rows, model.config.num_hidden_layers),
+                seconds=round(time.perf_counter() - t0, 2))
 
 
 def hf_reference(folder, head, batch, params, upstream):
@@ -488,7 +717,7 @@ def verify_self(folder, head=None, batch_path=None, log=lambda line: print(line,
                ok=bool(e <= TOLERANCE), note="") for k, e in errs.items()]
     report = dict(checkpoint=os.fspath(folder), head=head, batch_shape=list(batch["input_ids"].shape),
                   finite_differences=dict(tolerance=TOLERANCE, rows=fd, first_failure=locate(fd, L),
-                                          seconds=round(time.perf_counter() - t0, 1)))
+                                          seconds=round(time.perf_counter() - t0, 2)))
     t1 = time.perf_counter()
     try:
         import torch  # noqa: F401
@@ -496,11 +725,11 @@ def verify_self(folder, head=None, batch_path=None, log=lambda line: print(line,
     except ImportError as e:
         report["hf"] = dict(skipped=f"{e.name or e} is not installed")
     else:
-        ref = reference(model, batch, upstream)
+        ref, n = expected(model, folder, head, batch, upstream, "float64", "the batch")
         theirs = hf_reference(folder, head, batch, P, upstream)
-        rows = compare(ref, theirs, {k: "float64" for k in theirs}, tolerance("float64"))
-        report["hf"] = dict(tolerance=tolerance("float64"), rows=rows, first_failure=locate(rows, L),
-                            seconds=round(time.perf_counter() - t1, 1))
+        rows = compare(ref, theirs, {k: "float64" for k in theirs}, n, FACTOR["float64"], exact_zeros(head, ref))
+        report["hf"] = dict(dtype="float64", factor=FACTOR["float64"], probes=PROBES, rows=rows,
+                            first_failure=locate(rows, L), seconds=round(time.perf_counter() - t1, 1))
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
@@ -510,10 +739,19 @@ def verify_self(folder, head=None, batch_path=None, log=lambda line: print(line,
 
 def format_rows(rows):
     head = ("tensor", "dtype", "shape", "error", "tolerance", "")
+    num = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
     body = [(r["key"], r["dtype"], "(" + ", ".join(map(str, r["shape"])) + ("," if len(r["shape"]) == 1 else "") + ")",
-             "-" if r["error"] is None else f"{r['error']:.2e}", f"{r['tolerance']:.1e}",
+             num(r["error"]), num(r["tolerance"]),
              ("pass" if r["ok"] else "FAIL") + (f" ({r['note']})" if r["note"] else "")) for r in rows]
     return text_table(head, body)
+
+
+def rule(dtype, factor, probes=PROBES):
+    """The report's header: how error and tolerance are computed."""
+    return (f"error = max|x - refbert| / max|refbert|, refbert in float64 (a gradient 0 in exact arithmetic: / noise)\n"
+            f"tolerance = {factor:g} x noise / the same; pass: error <= tolerance\n"
+            f"noise: the largest deviation from refbert of {probes} runs of refbert rounding every op's result at "
+            f"random as {dtype} would (Monte Carlo arithmetic)")
 
 
 def _summary(rows, first):
@@ -537,9 +775,6 @@ def _json(report):
     return json.dumps(clean(report), indent=1) + "\n"
 
 
-SCALE = f"error = max|x - refbert| / max(max|refbert|, {FLOOR:g} x the largest of its kind); refbert in float64"
-
-
 def main(args):
     """refbert verify. Exit 0: every row passed; 1: a row failed."""
     if args.against is not None:
@@ -547,8 +782,8 @@ def main(args):
             raise ValueError("verify: --batch is for verify without --against (a dump carries its own batch)")
         rep = verify_dump(args.model, args.against, args.head, args.dtype)
         print(f"refbert verify: {rep['dump']} against {rep['checkpoint']} as {rep['head']}, batch "
-              f"{tuple(rep['batch_shape'])}; computed in {rep['dtype']}: tolerance {rep['tolerance']:.1e}")
-        print(SCALE + "\n")
+              f"{tuple(rep['batch_shape'])}, computed in {rep['dtype']}; {rep['seconds']} s")
+        print(rule(rep["dtype"], rep["factor"], rep["probes"]) + "\n")
         print(format_rows(rep["rows"]))
         print("\n" + _summary(rep["rows"], rep["first_failure"]))
         ok = rep["failed"] == 0
@@ -567,7 +802,7 @@ def main(args):
             print(f"\nrefbert against transformers + torch autograd: skipped ({hf['skipped']})")
         else:
             print(f"\nrefbert against transformers + torch autograd, both float64, same weights, {hf['seconds']} s")
-            print(SCALE + "\n")
+            print(rule(hf["dtype"], hf["factor"], hf["probes"]) + "\n")
             print(format_rows(hf["rows"]))
             print("\n" + _summary(hf["rows"], hf["first_failure"]))
             ok = ok and all(r["ok"] for r in hf["rows"])
@@ -583,6 +818,7 @@ def dump(folder, out, head=None, batch_path=None, dtype="float64"):
     the format's reference. Returns {key: array} as written."""
     if dtype not in ("float64", "float32"):
         raise ValueError(f"dump: argument 'dtype' expected float64 or float32, got {dtype!r}")
+    dump_format(out)                                     # before the work: a name it cannot write
     head = resolve_head(folder, head)
     model = load(folder, head, np.dtype(dtype))
     batch, upstream = read_batch(batch_path, head, model.config)
@@ -602,5 +838,5 @@ def dump_main(args):
     count = lambda p: sum(k.startswith(p) for k in t)  # noqa: E731
     print(f"{args.out}: {len(t)} tensors ({count('input/')} inputs, {count('output/')} outputs, "
           f"{count('hidden_states/')} hidden states, {count('grad/')} gradients), batch "
-          f"{tuple(t['input/input_ids'].shape)}, {args.dtype}")
+          f"{tuple(t['input/input_ids'].shape)}, {args.dtype}, {dump_format(args.out)} format")
     return 0
