@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from refbert import ops, validate as V
 
-from ._math import _FAST, exp
+from ._math import _FAST, exp, fexp, fmaximum
 from ._harness import KernelSpec, main
 
 _BLOCK = 512                      # v3: columns per online-max block
@@ -162,6 +162,73 @@ def _forward_v3(z2, y, kept):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# v4: float32 lanes. The max is llvm.maximum (NaN-propagating, so a NaN or +inf anywhere, or an all -inf row, shows
+# in m alone: no row-sum check pass); exp is _math.exp_f32 (16 float32 lanes; _math.exp runs 8 float64 lanes);
+# the sum of exp is float32 within blocks of _SUM_BLOCK columns (~_SUM_BLOCK / 64 terms per SIMD accumulator) and
+# float64 across blocks. float64 rows run the same loops with math.exp and float64 sums.
+
+_SUM_BLOCK = 1024
+
+
+@njit(cache=True, fastmath=_FAST, error_model="numpy")
+def _row_max(row):
+    m = row[0]
+    for j in range(row.size):
+        m = fmaximum(m, row[j])
+    return m
+
+
+@njit(cache=True, fastmath=_FAST, error_model="numpy")
+def _sum_exp(block, m):
+    """sum of exp(block - m), in the block's dtype (indices from 0 on a view: no wraparound test, so it vectorises)."""
+    s = m - m
+    for j in range(block.size):
+        s += fexp(block[j] - m)
+    return s
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+def _forward_v4(z2, y, kept):
+    n = kept.size
+    Vn = z2.shape[1]
+    m = np.empty(n, z2.dtype)
+    ls = np.empty(n, z2.dtype)
+    terms = np.empty(n, np.float64)
+    check = np.empty(n, np.float64)
+    for i in prange(n):
+        row = z2[kept[i]]
+        mi = _row_max(row)
+        s = 0.0
+        for j0 in range(0, Vn, _SUM_BLOCK):
+            s += np.float64(_sum_exp(row[j0:j0 + _SUM_BLOCK], mi))
+        lsd = math.log(s)
+        m[i] = mi
+        ls[i] = lsd
+        terms[i] = lsd - np.float64(row[y[kept[i]]] - mi)
+        check[i] = np.float64(mi) - np.float64(mi)             # NaN unless m is finite
+    return m, ls, terms, check
+
+
+@njit(cache=True, fastmath=_GRAD_FAST, error_model="numpy")
+def _grad_row(row, mi, lsi, g, out):
+    for j in range(row.size):
+        out[j] = fexp((row[j] - mi) - lsi) * g
+
+
+@njit(parallel=True, cache=True, fastmath=_GRAD_FAST, error_model="numpy")
+def _backward_v4(z2, y, kept, ignored, m, ls, g):
+    N, Vn = z2.shape
+    dz = np.empty_like(z2)
+    for i in prange(kept.size):
+        r = kept[i]
+        _grad_row(z2[r], m[i], ls[i], g, dz[r])             # softmax * dloss / n, one read and one write
+        dz[r, y[r]] -= g
+    for i in prange(ignored.size):
+        dz[ignored[i]] = 0
+    return dz
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the public signatures
 
 def _wrap(version, fwd_kernel, bwd_kernel):
@@ -204,9 +271,10 @@ def _wrap(version, fwd_kernel, bwd_kernel):
 cross_entropy_forward_v1, cross_entropy_backward_v1 = _wrap(1, _forward_v1, _backward_v1)
 cross_entropy_forward_v2, cross_entropy_backward_v2 = _wrap(2, _forward_v2, _backward_v2)
 cross_entropy_forward_v3, cross_entropy_backward_v3 = _wrap(3, _forward_v3, _backward_v2)
+cross_entropy_forward_v4, cross_entropy_backward_v4 = _wrap(4, _forward_v4, _backward_v4)
 
 # the public API: the fastest version
-cross_entropy_forward, cross_entropy_backward = cross_entropy_forward_v2, cross_entropy_backward_v2
+cross_entropy_forward, cross_entropy_backward = cross_entropy_forward_v4, cross_entropy_backward_v4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,7 +308,8 @@ SPEC = KernelSpec(
     name="cross_entropy", oracle=(ops.cross_entropy_forward, ops.cross_entropy_backward),
     versions={1: (cross_entropy_forward_v1, cross_entropy_backward_v1),
               2: (cross_entropy_forward_v2, cross_entropy_backward_v2),
-              3: (cross_entropy_forward_v3, cross_entropy_backward_v3)},
+              3: (cross_entropy_forward_v3, cross_entropy_backward_v3),
+              4: (cross_entropy_forward_v4, cross_entropy_backward_v4)},
     make_inputs=_make, wrt=("logits",),
     shapes=[{"lead": (1,), "V": 1}, {"lead": (1,), "V": 7}, {"lead": (37,), "V": 52, "ignored": 0.5},
             {"lead": (3, 5), "V": 1031, "ignored": 0.85, "big": True}, {"lead": (4,), "V": 13, "ignored": 1.0},
@@ -251,7 +320,8 @@ SPEC = KernelSpec(
     nbytes=lambda inp, kw: 3 * inp["logits"].nbytes,
     torch_peer=_torch_ce,
     notes={1: "math.exp, max / sum / grad passes", 2: "_math.exp vectorised, float64 sums",
-           3: "online max+sum per 512-column block"})
+           3: "online max+sum per 512-column block",
+           4: "float32 lanes: exp_f32, llvm.maximum (no check pass), float32 block sums"})
 SPEC_512 = KernelSpec(**{**SPEC.__dict__, "bench_shape": {"lead": (512,), "V": 30522}})
 
 if __name__ == "__main__":

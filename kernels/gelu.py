@@ -33,10 +33,12 @@ from numba.extending import overload
 
 from refbert import ops, validate as V
 
-from ._math import _FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, sigmoid
+from ._math import (_FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, phi_parts_f32, sigmoid,
+                    sigmoid_f32)
 from ._harness import KernelSpec, main
 
 _ROWS = 16                                 # rows per db partial: fixed, so db does not depend on the thread count
+_BLOCK = 16384                             # v4's plain gelu: elements per prange iteration (64 KiB of float32)
 _C = math.sqrt(2.0 / math.pi)               # tanh form: u -> sqrt(2/pi) (u + 0.044715 u^3)
 _K = 0.044715
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -163,6 +165,42 @@ def _dgelu3_ov(u, tanh):
     return lambda u, tanh: _dgelu2(u, tanh)
 
 
+def _gelu4(u, tanh):
+    """v4 forward value: float32 in float32 arithmetic (_math.phi_parts_f32 / sigmoid_f32), float64 as v2."""
+
+
+def _dgelu4(u, tanh):
+    """v4 derivative: Phi and exp(-u^2/2) from phi_parts_f32 (one exp, one reciprocal), float64 as v2."""
+
+
+@overload(_gelu4, jit_options=_OPTS)
+def _gelu4_ov(u, tanh):
+    if _f32(u):
+        f = np.float32
+
+        def impl(u, tanh):
+            if tanh:
+                return u * sigmoid_f32(f(2 * _C) * (u + f(_K) * u * u * u))
+            return u * phi_parts_f32(u)[0]
+        return impl
+    return lambda u, tanh: _gelu2(u, tanh)
+
+
+@overload(_dgelu4, jit_options=_OPTS)
+def _dgelu4_ov(u, tanh):
+    if _f32(u):
+        f = np.float32
+
+        def impl(u, tanh):
+            if tanh:
+                s = sigmoid_f32(f(2 * _C) * (u + f(_K) * u * u * u))
+                return s + f(2 * _C) * u * s * (f(1) - s) * (f(1) + f(3 * _K) * u * u)
+            cdf, g = phi_parts_f32(u)                          # Phi(u), exp(-u^2 / 2)
+            return cdf + u * g * f(_INV_SQRT_2PI)
+        return impl
+    return lambda u, tanh: _dgelu2(u, tanh)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # kernels: x2 (N, I) contiguous rows, b (I,) (zeros for plain gelu: x + 0 is exact, a constant-time price)
 # One kernel source per version; `g` / `dg` are the version's element functions (a numba first-class function
@@ -209,6 +247,67 @@ def _make(g, dg, tanh, with_db):
     return forward, backward
 
 
+def _make_rows(g, dg, tanh):
+    """v4's bias_gelu kernels: as _make's, with the db partials in the input's dtype (16 rows each, then summed in
+    float64 in chunk order): a float64 partial beside a float32 row costs a conversion per element."""
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def forward(x2, b):
+        N, I = x2.shape
+        out = np.empty_like(x2)
+        for c in prange((N + _ROWS - 1) // _ROWS):
+            for i in range(c * _ROWS, min(N, (c + 1) * _ROWS)):
+                xi, oi = x2[i], out[i]
+                for j in range(I):
+                    oi[j] = g(xi[j] + b[j], tanh)
+        return out
+
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def backward(dout2, x2, b):
+        N, I = x2.shape
+        dx = np.empty_like(x2)
+        nc = (N + _ROWS - 1) // _ROWS
+        part = np.zeros((nc, I), x2.dtype)                         # per-chunk db partials (16 rows each)
+        for c in prange(nc):
+            pc = part[c]
+            for i in range(c * _ROWS, min(N, (c + 1) * _ROWS)):
+                xi, di, gi = x2[i], dout2[i], dx[i]
+                for j in range(I):
+                    d = di[j] * dg(xi[j] + b[j], tanh)
+                    gi[j] = d
+                    pc[j] += d
+        db = np.zeros(I, np.float64)
+        for c in range(nc):                                         # fixed order: chunk 0, 1, 2, ...
+            for j in range(I):
+                db[j] += part[c, j]
+        return dx, db.astype(x2.dtype)
+    return forward, backward
+
+
+def _make_flat(g, dg, tanh):
+    """Plain gelu's kernels on a flat array: prange over blocks of _BLOCK elements, whatever the shape (v1-v3 ran
+    it as one row of numel entries, which the row chunks above gave to a single thread)."""
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def forward(x1):
+        n = x1.size
+        out = np.empty_like(x1)
+        for c in prange((n + _BLOCK - 1) // _BLOCK):
+            xs, os = x1[c * _BLOCK:(c + 1) * _BLOCK], out[c * _BLOCK:(c + 1) * _BLOCK]
+            for j in range(xs.size):
+                os[j] = g(xs[j], tanh)
+        return out
+
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def backward(d1, x1):
+        n = x1.size
+        dx = np.empty_like(x1)
+        for c in prange((n + _BLOCK - 1) // _BLOCK):
+            xs, ds, gs = x1[c * _BLOCK:(c + 1) * _BLOCK], d1[c * _BLOCK:(c + 1) * _BLOCK], dx[c * _BLOCK:(c + 1) * _BLOCK]
+            for j in range(xs.size):
+                gs[j] = ds[j] * dg(xs[j], tanh)
+        return dx
+    return forward, backward
+
+
 def _kernels(g, dg):
     """{(tanh, with_db): (forward, backward)} for one version."""
     return {(t, w): _make(g, dg, t, w) for t in (False, True) for w in (False, True)}
@@ -224,11 +323,15 @@ def _check_approximate(approximate):
         raise ValueError(f"gelu: argument 'approximate' expected 'none' or 'tanh', got {approximate!r}")
 
 
-def _wrap(version, kernels):
-    """The four public-signature functions of one version around its kernels."""
+def _wrap(version, kernels, flat=None):
+    """The four public-signature functions of one version around its kernels (`flat`: {tanh: (forward, backward)}
+    of plain gelu on a flat array; without it plain gelu runs the bias kernels with b = 0 on one long row)."""
     def gelu_forward(x, approximate="none"):
         V.floats("gelu", x=x)
         _check_approximate(approximate)
+        if flat is not None:
+            out = flat[approximate == "tanh"][0](np.ascontiguousarray(x).reshape(-1))
+            return out.reshape(x.shape), (x, approximate)
         x2 = np.ascontiguousarray(x).reshape(1, -1)                   # (1, numel): elementwise, one long row
         out = kernels[approximate == "tanh", False][0](x2, np.zeros(x2.shape[1], x.dtype))
         return out.reshape(x.shape), (x, approximate)
@@ -236,6 +339,10 @@ def _wrap(version, kernels):
     def gelu_backward(dout, cache):
         x, approximate = cache
         V.dout("gelu", dout, x.shape, x.dtype)
+        if flat is not None:
+            dx = flat[approximate == "tanh"][1](np.ascontiguousarray(dout).reshape(-1),
+                                                np.ascontiguousarray(x).reshape(-1))
+            return dx.reshape(x.shape)
         x2 = np.ascontiguousarray(x).reshape(1, -1)
         d2 = np.ascontiguousarray(dout).reshape(1, -1)
         dx, _ = kernels[approximate == "tanh", False][1](d2, x2, np.zeros(x2.shape[1], x.dtype))
@@ -268,10 +375,13 @@ def _wrap(version, kernels):
 (gelu_forward_v1, gelu_backward_v1, bias_gelu_forward_v1, bias_gelu_backward_v1) = _wrap(1, _kernels(_gelu1, _dgelu1))
 (gelu_forward_v2, gelu_backward_v2, bias_gelu_forward_v2, bias_gelu_backward_v2) = _wrap(2, _kernels(_gelu2, _dgelu2))
 (gelu_forward_v3, gelu_backward_v3, bias_gelu_forward_v3, bias_gelu_backward_v3) = _wrap(3, _kernels(_gelu3, _dgelu3))
+(gelu_forward_v4, gelu_backward_v4, bias_gelu_forward_v4, bias_gelu_backward_v4) = _wrap(
+    4, {(t, True): _make_rows(_gelu4, _dgelu4, t) for t in (False, True)},
+    {t: _make_flat(_gelu4, _dgelu4, t) for t in (False, True)})
 
 # the public API: the fastest version
-gelu_forward, gelu_backward = gelu_forward_v3, gelu_backward_v3
-bias_gelu_forward, bias_gelu_backward = bias_gelu_forward_v3, bias_gelu_backward_v3
+gelu_forward, gelu_backward = gelu_forward_v4, gelu_backward_v4
+bias_gelu_forward, bias_gelu_backward = bias_gelu_forward_v4, bias_gelu_backward_v4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,19 +433,20 @@ _TOL = {np.float64: (1e-12, 1e-11), np.float32: (1e-6, 1e-5)}       # reasons: t
 SPEC_GELU = KernelSpec(
     name="gelu", oracle=(ops.gelu_forward, ops.gelu_backward),
     versions={1: (gelu_forward_v1, gelu_backward_v1), 2: (gelu_forward_v2, gelu_backward_v2),
-              3: (gelu_forward_v3, gelu_backward_v3)},
+              3: (gelu_forward_v3, gelu_backward_v3), 4: (gelu_forward_v4, gelu_backward_v4)},
     make_inputs=_make_gelu, wrt=("x",), shapes=_SHAPES,
     bench_shape={"shape": (4 * 512, 3072), "approximate": "none"}, tol=_TOL,
     # forward reads x, writes out; backward reads dout, x, writes dx: 5 N I items
     nbytes=lambda inp, kw: 5 * inp["x"].nbytes,
     torch_peer=_torch_gelu,
     notes={1: "math.erfc / math.exp (scalar libm)", 2: "_math polynomials (vectorised)",
-           3: "one float64-register exp for Phi and phi"})
+           3: "one float64-register exp for Phi and phi",
+           4: "float32 lanes: one exp, one reciprocal; plain gelu on flat blocks (all threads)"})
 
 SPEC_BIAS_GELU = KernelSpec(
     name="bias_gelu", oracle=(ops.bias_gelu_forward, ops.bias_gelu_backward),
     versions={1: (bias_gelu_forward_v1, bias_gelu_backward_v1), 2: (bias_gelu_forward_v2, bias_gelu_backward_v2),
-              3: (bias_gelu_forward_v3, bias_gelu_backward_v3)},
+              3: (bias_gelu_forward_v3, bias_gelu_backward_v3), 4: (bias_gelu_forward_v4, bias_gelu_backward_v4)},
     make_inputs=_make_bias_gelu, wrt=("x", "b"), shapes=_SHAPES[1:6] + _SHAPES[7:],   # b needs x.ndim >= 1
     bench_shape={"shape": (4 * 512, 3072), "approximate": "none"}, tol=_TOL,
     # forward reads x, b, writes out; backward reads dout, x, b, writes dx, db: 5 N I + 3 I items

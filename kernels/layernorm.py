@@ -216,6 +216,157 @@ def _backward_v2(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# version 3: as 2, but plain layernorm reads x where v2 first copies it (into out, into dx); the backward takes rows
+# in pairs, so each dw, db partial entry is read and written once per two rows (its stores were the bottleneck),
+# and keeps no xhat row: pass 1 computes c1, c2 and the partials, pass 2 recomputes xhat from s for dx; dw, db
+# partials are summed (in chunk order) inside the kernel. Rows of s (residual, dropout) go into dx's rows first,
+# as in v2, so s - mean is never regrouped.
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _forward_v3(x, a, drop, w, b, eps, out, mean, rstd):
+    R, C = x.shape
+    cf = like(eps, C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf = np.empty(C + 8, x.dtype)
+        for r in range(c * per, min(R, (c + 1) * per)):
+            o = out[r]
+            sr = x[r]                                # plain layernorm: s is x itself
+            s = like(eps, 0)
+            if a is not None:
+                mr = buf[:C]
+                if drop is not None:
+                    mr = _multipliers(buf, drop, r, C)
+                xr = x[r]
+                for j in range(C):                   # s = x + a (* keep * scale), kept in the output row
+                    v = xr[j] + a[r, j] * mr[j] if drop is not None else xr[j] + a[r, j]
+                    o[j] = v
+                    s += v
+                sr = o
+            else:
+                for j in range(C):
+                    s += sr[j]
+            m = s / cf
+            q = like(eps, 0)
+            for j in range(C):
+                d = sr[j] - m
+                q += d * d
+            rs = like(eps, 1) / math.sqrt(q / cf + eps)
+            for j in range(C):
+                o[j] = (sr[j] - m) * rs * w[j] + b[j]
+            mean[r] = m
+            rstd[r] = rs
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _s_row(x, a, drop, buf, r, g):
+    """Row r of s: x[r] itself (plain layernorm), or x + a (* keep * scale) written into g (dx's row) and read back
+    from there, rounded as the forward rounded it."""
+    if a is None:
+        return x[r]
+    C = x.shape[1]
+    xr, ar = x[r], a[r]
+    if drop is not None:
+        mr = _multipliers(buf, drop, r, C)
+        for j in range(C):
+            g[j] = xr[j] + ar[j] * mr[j]
+    else:
+        for j in range(C):
+            g[j] = xr[j] + ar[j]
+    return g
+
+
+# the backward's loops, one function each, so that each is a plain loop over a few arrays that LLVM vectorises
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_pair(s0, s1, y0, y1, w, m0, rs0, m1, rs1, dwc, dbc):
+    """c1 * C, c2 * C of rows 0 and 1; dwc += dout xhat and dbc += dout of both rows (one update per pair)."""
+    c10, c20, c11, c21 = like(m0, 0), like(m0, 0), like(m0, 0), like(m0, 0)
+    for j in range(s0.size):
+        xh0 = (s0[j] - m0) * rs0
+        xh1 = (s1[j] - m1) * rs1
+        wd0 = y0[j] * w[j]
+        wd1 = y1[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        c11 += wd1 * xh1
+        c21 += wd1
+        dwc[j] += y0[j] * xh0 + y1[j] * xh1
+        dbc[j] += y0[j] + y1[j]
+    return c10, c20, c11, c21
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_row(s0, y0, w, m0, rs0, dwc, dbc):
+    c10, c20 = like(m0, 0), like(m0, 0)
+    for j in range(s0.size):
+        xh0 = (s0[j] - m0) * rs0
+        wd0 = y0[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        dwc[j] += y0[j] * xh0
+        dbc[j] += y0[j]
+    return c10, c20
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _dx_row(s, y, w, m, rs, c1, c2, g):
+    """g = (dout w - (xhat c1 + c2)) rstd with xhat = (s - m) rstd recomputed (s may be g itself)."""
+    for j in range(s.size):
+        g[j] = (y[j] * w[j] - ((s[j] - m) * rs * c1 + c2)) * rs
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _dx_row_inplace(g, y, w, m, rs, c1, c2):
+    """_dx_row with s read from g: one array read and written, so no overlap check stands in the vectoriser's way."""
+    for j in range(g.size):
+        g[j] = (y[j] * w[j] - ((g[j] - m) * rs * c1 + c2)) * rs
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _scaled(g, mr, out):
+    for j in range(g.size):
+        out[j] = g[j] * mr[j]
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _backward_v3(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp, dw, db):
+    R, C = x.shape
+    cf = like(w[0], C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf = np.empty(C + 8, x.dtype)
+        dwc, dbc = dwp[c], dbp[c]
+        end = min(R, (c + 1) * per)
+        for r in range(c * per, end, 2):
+            if r + 1 < end:
+                s0 = _s_row(x, a, drop, buf, r, dx[r])
+                s1 = _s_row(x, a, drop, buf, r + 1, dx[r + 1])
+                c10, c20, c11, c21 = _sums_pair(s0, s1, dout[r], dout[r + 1], w, mean[r], rstd[r], mean[r + 1],
+                                                rstd[r + 1], dwc, dbc)
+                for k in range(2):
+                    c1, c2 = (c10, c20) if k == 0 else (c11, c21)
+                    if a is None:
+                        _dx_row(x[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf, dx[r + k])
+                    else:
+                        _dx_row_inplace(dx[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf)
+            else:                                    # the last row of an odd chunk
+                s0 = _s_row(x, a, drop, buf, r, dx[r])
+                c1, c2 = _sums_row(s0, dout[r], w, mean[r], rstd[r], dwc, dbc)
+                if a is None:
+                    _dx_row(x[r], dout[r], w, mean[r], rstd[r], c1 / cf, c2 / cf, dx[r])
+                else:
+                    _dx_row_inplace(dx[r], dout[r], w, mean[r], rstd[r], c1 / cf, c2 / cf)
+            if da is not None:
+                for k in range(min(2, end - r)):
+                    _scaled(dx[r + k], _multipliers(buf, drop, r + k, C), da[r + k])
+    for c in range(n):                               # the partials in chunk order: the same bits every run
+        for j in range(C):
+            dw[j] += dwp[c, j]
+            db[j] += dbp[c, j]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # launchers: the oracle's checks in the oracle's order, then rows
 
 def _check_ln(x, w, b):
@@ -248,7 +399,8 @@ def _run_forward(version, x, a, drop, w, b, eps):
         mask = (keep, scale)
     else:
         mask = None if drop is None else (drop[0], drop[1], drop[2], dt(drop[3]))
-        _forward_v2(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
+        kernel = _forward_v2 if version == 2 else _forward_v3
+        kernel(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
     return out, (version, x2, a2, mask, w, mean, rstd, x.shape)
 
 
@@ -262,6 +414,10 @@ def _run_backward(dout, cache, with_da):
     dx = np.empty(shape, x2.dtype)
     da = np.empty(shape, x2.dtype) if with_da else None
     da2 = None if da is None else da.reshape(R, C)
+    if version == 3:
+        dw, db = np.zeros(C, x2.dtype), np.zeros(C, x2.dtype)
+        _backward_v3(d2, x2, a2, mask, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp, dw, db)
+        return dx, da, dw, db
     if version == 1:
         keep, scale = mask
         _backward_v1(d2, x2, a2, keep, scale, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp)
@@ -343,16 +499,29 @@ def dropout_residual_layernorm_forward_v2(x, a, w, b, eps=1e-12, p=0.0, rng=None
     return _dropout_residual_forward(2, x, a, w, b, eps, p, rng, train)
 
 
+def layernorm_forward_v3(x, w, b, eps=1e-12):
+    return _layernorm_forward(3, x, w, b, eps)
+
+
+def residual_layernorm_forward_v3(x, a, w, b, eps=1e-12):
+    return _residual_forward(3, x, a, w, b, eps)
+
+
+def dropout_residual_layernorm_forward_v3(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_forward(3, x, a, w, b, eps, p, rng, train)
+
+
 # the cache names its version, so one backward serves every version of an op
-layernorm_backward_v1 = layernorm_backward_v2 = _layernorm_backward
-residual_layernorm_backward_v1 = residual_layernorm_backward_v2 = _residual_backward
+layernorm_backward_v1 = layernorm_backward_v2 = layernorm_backward_v3 = _layernorm_backward
+residual_layernorm_backward_v1 = residual_layernorm_backward_v2 = residual_layernorm_backward_v3 = _residual_backward
 dropout_residual_layernorm_backward_v1 = dropout_residual_layernorm_backward_v2 = _dropout_residual_backward
+dropout_residual_layernorm_backward_v3 = _dropout_residual_backward
 
 # the best versions
-layernorm_forward, layernorm_backward = layernorm_forward_v2, layernorm_backward_v2
-residual_layernorm_forward, residual_layernorm_backward = residual_layernorm_forward_v2, residual_layernorm_backward_v2
-dropout_residual_layernorm_forward = dropout_residual_layernorm_forward_v2
-dropout_residual_layernorm_backward = dropout_residual_layernorm_backward_v2
+layernorm_forward, layernorm_backward = layernorm_forward_v3, layernorm_backward_v3
+residual_layernorm_forward, residual_layernorm_backward = residual_layernorm_forward_v3, residual_layernorm_backward_v3
+dropout_residual_layernorm_forward = dropout_residual_layernorm_forward_v3
+dropout_residual_layernorm_backward = dropout_residual_layernorm_backward_v3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -408,19 +577,23 @@ def _spec(name, kind, versions, oracle, wrt, extra=()):
         shapes=[dict(s, kind=kind) for s in _SHAPES] + list(extra), bench_shape=dict(_BENCH, kind=kind),
         tol=_TOL, nbytes=_nbytes, torch_peer=_torch_peer,
         notes={1: "one row per prange, 3 passes from the inputs, float64 sums",
-               2: "s kept in the output row (L1), SIMD dtype sums, Philox blocks, chunked rows"})
+               2: "s kept in the output row (L1), SIMD dtype sums, Philox blocks, chunked rows",
+               3: "x read in place (no s copy for plain layernorm); backward rows in pairs, no xhat row"})
 
 
 SPEC = _spec("layernorm", "ln",
-             {1: (layernorm_forward_v1, layernorm_backward_v1), 2: (layernorm_forward_v2, layernorm_backward_v2)},
+             {1: (layernorm_forward_v1, layernorm_backward_v1), 2: (layernorm_forward_v2, layernorm_backward_v2),
+              3: (layernorm_forward_v3, layernorm_backward_v3)},
              (ops.layernorm_forward, ops.layernorm_backward), ("x", "w", "b"))
 SPEC_RESIDUAL = _spec("residual_layernorm", "res",
                       {1: (residual_layernorm_forward_v1, residual_layernorm_backward_v1),
-                       2: (residual_layernorm_forward_v2, residual_layernorm_backward_v2)},
+                       2: (residual_layernorm_forward_v2, residual_layernorm_backward_v2),
+                       3: (residual_layernorm_forward_v3, residual_layernorm_backward_v3)},
                       (ops.residual_layernorm_forward, ops.residual_layernorm_backward), ("x", "a", "w", "b"))
 SPEC_DROPOUT = _spec("dropout_residual_layernorm", "drop",
                      {1: (dropout_residual_layernorm_forward_v1, dropout_residual_layernorm_backward_v1),
-                      2: (dropout_residual_layernorm_forward_v2, dropout_residual_layernorm_backward_v2)},
+                      2: (dropout_residual_layernorm_forward_v2, dropout_residual_layernorm_backward_v2),
+                      3: (dropout_residual_layernorm_forward_v3, dropout_residual_layernorm_backward_v3)},
                      (ops.dropout_residual_layernorm_forward, ops.dropout_residual_layernorm_backward),
                      ("x", "a", "w", "b"),
                      extra=[dict(lead=(3,), C=37, kind="drop", p=0.5), dict(lead=(2, 3), C=7, kind="drop", p=1.0),
