@@ -31,8 +31,14 @@ Versions (python -m refbert_kernels.attention validates each against the oracle,
      out / dq / dk / dv in place (C += A B): no head copies, no temporaries; 1.0x PyTorch's fused fwd + bwd
   5: version 4 skipping key blocks that are all padding in rows with a real token (their p is exactly 0): with
      HF padding masks the work shrinks with the padding
-Tiles keep BQ * BK * hs <= 2^18 (64 x 64 at hs = 64): OpenBLAS runs such a gemm on the calling thread, larger ones
-make the prange threads queue for its own pool (_tile).
+  6: version 5 with tiles of up to 256 queries x 512 keys: each row's softmax loops run up to 512 keys instead
+     of 64 (their per-row setup was most of v5's elementwise time) and BLAS gets 16x fewer, larger products
+     (~105-117 GFLOP/s a core instead of ~95); scipy's OpenBLAS held to one thread during the call (above 2^18
+     multiply-adds it would otherwise hand each product to its own pool); the keys between the first and the
+     last live 64-key block (v5's test) as one range; 16-lane exp (_math.exp_f32) and llvm.maximum; no mask
+     array when there is no mask; dq, dk, dv zeroed by the kernel, in parallel
+Tiles of v3-v5 keep BQ * BK * hs <= 2^18 (64 x 64 at hs = 64): OpenBLAS runs such a gemm on the calling thread,
+larger ones make the prange threads queue for its own pool (_tile); v6 sets that pool to one thread instead.
 
 References: Dao et al. 2022, "FlashAttention"; Dao 2023, "FlashAttention-2" (Algorithms 1 and 2); Milakov &
 Gimelshein 2018, "Online normalizer calculation for softmax".
@@ -868,15 +874,13 @@ _blas_threads = None
 
 
 def _tile6(T, hs):
-    """(BQ, BK) of v6: 64 x min(512, T) when OpenBLAS can be held to one thread, else BQ * BK * hs <= 2^18."""
+    """(BQ, BK) of v6: up to 256 x 512 when OpenBLAS can be held to one thread, else v4's tiles (_tile)."""
     global _blas_threads
     if _blas_threads is None:
         _blas_threads = _OpenBLASThreads()
-    bq = _BQ6
-    bk = min(_BK6, max(T, 1))
     if not _blas_threads.ok:
-        bk = min(bk, max(8, 2 ** 18 // (bq * max(hs, 1))))
-    return bq, bk
+        return _tile(hs)
+    return min(_BQ6, max(T, 1)), min(_BK6, max(T, 1))
 
 
 @njit(cache=True, inline="always")

@@ -18,12 +18,17 @@ Versions (run: python -m refbert_kernels.cross_entropy):
   2: _math.exp (a polynomial that vectorises for float32), sums of exp in float64, 1/ dloss scale folded
   3: v2 with an online max+sum (one read of the row in the forward: s rescaled by exp(m_old - m_new) per
      block of 512 columns, so the exp count stays ~V)
+  4: float32 lanes: _math.exp_f32 (16 lanes; _math.exp reduces in float64, 8), the row max by llvm.maximum
+     (NaN-propagating, so m alone shows a NaN, +inf or all -inf row: v2's row-sum check pass goes), the sum of
+     exp in float32 within blocks of _SUM_BLOCK columns on 1-d views (a view indexed from 0 vectorises) and in
+     float64 across blocks; float64 rows as v2 (math.exp, float64 sums)
 
 Tolerances (|got - ref| <= atol + rtol |ref|):
   float64 atol 1e-12, rtol 1e-10: libm exp vs NumPy's exp, summation order of V ~ 3e4 terms (~1e-16 V^0.5
           relative), log; loss terms of size ~10 and logits up to 1e4 (z - m exact either way).
   float32 atol 1e-6, rtol 1e-5: the oracle sums exp in float32 (NumPy pairwise, ~1e-7 log V relative), the
-          kernels in float64; exp to 1 ulp; gradient entries are ~1/V, far below atol where they differ.
+          kernels in float64 (v4: float32 over ~16 terms per SIMD accumulator, then float64); exp to 1 ulp;
+          gradient entries are ~1/V, far below atol where they differ.
 """
 import math
 

@@ -6,8 +6,8 @@ Oracle: refbert.ops.gelu_forward / gelu_backward and refbert.ops.bias_gelu_forwa
     forward:   u = x + b;  out = u * Phi(u)      tanh: Phi(u) ~ s = sigmoid(2 sqrt(2/pi) (u + 0.044715 u^3))
     backward:  du = dout * (Phi(u) + u * phi(u)),  phi(u) = exp(-u^2 / 2) / sqrt(2 pi)
                tanh: du = dout * (s + 2 u s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 u^2))
-               dx = du;  db = sum of du over every row: per-chunk partials (fixed chunks of _ROWS rows, float64),
-               then one fixed-order sum over the chunks, so db is the same bits whatever the thread count.
+               dx = du;  db = sum of du over every row: per-chunk partials (fixed chunks of _ROWS rows, float64;
+               v4 float32), then one fixed-order sum over the chunks, so db is the same bits whatever the threads.
 The cache is (x, b, approximate): the backward recomputes u = x + b and Phi on the fly, so neither u, out nor
 Phi is stored: the forward moves x -> out, the backward dout, x -> dx, the minimum (5 N I items).
 
@@ -16,14 +16,19 @@ Versions (run: python -m refbert_kernels.gelu):
   2: the same loops with _math.ndtr / _math.sigmoid / _math.exp, which vectorise (float32); float64 as v1
   3: float32 computes Phi and phi from ONE exponential in float64 registers (v2 pays two: one inside ndtr and
      one for phi), so the backward costs one exp + one short polynomial per element; float64 as v1
+  4: float32 in float32 registers (16 lanes, not 8): _math.phi_parts_f32 gives Phi and exp(-u^2/2) from one
+     exp_f32 and one reciprocal (v3: two float64 divisions), Phi to 5.8 ulp instead of 0.5; plain gelu runs on
+     the flat array in blocks of _BLOCK elements (v1-v3 ran it as ONE row of numel entries, which their row
+     chunks gave to a single thread); db partials in the input's dtype over their 16 rows; float64 as v2
 
 Tolerances (|got - ref| <= atol + rtol |ref|):
   float64 atol 1e-12, rtol 1e-11: math.erfc vs scipy ndtr (~1e-16 relative, x 1/sqrt 2 rounding grows it by
           u^2 in the tails), the oracle's Phi = out / x in its backward, and db's summation order (float64
           partials vs NumPy's pairwise sum).
   float32 atol 1e-6, rtol 1e-5: the oracle rounds u, u^3 and every step to float32 (tanh: the argument of the
-          sigmoid carries ~3 ulp), the kernels compute Phi to 0.5 ulp; NumPy sums db in float32 over the rows
-          (the kernels in float64), log2(N) eps-sized relative differences.
+          sigmoid carries ~3 ulp), the kernels compute Phi to 0.5 ulp (v4: 5.8 ulp, 3.5e-7 relative); NumPy sums
+          db in float32 over the rows (the kernels in float64; v4 in float32 within 16 rows, then float64),
+          log2(N) eps-sized relative differences.
 """
 import math
 

@@ -19,6 +19,11 @@ Versions (python -m refbert_kernels.layernorm validates each against the oracle,
     2  s written once into the output row (it stays in L1) and normalised in place, row sums in the dtype
        (SIMD), chunks of rows per prange iteration; dropout multipliers one Philox block per 4 elements into a
        row buffer, regenerated in the backward (no mask in memory)
+    3  as 2, but plain layernorm reads x where v2 first copies it (into the output row, into dx's row); the
+       backward takes rows in pairs, so each dw, db partial entry is read and written once per two rows (those
+       stores bounded v2), keeps no xhat row (pass 1: c1, c2 and the partials; pass 2 recomputes xhat from s),
+       has each loop in a function of its own over 1-d views (one plain loop LLVM vectorises), and adds the
+       partials inside the kernel
 
 Tolerance (the spec's tol): float64 atol 1e-12, rtol 1e-11 — summation order only (SIMD lanes and chunked dw, db
 against NumPy's pairwise row means and sequential column sums). float32 atol 1e-5, rtol 1e-4 — float32 sums in
@@ -219,8 +224,8 @@ def _backward_v2(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp):
 # version 3: as 2, but plain layernorm reads x where v2 first copies it (into out, into dx); the backward takes rows
 # in pairs, so each dw, db partial entry is read and written once per two rows (its stores were the bottleneck),
 # and keeps no xhat row: pass 1 computes c1, c2 and the partials, pass 2 recomputes xhat from s for dx; dw, db
-# partials are summed (in chunk order) inside the kernel. Rows of s (residual, dropout) go into dx's rows first,
-# as in v2, so s - mean is never regrouped.
+# partials are summed (in chunk order) inside the kernel. Residual rows of s are formed in pass 1 and stored into
+# dx's rows for pass 2; s - mean goes through _minus, which carries no fast-math flag, so it is never regrouped.
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def _forward_v3(x, a, drop, w, b, eps, out, mean, rstd):
@@ -258,29 +263,20 @@ def _forward_v3(x, a, drop, w, b, eps, out, mean, rstd):
             rstd[r] = rs
 
 
-@njit(cache=True, fastmath=FASTMATH)
-def _s_row(x, a, drop, buf, r, g):
-    """Row r of s: x[r] itself (plain layernorm), or x + a (* keep * scale) written into g (dx's row) and read back
-    from there, rounded as the forward rounded it."""
-    if a is None:
-        return x[r]
-    C = x.shape[1]
-    xr, ar = x[r], a[r]
-    if drop is not None:
-        mr = _multipliers(buf, drop, r, C)
-        for j in range(C):
-            g[j] = xr[j] + ar[j] * mr[j]
-    else:
-        for j in range(C):
-            g[j] = xr[j] + ar[j]
-    return g
+@njit(cache=True)
+def _minus(s, m):
+    """s - m without fast-math flags: inlined into a fast-math loop, 'reassoc' still cannot regroup (x + a) - m
+    into x + (a - m) (for C = 1 or a constant row s - m is exactly 0, and rstd = 1/sqrt(eps) magnifies any
+    difference)."""
+    return s - m
 
 
-# the backward's loops, one function each, so that each is a plain loop over a few arrays that LLVM vectorises
+# the backward's loops, one function each, so that each is a plain loop over a few 1-d views that LLVM vectorises
 
 @njit(cache=True, fastmath=FASTMATH)
 def _sums_pair(s0, s1, y0, y1, w, m0, rs0, m1, rs1, dwc, dbc):
-    """c1 * C, c2 * C of rows 0 and 1; dwc += dout xhat and dbc += dout of both rows (one update per pair)."""
+    """c1 * C, c2 * C of rows 0 and 1 of plain layernorm (s = x); dwc += dout xhat and dbc += dout of both rows
+    (one update of each partial per pair)."""
     c10, c20, c11, c21 = like(m0, 0), like(m0, 0), like(m0, 0), like(m0, 0)
     for j in range(s0.size):
         xh0 = (s0[j] - m0) * rs0
@@ -301,6 +297,51 @@ def _sums_row(s0, y0, w, m0, rs0, dwc, dbc):
     c10, c20 = like(m0, 0), like(m0, 0)
     for j in range(s0.size):
         xh0 = (s0[j] - m0) * rs0
+        wd0 = y0[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        dwc[j] += y0[j] * xh0
+        dbc[j] += y0[j]
+    return c10, c20
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_pair_s(x0, a0, k0, x1, a1, k1, g0, g1, y0, y1, w, m0, rs0, m1, rs1, dwc, dbc):
+    """_sums_pair of residual rows, s = x + a (* k, the dropout multipliers, when k is not None) formed in the
+    same loop and stored into g (dx's rows) for the dx pass: one read of x and a."""
+    c10, c20, c11, c21 = like(m0, 0), like(m0, 0), like(m0, 0), like(m0, 0)
+    for j in range(x0.size):
+        if k0 is None:
+            v0 = x0[j] + a0[j]
+            v1 = x1[j] + a1[j]
+        else:
+            v0 = x0[j] + a0[j] * k0[j]
+            v1 = x1[j] + a1[j] * k1[j]
+        g0[j] = v0
+        g1[j] = v1
+        xh0 = _minus(v0, m0) * rs0
+        xh1 = _minus(v1, m1) * rs1
+        wd0 = y0[j] * w[j]
+        wd1 = y1[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        c11 += wd1 * xh1
+        c21 += wd1
+        dwc[j] += y0[j] * xh0 + y1[j] * xh1
+        dbc[j] += y0[j] + y1[j]
+    return c10, c20, c11, c21
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_row_s(x0, a0, k0, g0, y0, w, m0, rs0, dwc, dbc):
+    c10, c20 = like(m0, 0), like(m0, 0)
+    for j in range(x0.size):
+        if k0 is None:
+            v0 = x0[j] + a0[j]
+        else:
+            v0 = x0[j] + a0[j] * k0[j]
+        g0[j] = v0
+        xh0 = _minus(v0, m0) * rs0
         wd0 = y0[j] * w[j]
         c10 += wd0 * xh0
         c20 += wd0
@@ -335,31 +376,39 @@ def _backward_v3(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp, dw, db):
     cf = like(w[0], C)
     per, n = _chunks_nb(R)
     for c in prange(n):
-        buf = np.empty(C + 8, x.dtype)
+        buf0 = np.empty(C + 8, x.dtype)              # the dropout multipliers of the pair's two rows
+        buf1 = np.empty(C + 8, x.dtype)
         dwc, dbc = dwp[c], dbp[c]
         end = min(R, (c + 1) * per)
         for r in range(c * per, end, 2):
-            if r + 1 < end:
-                s0 = _s_row(x, a, drop, buf, r, dx[r])
-                s1 = _s_row(x, a, drop, buf, r + 1, dx[r + 1])
-                c10, c20, c11, c21 = _sums_pair(s0, s1, dout[r], dout[r + 1], w, mean[r], rstd[r], mean[r + 1],
-                                                rstd[r + 1], dwc, dbc)
-                for k in range(2):
-                    c1, c2 = (c10, c20) if k == 0 else (c11, c21)
-                    if a is None:
-                        _dx_row(x[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf, dx[r + k])
-                    else:
-                        _dx_row_inplace(dx[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf)
-            else:                                    # the last row of an odd chunk
-                s0 = _s_row(x, a, drop, buf, r, dx[r])
-                c1, c2 = _sums_row(s0, dout[r], w, mean[r], rstd[r], dwc, dbc)
+            two = r + 1 < end                        # else the last row of an odd chunk, alone
+            if drop is None:
+                k0 = k1 = None
+            else:
+                k0 = _multipliers(buf0, drop, r, C)
+                k1 = _multipliers(buf1, drop, min(r + 1, end - 1), C)
+            if two:
                 if a is None:
-                    _dx_row(x[r], dout[r], w, mean[r], rstd[r], c1 / cf, c2 / cf, dx[r])
+                    c10, c20, c11, c21 = _sums_pair(x[r], x[r + 1], dout[r], dout[r + 1], w, mean[r], rstd[r],
+                                                    mean[r + 1], rstd[r + 1], dwc, dbc)
                 else:
-                    _dx_row_inplace(dx[r], dout[r], w, mean[r], rstd[r], c1 / cf, c2 / cf)
-            if da is not None:
-                for k in range(min(2, end - r)):
-                    _scaled(dx[r + k], _multipliers(buf, drop, r + k, C), da[r + k])
+                    c10, c20, c11, c21 = _sums_pair_s(x[r], a[r], k0, x[r + 1], a[r + 1], k1, dx[r], dx[r + 1],
+                                                      dout[r], dout[r + 1], w, mean[r], rstd[r], mean[r + 1],
+                                                      rstd[r + 1], dwc, dbc)
+            else:
+                if a is None:
+                    c10, c20 = _sums_row(x[r], dout[r], w, mean[r], rstd[r], dwc, dbc)
+                else:
+                    c10, c20 = _sums_row_s(x[r], a[r], k0, dx[r], dout[r], w, mean[r], rstd[r], dwc, dbc)
+                c11, c21 = c10, c20
+            for k in range(2 if two else 1):
+                c1, c2 = (c10, c20) if k == 0 else (c11, c21)
+                if a is None:
+                    _dx_row(x[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf, dx[r + k])
+                else:                                # s is in dx's row
+                    _dx_row_inplace(dx[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf)
+                if da is not None:
+                    _scaled(dx[r + k], k0 if k == 0 else k1, da[r + k])
     for c in range(n):                               # the partials in chunk order: the same bits every run
         for j in range(C):
             dw[j] += dwp[c, j]
