@@ -6,8 +6,8 @@ Oracle: refbert.ops.gelu_forward / gelu_backward and refbert.ops.bias_gelu_forwa
     forward:   u = x + b;  out = u * Phi(u)      tanh: Phi(u) ~ s = sigmoid(2 sqrt(2/pi) (u + 0.044715 u^3))
     backward:  du = dout * (Phi(u) + u * phi(u)),  phi(u) = exp(-u^2 / 2) / sqrt(2 pi)
                tanh: du = dout * (s + 2 u s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 u^2))
-               dx = du;  db = sum of du over every row: per-chunk partials (fixed chunks of _ROWS rows, float64;
-               v4 float32), then one fixed-order sum over the chunks, so db is the same bits whatever the threads.
+               dx = du;  db = sum of du over every row: per-chunk partials (fixed chunks of _ROWS rows, float64),
+               then one fixed-order sum over the chunks, so db is the same bits whatever the thread count.
 The cache is (x, b, approximate): the backward recomputes u = x + b and Phi on the fly, so neither u, out nor
 Phi is stored: the forward moves x -> out, the backward dout, x -> dx, the minimum (5 N I items).
 
@@ -19,7 +19,8 @@ Versions (run: python -m refbert_kernels.gelu):
   4: float32 in float32 registers (16 lanes, not 8): _math.phi_parts_f32 gives Phi and exp(-u^2/2) from one
      exp_f32 and one reciprocal (v3: two float64 divisions), Phi to 5.8 ulp instead of 0.5; plain gelu runs on
      the flat array in blocks of _BLOCK elements (v1-v3 ran it as ONE row of numel entries, which their row
-     chunks gave to a single thread); db partials in the input's dtype over their 16 rows; float64 as v2
+     chunks gave to a single thread); db's float64 partials added in a loop of their own; below PARALLEL_MIN
+     elements the same loops on the calling thread (no workqueue wake-up); float64 as v2
 
 Tolerances (|got - ref| <= atol + rtol |ref|):
   float64 atol 1e-12, rtol 1e-11: math.erfc vs scipy ndtr (~1e-16 relative, x 1/sqrt 2 rounding grows it by
@@ -27,8 +28,7 @@ Tolerances (|got - ref| <= atol + rtol |ref|):
           partials vs NumPy's pairwise sum).
   float32 atol 1e-6, rtol 1e-5: the oracle rounds u, u^3 and every step to float32 (tanh: the argument of the
           sigmoid carries ~3 ulp), the kernels compute Phi to 0.5 ulp (v4: 5.8 ulp, 3.5e-7 relative); NumPy sums
-          db in float32 over the rows (the kernels in float64; v4 in float32 within 16 rows, then float64),
-          log2(N) eps-sized relative differences.
+          db in float32 over the rows (the kernels in float64), log2(N) eps-sized relative differences.
 """
 import math
 
@@ -253,8 +253,8 @@ def _make(g, dg, tanh, with_db):
 
 
 def _make_rows(g, dg, tanh):
-    """v4's bias_gelu kernels: as _make's, with the db partials in the input's dtype (16 rows each, then summed in
-    float64 in chunk order): a float64 partial beside a float32 row costs a conversion per element."""
+    """v4's bias_gelu kernels: as _make's, but the backward writes dx's row in one loop and adds it to the float64
+    db partial in a second (one loop writing a float32 row and a float64 partial stayed scalar)."""
     @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
     def forward(x2, b):
         N, I = x2.shape
@@ -271,15 +271,15 @@ def _make_rows(g, dg, tanh):
         N, I = x2.shape
         dx = np.empty_like(x2)
         nc = (N + _ROWS - 1) // _ROWS
-        part = np.zeros((nc, I), x2.dtype)                         # per-chunk db partials (16 rows each)
+        part = np.zeros((nc, I), np.float64)                       # per-chunk db partials, as v1-v3's
         for c in prange(nc):
             pc = part[c]
             for i in range(c * _ROWS, min(N, (c + 1) * _ROWS)):
                 xi, di, gi = x2[i], dout2[i], dx[i]
                 for j in range(I):
-                    d = di[j] * dg(xi[j] + b[j], tanh)
-                    gi[j] = d
-                    pc[j] += d
+                    gi[j] = di[j] * dg(xi[j] + b[j], tanh)
+                for j in range(I):                                  # a loop of its own: one dtype per loop
+                    pc[j] += gi[j]
         db = np.zeros(I, np.float64)
         for c in range(nc):                                         # fixed order: chunk 0, 1, 2, ...
             for j in range(I):
@@ -310,6 +310,24 @@ def _make_flat(g, dg, tanh):
             for j in range(xs.size):
                 gs[j] = ds[j] * dg(xs[j], tanh)
         return dx
+    return forward, backward
+
+
+PARALLEL_MIN = 1 << 19    # v4: below this many elements the kernels run on the calling thread (layernorm.py's reason)
+
+
+def _small_on_one_thread(kernels):
+    """(forward, backward) of v4 that run their own code compiled without parallel=True below PARALLEL_MIN
+    elements (the first argument's size; the bits do not change: the db chunks are fixed rows)."""
+    fwd, bwd = kernels
+    opts = dict(cache=True, fastmath=_FAST, error_model="numpy")
+    fwd1, bwd1 = njit(**opts)(fwd.py_func), njit(**opts)(bwd.py_func)
+
+    def forward(x, *rest):
+        return (fwd if x.size >= PARALLEL_MIN else fwd1)(x, *rest)
+
+    def backward(d, *rest):
+        return (bwd if d.size >= PARALLEL_MIN else bwd1)(d, *rest)
     return forward, backward
 
 
@@ -381,8 +399,8 @@ def _wrap(version, kernels, flat=None):
 (gelu_forward_v2, gelu_backward_v2, bias_gelu_forward_v2, bias_gelu_backward_v2) = _wrap(2, _kernels(_gelu2, _dgelu2))
 (gelu_forward_v3, gelu_backward_v3, bias_gelu_forward_v3, bias_gelu_backward_v3) = _wrap(3, _kernels(_gelu3, _dgelu3))
 (gelu_forward_v4, gelu_backward_v4, bias_gelu_forward_v4, bias_gelu_backward_v4) = _wrap(
-    4, {(t, True): _make_rows(_gelu4, _dgelu4, t) for t in (False, True)},
-    {t: _make_flat(_gelu4, _dgelu4, t) for t in (False, True)})
+    4, {(t, True): _small_on_one_thread(_make_rows(_gelu4, _dgelu4, t)) for t in (False, True)},
+    {t: _small_on_one_thread(_make_flat(_gelu4, _dgelu4, t)) for t in (False, True)})
 
 # the public API: the fastest version
 gelu_forward, gelu_backward = gelu_forward_v4, gelu_backward_v4

@@ -23,7 +23,7 @@ Versions (python -m refbert_kernels.layernorm validates each against the oracle,
        backward takes rows in pairs, so each dw, db partial entry is read and written once per two rows (those
        stores bounded v2), keeps no xhat row (pass 1: c1, c2 and the partials; pass 2 recomputes xhat from s),
        has each loop in a function of its own over 1-d views (one plain loop LLVM vectorises), and adds the
-       partials inside the kernel
+       partials inside the kernel; below PARALLEL_MIN elements the same code runs on the calling thread
 
 Tolerance (the spec's tol): float64 atol 1e-12, rtol 1e-11 — summation order only (SIMD lanes and chunked dw, db
 against NumPy's pairwise row means and sequential column sums). float32 atol 1e-5, rtol 1e-4 — float32 sums in
@@ -415,6 +415,16 @@ def _backward_v3(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp, dw, db):
             db[j] += dbp[c, j]
 
 
+# v3 on fewer than PARALLEL_MIN elements: the same kernels compiled without parallel=True (prange runs as range),
+# on the calling thread. Waking the two workqueue threads costs 0.03-0.08 ms, 0.2-0.3 ms right after a NumPy GEMM
+# (OpenBLAS's threads still spin on both cores): more than the whole of a (1024, 256) layernorm's work (~0.15 ms
+# backward, one thread), the size of every layernorm of the mini pretraining step. The chunks, and so the bits of
+# dw and db, do not depend on it.
+PARALLEL_MIN = 1 << 19
+_forward_v3_serial = njit(cache=True, fastmath=FASTMATH)(_forward_v3.py_func)
+_backward_v3_serial = njit(cache=True, fastmath=FASTMATH)(_backward_v3.py_func)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # launchers: the oracle's checks in the oracle's order, then rows
 
@@ -448,7 +458,7 @@ def _run_forward(version, x, a, drop, w, b, eps):
         mask = (keep, scale)
     else:
         mask = None if drop is None else (drop[0], drop[1], drop[2], dt(drop[3]))
-        kernel = _forward_v2 if version == 2 else _forward_v3
+        kernel = _forward_v2 if version == 2 else (_forward_v3 if x2.size >= PARALLEL_MIN else _forward_v3_serial)
         kernel(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
     return out, (version, x2, a2, mask, w, mean, rstd, x.shape)
 
@@ -465,7 +475,8 @@ def _run_backward(dout, cache, with_da):
     da2 = None if da is None else da.reshape(R, C)
     if version == 3:
         dw, db = np.zeros(C, x2.dtype), np.zeros(C, x2.dtype)
-        _backward_v3(d2, x2, a2, mask, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp, dw, db)
+        kernel = _backward_v3 if x2.size >= PARALLEL_MIN else _backward_v3_serial
+        kernel(d2, x2, a2, mask, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp, dw, db)
         return dx, da, dw, db
     if version == 1:
         keep, scale = mask

@@ -160,3 +160,20 @@ def test_public_names_are_the_best_version():
     assert (K.residual_layernorm_forward, K.residual_layernorm_backward) == K.SPEC_RESIDUAL.versions[best]
     assert (K.dropout_residual_layernorm_forward, K.dropout_residual_layernorm_backward) == \
         K.SPEC_DROPOUT.versions[best]
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_inputs_on_one_thread_give_the_parallel_bits(kind, dtype, monkeypatch):
+    """Below K.PARALLEL_MIN elements v3 runs its kernels compiled without parallel=True on the calling thread: the
+    same rows, chunks and sums, so the same bits as the prange kernels, which the oracle checks above only reach
+    at large shapes; both paths are forced here on one shape and checked against each other and the oracle."""
+    inputs, kwargs = K.make_inputs(dict(lead=(67,), C=41, kind=kind, p=0.3), dtype, 4)
+    results = []
+    for threshold in (0, 1 << 62):                                   # every size parallel, then none
+        monkeypatch.setattr(K, "PARALLEL_MIN", threshold)
+        for v in VERSIONS:
+            check(kind, v, inputs, kwargs)
+        results.append(run_both(kind, max(VERSIONS), inputs, kwargs)[1])
+    for g, h in zip(*results):
+        np.testing.assert_array_equal(g, h)

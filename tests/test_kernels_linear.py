@@ -64,3 +64,13 @@ def test_empty_rows():
         out, _ = K.SPEC.versions[v][0](np.ones((0, 3), np.float32), np.ones((4, 3), np.float32),
                                        np.ones(4, np.float32))
         assert out.shape == (0, 4) and out.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_both_bias_paths_are_the_oracles_bits(dtype, monkeypatch):
+    """The bias is added by a prange kernel from K.PARALLEL_MIN entries on, by NumPy below: both forced here."""
+    inputs, _ = K.make_inputs(dict(lead=(3, 17), C_in=8, C_out=1031), dtype, 2)
+    ref, _ = ops.linear_forward(**inputs)
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(K, "PARALLEL_MIN", threshold)
+        np.testing.assert_array_equal(K.linear_forward(**inputs)[0], ref)
