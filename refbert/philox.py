@@ -63,6 +63,8 @@ def keep_mask(seed, stream, shape, p):
     CHUNK Philox blocks (tests/test_philox.py checks the two agree, bit for bit)."""
     n = int(np.prod(shape))
     thr = threshold(p)
+    if thr == 0 or thr >= 2 ** 32:                             # p = 0 keeps every word, p = 1 none
+        return np.full(shape, thr == 0)
     nb = (n + 3) // 4                                          # Philox blocks: block b holds elements 4b .. 4b + 3
     keep = np.empty((nb, 4), np.bool_)
     bufs = [np.empty(min(nb, CHUNK), np.uint64) for _ in range(5)]
@@ -81,12 +83,12 @@ CHUNK = 1 << 14          # Philox blocks per chunk: five uint64 buffers of 128 K
 _U = np.uint64
 _M0, _M1, _LO = np.array(M0, _U), np.array(M1, _U), np.array(0xFFFFFFFF, _U)   # 0-d operands (_c)
 _S32 = np.array(32, _U)
-_IOTA = np.arange(CHUNK, dtype=_U)
+_M0_IOTA = np.arange(CHUNK, dtype=_U) * _M0           # M0 i: round 1's products, less the chunk's M0 b0
 
 
 def _keep_blocks(kb, b0, seed, stream, thr, bufs):
     """kb (m, 4) bool <- (word j of Philox block b0 + i) >= thr, for the m blocks b0 .. b0 + m - 1, which share the
-    counter's high word b0 >> 32. bufs: five uint64 arrays of >= m entries (scratch).
+    counter's high word b0 >> 32; 0 < thr < 2^32. bufs: five uint64 arrays of >= m entries (scratch).
 
     The round on (c0, c1, c2, c3) keeps the multiplicands c0, c2 and the low words c1 = lo(p1), c3 = lo(p0) in four
     arrays, each update one ufunc call into an existing array (no temporaries; out given positionally and every
@@ -101,8 +103,7 @@ def _keep_blocks(kb, b0, seed, stream, thr, bufs):
     k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
     s0, s1 = stream & 0xFFFFFFFF, (stream >> 32) & 0xFFFFFFFF
     # round 1: c0 = b0 + i (a vector), c1 = b0 >> 32, c2 = s0, c3 = s1 (numbers)
-    np.add(_IOTA[:m], _c(b0 & 0xFFFFFFFF), a)
-    np.multiply(a, _M0, a)                                     # p0 (vector);  p1 = M1 s0 (a number)
+    np.add(_M0_IOTA[:m], _c(M0 * (b0 & 0xFFFFFFFF)), a)        # p0 = M0 (b0 + i) = M0 b0 + M0 i (< 2^64: exact)
     p1 = M1 * s0
     x0 = (p1 >> 32) ^ (b0 >> 32) ^ k0                          # c0 (a number)
     x1 = p1 & 0xFFFFFFFF                                       # c1 (a number)
@@ -120,28 +121,39 @@ def _keep_blocks(kb, b0, seed, stream, thr, bufs):
     x3 = p0 & 0xFFFFFFFF                                       # c3 (a number, for round 3)
     for r in range(2, ROUNDS):                                 # rounds 3 .. 10: every word a vector
         k0, k1 = (k0 + W0) & 0xFFFFFFFF, (k1 + W1) & 0xFFFFFFFF
+        last = r == ROUNDS - 1
         np.multiply(a, _M0, a)                                 # p0
         np.multiply(b, _M1, b)                                 # p1
         np.right_shift(b, _S32, t)
         np.bitwise_xor(t, c1, t)
         np.bitwise_xor(t, _c(k0), t)                           # t = c0' = hi(p1) ^ c1 ^ k0
-        np.bitwise_and(b, _LO, c1)                             # c1' = lo(p1)
+        if not last:
+            np.bitwise_and(b, _LO, c1)                         # c1' = lo(p1)
+        else:                                                  # the last c1' = lo(p1) is only compared: read
+            np.greater_equal(b.view(np.uint32)[0::2], _c32(thr), kb[:, 1])   # as the low uint32 of p1
         np.right_shift(a, _S32, b)
         if r == 2:
             np.bitwise_xor(b, _c(x3 ^ k1), b)                  # c2' = hi(p0) ^ c3 ^ k1, c3 a number
         else:
             np.bitwise_xor(b, c3, b)
             np.bitwise_xor(b, _c(k1), b)                       # c2' = hi(p0) ^ c3 ^ k1
-        np.bitwise_and(a, _LO, c3)                             # c3' = lo(p0)
+        if not last:
+            np.bitwise_and(a, _LO, c3)                         # c3' = lo(p0)
+        else:
+            np.greater_equal(a.view(np.uint32)[0::2], _c32(thr), kb[:, 3])
         a, t = t, a
-    thr = _c(thr)
-    for j, w in enumerate((a, c1, b, c3)):                     # element 4 (b0 + i) + j is word j of block b0 + i
-        np.greater_equal(w, thr, kb[:, j])
+    np.greater_equal(a, _c(thr), kb[:, 0])                     # element 4 (b0 + i) + j is word j of block b0 + i
+    np.greater_equal(b, _c(thr), kb[:, 2])
 
 
 def _c(v):
     """v as a 0-d uint64 array (a ufunc operand NumPy converts faster than a scalar)."""
     return np.array(v, _U)
+
+
+def _c32(thr):
+    """thr (0 < thr < 2^32: keep_mask answers p = 0 and p = 1 itself) as a 0-d uint32 array."""
+    return np.array(thr, np.uint32)
 
 
 class DropoutRNG:
