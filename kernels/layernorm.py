@@ -659,6 +659,10 @@ SPEC_DROPOUT = _spec("dropout_residual_layernorm", "drop",
                      extra=[dict(lead=(3,), C=37, kind="drop", p=0.5), dict(lead=(2, 3), C=7, kind="drop", p=1.0),
                             dict(lead=(3,), C=37, kind="drop", train=False), dict(lead=(2,), C=5, kind="drop", p=0.0)])
 
+# the second shape of the speed target, (8192, 768): 24 MB a tensor, more than L3 (refbert bench times it too)
+SPEC_8192 = KernelSpec(**{**SPEC.__dict__, "bench_shape": dict(lead=(8192,), C=768, kind="ln")})
+SPEC_RESIDUAL_8192 = KernelSpec(**{**SPEC_RESIDUAL.__dict__, "bench_shape": dict(lead=(8192,), C=768, kind="res")})
+
 if __name__ == "__main__":
-    for spec in (SPEC, SPEC_RESIDUAL, SPEC_DROPOUT):
+    for spec in (SPEC, SPEC_RESIDUAL, SPEC_DROPOUT, SPEC_8192, SPEC_RESIDUAL_8192):
         main(spec)
