@@ -36,7 +36,8 @@ Versions (python -m refbert_kernels.attention validates each against the oracle,
      (~105-117 GFLOP/s a core instead of ~95); scipy's OpenBLAS held to one thread during the call (above 2^18
      multiply-adds it would otherwise hand each product to its own pool); the keys between the first and the
      last live 64-key block (v5's test) as one range; 16-lane exp (_math.exp_f32) and llvm.maximum; no mask
-     array when there is no mask; dq, dk, dv zeroed by the kernel, in parallel
+     array when there is no mask; dq, dk, dv zeroed by the kernel, in parallel; tasks ordered b-fastest, so that
+     the equal contiguous shares workqueue gives each thread hold every sequence's padding alike
 Tiles of v3-v5 keep BQ * BK * hs <= 2^18 (64 x 64 at hs = 64): OpenBLAS runs such a gemm on the calling thread,
 larger ones make the prange threads queue for its own pool (_tile); v6 sets that pool to one thread instead.
 
@@ -952,10 +953,9 @@ def _v6_forward_kernel(q, k, v, mask, live, H, scale, seed, stream, thresh, dsca
     mB, mH, mT = live.shape[0] > 1, live.shape[1] > 1, live.shape[2] > 1
     zero = scale - scale
     nqb = (T + BQ - 1) // BQ
-    for task in prange(B * H * nqb):
-        bh, qb = task // nqb, task % nqb
-        b, h = bh // H, bh % H
-        c0, i0 = h * hs, qb * BQ
+    for task in prange(B * H * nqb):                               # b varies fastest: workqueue hands each
+        b, h, qb = task % B, (task // B) % H, task // (B * H)      # thread a contiguous share of the tasks, and
+        c0, i0 = h * hs, qb * BQ                                   # the work of a task depends on b's padding
         nq = min(BQ, T - i0)
         mb, mh = b if mB else 0, h if mH else 0
         O = out[b, i0:, c0:]                                       # rows :nq, columns :hs, ld C: the accumulator
@@ -1037,7 +1037,7 @@ def _v6_backward_kernel(q, k, v, mask, live, H, scale, seed, stream, thresh, dsc
     mB, mH, mT = live.shape[0] > 1, live.shape[1] > 1, live.shape[2] > 1
     zero = scale - scale
     for bh in prange(B * H):                                       # (b, h) owns its columns of dq, dk, dv
-        b, h = bh // H, bh % H
+        b, h = bh % B, bh // B                                     # b fastest, as in the forward
         c0 = h * hs
         mb, mh = b if mB else 0, h if mH else 0
         D = np.empty(T, q.dtype)                                   # D_i = dout_i . out_i
