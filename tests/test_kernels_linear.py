@@ -74,3 +74,24 @@ def test_both_bias_paths_are_the_oracles_bits(dtype, monkeypatch):
     for threshold in (0, 1 << 62):
         monkeypatch.setattr(K, "PARALLEL_MIN", threshold)
         np.testing.assert_array_equal(K.linear_forward(**inputs)[0], ref)
+
+
+def test_v2_reuses_a_large_output_only_once_nobody_holds_it(monkeypatch):
+    monkeypatch.setattr(K, "POOL_MIN", 0)                        # every output "large"
+    monkeypatch.setattr(K, "_pool", {})
+    inputs, _ = K.make_inputs(dict(lead=(4, 6), C_in=5, C_out=9), np.float32, 3)
+    ref, _ = ops.linear_forward(**inputs)
+    first, _ = K.linear_forward_v2(**inputs)
+    second, _ = K.linear_forward_v2(**inputs)                    # `first` is held: a new array
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, ref)
+    np.testing.assert_array_equal(second, ref)
+    row = second[1]                                              # a view keeps its base held too
+    del second
+    third, _ = K.linear_forward_v2(**inputs)
+    assert not np.shares_memory(third, row)
+    address = third.__array_interface__["data"][0]
+    del third, row
+    fourth, _ = K.linear_forward_v2(**inputs)                    # nobody holds the pooled one: written again
+    assert fourth.__array_interface__["data"][0] == address
+    np.testing.assert_array_equal(fourth, ref)
