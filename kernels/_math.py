@@ -324,7 +324,8 @@ def _sigmoid_overload(x):
 #                    by two fmas (ln2 split in float32 hi + lo: the first product is exact to one rounding), the
 #                    degree-7 Taylor polynomial of _math.exp (truncation < 2.5e-9), times 2^k from its exponent bits
 #                    (k = 128, the top of the range, as 2p 2^127: a product of two powers, as _math.exp builds it,
-#                    would be regrouped by 'reassoc' into 2^128 = inf). x < -87.34 (and -inf) gives exactly 0, x > 88.73 inf.
+#                    would be regrouped by 'reassoc' into 2^128 = inf). x < -87.34 (and -inf) gives exactly 0,
+#                    x > 88.73 inf.
 #     phi_parts_f32  (Phi(u), exp(-u^2 / 2)): u^2 = s + e exactly (e = fma(u, u, -s)), exp(-u^2/2) =
 #                    exp_f32(-s/2) (1 - e/2), so the Gaussian keeps its relative accuracy to |u| = 13 (a rounded
 #                    u^2 would cost u^2/2 ulps there); Phi(-|u|) = exp(-u^2/2) erfcx(a) / 2, a = |u| / sqrt 2, with

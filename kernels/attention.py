@@ -850,7 +850,8 @@ class _OpenBLASThreads:
             lib = ctypes.CDLL(cb.__file__)                  # dlsym also searches the libraries it links
             for prefix in ("scipy_openblas", "openblas"):
                 try:
-                    self.get, self.set = getattr(lib, prefix + "_get_num_threads"), getattr(lib, prefix + "_set_num_threads")
+                    self.get = getattr(lib, prefix + "_get_num_threads")
+                    self.set = getattr(lib, prefix + "_set_num_threads")
                     self.set.argtypes = [ctypes.c_int]
                     self.ok = True
                     break

@@ -306,7 +306,8 @@ def _make_flat(g, dg, tanh):
         n = x1.size
         dx = np.empty_like(x1)
         for c in prange((n + _BLOCK - 1) // _BLOCK):
-            xs, ds, gs = x1[c * _BLOCK:(c + 1) * _BLOCK], d1[c * _BLOCK:(c + 1) * _BLOCK], dx[c * _BLOCK:(c + 1) * _BLOCK]
+            lo, hi = c * _BLOCK, (c + 1) * _BLOCK
+            xs, ds, gs = x1[lo:hi], d1[lo:hi], dx[lo:hi]
             for j in range(xs.size):
                 gs[j] = ds[j] * dg(xs[j], tanh)
         return dx
