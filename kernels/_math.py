@@ -451,3 +451,17 @@ def _fexp_overload(x):
         return lambda x: exp_f32(x)
     if isinstance(x, types.Float):
         return lambda x: math.exp(x)
+
+
+def serial_twin(kernel, **options):
+    """The Python source of the @njit(parallel=True) `kernel` compiled again without parallel=True (prange runs
+    as range, on the calling thread), with `options` (cache=True, fastmath, ...). The copy gets its own qualified
+    name: Numba's cache keeps one index per qualified name and keys its entries by signature, code and closure
+    only, so a second dispatcher over the same function would load whichever of the two compilations was saved
+    first."""
+    import types as pytypes
+    fn = kernel.py_func
+    twin = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + "_serial"
+    twin.__module__ = fn.__module__
+    return njit(**options)(twin)

@@ -38,8 +38,8 @@ from numba.extending import overload
 
 from refbert import ops, validate as V
 
-from ._math import (_FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, phi_parts_f32, sigmoid,
-                    sigmoid_f32)
+from ._math import (_FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, phi_parts_f32, serial_twin,
+                    sigmoid, sigmoid_f32)
 from ._harness import KernelSpec, main
 
 _ROWS = 16                                 # rows per db partial: fixed, so db does not depend on the thread count
@@ -322,7 +322,7 @@ def _small_on_one_thread(kernels):
     elements (the first argument's size; the bits do not change: the db chunks are fixed rows)."""
     fwd, bwd = kernels
     opts = dict(cache=True, fastmath=_FAST, error_model="numpy")
-    fwd1, bwd1 = njit(**opts)(fwd.py_func), njit(**opts)(bwd.py_func)
+    fwd1, bwd1 = serial_twin(fwd, **opts), serial_twin(bwd, **opts)
 
     def forward(x, *rest):
         return (fwd if x.size >= PARALLEL_MIN else fwd1)(x, *rest)

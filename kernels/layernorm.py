@@ -44,7 +44,7 @@ from refbert import validate as V
 from refbert.philox import DropoutRNG
 
 from ._harness import KernelSpec, main
-from ._math import philox_word
+from ._math import philox_word, serial_twin
 from .dropout import draw, fill_multipliers, like
 
 FASTMATH = {"reassoc", "arcp", "nsz"}            # no 'contract': see the docstring
@@ -418,11 +418,12 @@ def _backward_v3(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp, dw, db):
 # v3 on fewer than PARALLEL_MIN elements: the same kernels compiled without parallel=True (prange runs as range),
 # on the calling thread. Waking the two workqueue threads costs 0.03-0.08 ms, 0.2-0.3 ms right after a NumPy GEMM
 # (OpenBLAS's threads still spin on both cores): more than the whole of a (1024, 256) layernorm's work (~0.15 ms
-# backward, one thread), the size of every layernorm of the mini pretraining step. The chunks, and so the bits of
-# dw and db, do not depend on it.
+# backward, one thread), the size of every layernorm of the mini pretraining step. The rows and chunks are the same;
+# LLVM may split a row's float32 sums over its SIMD lanes differently in the two compilations (a last-bit
+# difference, inside the tolerance); each path gives the same bits on every run, whatever the thread count.
 PARALLEL_MIN = 1 << 19
-_forward_v3_serial = njit(cache=True, fastmath=FASTMATH)(_forward_v3.py_func)
-_backward_v3_serial = njit(cache=True, fastmath=FASTMATH)(_backward_v3.py_func)
+_forward_v3_serial = serial_twin(_forward_v3, cache=True, fastmath=FASTMATH)
+_backward_v3_serial = serial_twin(_backward_v3, cache=True, fastmath=FASTMATH)
 
 
 # ----------------------------------------------------------------------------------------------------------------
