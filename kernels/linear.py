@@ -17,15 +17,13 @@ Versions (python -m refbert_kernels.linear validates each against the oracle, th
 Tolerance (the spec's tol): none needed — the same GEMM, and x @ w.T + b rounded once per entry as the oracle
 rounds it: bit for bit in both dtypes (atol 1e-300, rtol 0 keep the ratio finite).
 """
-import sys
-import threading
-
 import numpy as np
 from numba import njit, prange
 
 from refbert import ops
 from refbert import validate as V
 
+from . import _pool
 from ._harness import KernelSpec, main
 
 _ROWS = 8                        # rows of the output per prange iteration
@@ -63,28 +61,10 @@ linear_backward_v1 = ops.linear_backward               # the oracle's: the cache
 
 # ----------------------------------------------------------------------------------------------------------------
 # version 2: outputs of POOL_MIN bytes and more (the MLM decoder's logits: 125 MB at mini's B 8, T 128) written
-# into the previous call's output of the same shape when no one holds it any more. glibc serves blocks up to 32 MiB
-# again from its heap, but a larger one is a fresh mmap on every call: the GEMM then first-touches every page of it
-# (page faults, and the kernel zeroing each page), ~10 ms of CPU for those 125 MB, which the same GEMM into memory
-# it has written before does not pay.
+# into the previous call's output of the same shape once no one holds it (kernels/_pool.py: a fresh one costs page
+# faults and the kernel's zeroing of every page, ~10 ms of CPU for those 125 MB).
 
 POOL_MIN = 32 << 20
-_pool = {}                                             # (rows, C_out, dtype) -> the last large output of that shape
-_pool_lock = threading.Lock()
-
-
-def _output(N, C, dtype):
-    """An (N, C) array for a GEMM to write: the pooled one when only the pool still refers to it, else new."""
-    if N * C * np.dtype(dtype).itemsize < POOL_MIN:
-        return None
-    key = (N, C, np.dtype(dtype).str)
-    with _pool_lock:
-        a = _pool.get(key)
-        if a is not None and sys.getrefcount(a) == 3:   # the pool's reference, `a` and getrefcount's argument: the
-            return a                                   # caller's output (or a view of it) is gone
-        a = np.empty((N, C), dtype)
-        _pool[key] = a
-        return a
 
 
 def linear_forward_v2(x, w, b=None):
@@ -94,8 +74,8 @@ def linear_forward_v2(x, w, b=None):
     if b is not None:
         V.shape("linear", "b", b, (w.shape[0],), "(C_out,)")
     x2 = x.reshape(-1, x.shape[-1])
-    out = _output(x2.shape[0], w.shape[0], x.dtype)
-    out = x2 @ w.T if out is None else np.matmul(x2, w.T, out=out)   # (N, C_out): NumPy's GEMM
+    out = _pool.empty((x2.shape[0], w.shape[0]), x.dtype, "linear", POOL_MIN)
+    np.matmul(x2, w.T, out=out)                       # (N, C_out): NumPy's GEMM
     if b is not None and out.size >= PARALLEL_MIN:
         _add_bias(out, np.ascontiguousarray(b))
     elif b is not None:

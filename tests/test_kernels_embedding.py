@@ -10,6 +10,7 @@ from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from refbert import ops  # noqa: E402
+from refbert_kernels import _pool as P  # noqa: E402
 from refbert_kernels import embedding as K  # noqa: E402
 
 VERSIONS = sorted(K.SPEC.versions)
@@ -50,3 +51,23 @@ def test_same_value_errors_as_oracle(v):
     _, cache = fwd(np.array([[0, 1]]), w)
     _, rcache = ops.embedding_forward(np.array([[0, 1]]), w)
     assert _message(bwd, np.ones((2, 3)), cache) == _message(ops.embedding_backward, np.ones((2, 3)), rcache)
+
+
+def test_v2_reuses_a_large_dw_only_once_nobody_holds_it(monkeypatch):
+    monkeypatch.setattr(K, "POOL_MIN", 0)                        # every dw "large"
+    monkeypatch.setattr(P, "_pool", {})                         # an empty pool for this test
+    inputs, kw = K.make_inputs(dict(lead=(3, 5), V=11, C=4, padding_idx=0), np.float32, 1)
+    out, cache = K.embedding_forward_v2(**inputs, **kw)
+    dout = np.random.default_rng(2).standard_normal(out.shape).astype(np.float32)
+    ref = ops.embedding_backward(dout, ops.embedding_forward(**inputs, **kw)[1])
+    first = K.embedding_backward_v2(dout, cache)
+    first += 7                                                   # a caller may write into its gradient
+    second = K.embedding_backward_v2(dout, cache)                # `first` is held: a new array
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(second, ref)
+    address = second.__array_interface__["data"][0]
+    second *= -3.0
+    del second
+    third = K.embedding_backward_v2(dout, cache)                 # nobody holds the pooled one: zeroed, reused
+    assert third.__array_interface__["data"][0] == address
+    np.testing.assert_array_equal(third, ref)

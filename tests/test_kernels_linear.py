@@ -10,6 +10,7 @@ from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from refbert import ops  # noqa: E402
+from refbert_kernels import _pool as P  # noqa: E402
 from refbert_kernels import linear as K  # noqa: E402
 
 VERSIONS = sorted(K.SPEC.versions)
@@ -78,7 +79,7 @@ def test_both_bias_paths_are_the_oracles_bits(dtype, monkeypatch):
 
 def test_v2_reuses_a_large_output_only_once_nobody_holds_it(monkeypatch):
     monkeypatch.setattr(K, "POOL_MIN", 0)                        # every output "large"
-    monkeypatch.setattr(K, "_pool", {})
+    monkeypatch.setattr(P, "_pool", {})                         # an empty pool for this test
     inputs, _ = K.make_inputs(dict(lead=(4, 6), C_in=5, C_out=9), np.float32, 3)
     ref, _ = ops.linear_forward(**inputs)
     first, _ = K.linear_forward_v2(**inputs)
