@@ -405,6 +405,27 @@ def exp_f32(x):
 
 
 @njit(cache=True, fastmath=_FAST, error_model="numpy")
+def exp_f32_nonpos(x):
+    """exp_f32 for x <= 0 (the Gaussian's -u^2/2, the sigmoid's -|x|): k <= 0, so neither the k = 128 case nor
+    the overflow test is needed (8 fewer instructions of ~26); x > 0 is read as 0."""
+    f = np.float32
+    xc = min(max(x, f(-87.33654)), f(0.0))
+    k = np.rint(xc * f(1.4426950408889634))
+    r = fma(-k, f(_LN2_HI32), xc)
+    r = fma(-k, f(_LN2_LO32), r)
+    p = f(1.0 / 5040)
+    p = p * r + f(1.0 / 720)
+    p = p * r + f(1.0 / 120)
+    p = p * r + f(1.0 / 24)
+    p = p * r + f(1.0 / 6)
+    p = p * r + f(0.5)
+    p = p * r + f(1.0)
+    p = p * r + f(1.0)
+    y = p * bits_to_f32((np.int32(k) + np.int32(127)) << np.int32(23))
+    return f(0.0) if x < f(-87.33654) else y
+
+
+@njit(cache=True, fastmath=_FAST, error_model="numpy")
 def phi_parts_f32(u):
     """(Phi(u), exp(-u^2 / 2)) for float32 u in float32 arithmetic: the normal CDF with relative accuracy in both
     tails and the unnormalised Gaussian that its derivative phi(u) = exp(-u^2/2) / sqrt(2 pi) needs."""
@@ -412,7 +433,7 @@ def phi_parts_f32(u):
     uc = min(max(u, f(-14.0)), f(14.0))
     s = uc * uc
     e = fma(uc, uc, -s)                                   # uc^2 = s + e exactly
-    g = exp_f32(f(-0.5) * s) * (f(1.0) - f(0.5) * e)      # exp(-uc^2 / 2)
+    g = exp_f32_nonpos(f(-0.5) * s) * (f(1.0) - f(0.5) * e)   # exp(-uc^2 / 2)
     a = abs(uc) * f(_SQRT_HALF)
     t = f(1.0) + f(2.0) * a
     d = f(1.0) / ((a + f(2.0)) * t)
@@ -435,7 +456,7 @@ def phi_parts_f32(u):
 def sigmoid_f32(x):
     """1 / (1 + exp(-x)) for float32 x in float32 arithmetic, relative accuracy for x -> -inf."""
     f = np.float32
-    e = exp_f32(-abs(x))
+    e = exp_f32_nonpos(-abs(x))
     r = f(1.0) / (f(1.0) + e)
     return r if x >= f(0.0) else e * r
 
