@@ -16,14 +16,19 @@ Versions (run: python -m refbert_kernels.gelu):
   2: the same loops with _math.ndtr / _math.sigmoid / _math.exp, which vectorise (float32); float64 as v1
   3: float32 computes Phi and phi from ONE exponential in float64 registers (v2 pays two: one inside ndtr and
      one for phi), so the backward costs one exp + one short polynomial per element; float64 as v1
+  4: float32 in float32 registers (16 lanes, not 8): _math.phi_parts_f32 gives Phi and exp(-u^2/2) from one
+     exp_f32 and one reciprocal (v3: two float64 divisions), Phi to 5.8 ulp instead of 0.5; plain gelu runs on
+     the flat array in blocks of _BLOCK elements (v1-v3 ran it as ONE row of numel entries, which their row
+     chunks gave to a single thread); db's float64 partials added in a loop of their own; below PARALLEL_MIN
+     elements the same loops on the calling thread (no workqueue wake-up); float64 as v2
 
 Tolerances (|got - ref| <= atol + rtol |ref|):
   float64 atol 1e-12, rtol 1e-11: math.erfc vs scipy ndtr (~1e-16 relative, x 1/sqrt 2 rounding grows it by
           u^2 in the tails), the oracle's Phi = out / x in its backward, and db's summation order (float64
           partials vs NumPy's pairwise sum).
   float32 atol 1e-6, rtol 1e-5: the oracle rounds u, u^3 and every step to float32 (tanh: the argument of the
-          sigmoid carries ~3 ulp), the kernels compute Phi to 0.5 ulp; NumPy sums db in float32 over the rows
-          (the kernels in float64), log2(N) eps-sized relative differences.
+          sigmoid carries ~3 ulp), the kernels compute Phi to 0.5 ulp (v4: 5.8 ulp, 3.5e-7 relative); NumPy sums
+          db in float32 over the rows (the kernels in float64), log2(N) eps-sized relative differences.
 """
 import math
 
@@ -33,10 +38,12 @@ from numba.extending import overload
 
 from refbert import ops, validate as V
 
-from ._math import _FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, sigmoid
+from ._math import (_FAST, _OPTS, _erfcx_wide, _exp_wide, _sigmoid_wide, exp, ndtr, phi_parts_f32, serial_twin,
+                    sigmoid, sigmoid_f32)
 from ._harness import KernelSpec, main
 
 _ROWS = 16                                 # rows per db partial: fixed, so db does not depend on the thread count
+_BLOCK = 16384                             # v4's plain gelu: elements per prange iteration (64 KiB of float32)
 _C = math.sqrt(2.0 / math.pi)               # tanh form: u -> sqrt(2/pi) (u + 0.044715 u^3)
 _K = 0.044715
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -163,6 +170,42 @@ def _dgelu3_ov(u, tanh):
     return lambda u, tanh: _dgelu2(u, tanh)
 
 
+def _gelu4(u, tanh):
+    """v4 forward value: float32 in float32 arithmetic (_math.phi_parts_f32 / sigmoid_f32), float64 as v2."""
+
+
+def _dgelu4(u, tanh):
+    """v4 derivative: Phi and exp(-u^2/2) from phi_parts_f32 (one exp, one reciprocal), float64 as v2."""
+
+
+@overload(_gelu4, jit_options=_OPTS)
+def _gelu4_ov(u, tanh):
+    if _f32(u):
+        f = np.float32
+
+        def impl(u, tanh):
+            if tanh:
+                return u * sigmoid_f32(f(2 * _C) * (u + f(_K) * u * u * u))
+            return u * phi_parts_f32(u)[0]
+        return impl
+    return lambda u, tanh: _gelu2(u, tanh)
+
+
+@overload(_dgelu4, jit_options=_OPTS)
+def _dgelu4_ov(u, tanh):
+    if _f32(u):
+        f = np.float32
+
+        def impl(u, tanh):
+            if tanh:
+                s = sigmoid_f32(f(2 * _C) * (u + f(_K) * u * u * u))
+                return s + f(2 * _C) * u * s * (f(1) - s) * (f(1) + f(3 * _K) * u * u)
+            cdf, g = phi_parts_f32(u)                          # Phi(u), exp(-u^2 / 2)
+            return cdf + u * g * f(_INV_SQRT_2PI)
+        return impl
+    return lambda u, tanh: _dgelu2(u, tanh)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # kernels: x2 (N, I) contiguous rows, b (I,) (zeros for plain gelu: x + 0 is exact, a constant-time price)
 # One kernel source per version; `g` / `dg` are the version's element functions (a numba first-class function
@@ -209,6 +252,86 @@ def _make(g, dg, tanh, with_db):
     return forward, backward
 
 
+def _make_rows(g, dg, tanh):
+    """v4's bias_gelu kernels: as _make's, but the backward writes dx's row in one loop and adds it to the float64
+    db partial in a second (one loop writing a float32 row and a float64 partial stayed scalar)."""
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def forward(x2, b):
+        N, I = x2.shape
+        out = np.empty_like(x2)
+        for c in prange((N + _ROWS - 1) // _ROWS):
+            for i in range(c * _ROWS, min(N, (c + 1) * _ROWS)):
+                xi, oi = x2[i], out[i]
+                for j in range(I):
+                    oi[j] = g(xi[j] + b[j], tanh)
+        return out
+
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def backward(dout2, x2, b):
+        N, I = x2.shape
+        dx = np.empty_like(x2)
+        nc = (N + _ROWS - 1) // _ROWS
+        part = np.zeros((nc, I), np.float64)                       # per-chunk db partials, as v1-v3's
+        for c in prange(nc):
+            pc = part[c]
+            for i in range(c * _ROWS, min(N, (c + 1) * _ROWS)):
+                xi, di, gi = x2[i], dout2[i], dx[i]
+                for j in range(I):
+                    gi[j] = di[j] * dg(xi[j] + b[j], tanh)
+                for j in range(I):                                  # a loop of its own: one dtype per loop
+                    pc[j] += gi[j]
+        db = np.zeros(I, np.float64)
+        for c in range(nc):                                         # fixed order: chunk 0, 1, 2, ...
+            for j in range(I):
+                db[j] += part[c, j]
+        return dx, db.astype(x2.dtype)
+    return forward, backward
+
+
+def _make_flat(g, dg, tanh):
+    """Plain gelu's kernels on a flat array: prange over blocks of _BLOCK elements, whatever the shape (v1-v3 ran
+    it as one row of numel entries, which the row chunks above gave to a single thread)."""
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def forward(x1):
+        n = x1.size
+        out = np.empty_like(x1)
+        for c in prange((n + _BLOCK - 1) // _BLOCK):
+            xs, os = x1[c * _BLOCK:(c + 1) * _BLOCK], out[c * _BLOCK:(c + 1) * _BLOCK]
+            for j in range(xs.size):
+                os[j] = g(xs[j], tanh)
+        return out
+
+    @njit(parallel=True, cache=True, fastmath=_FAST, error_model="numpy")
+    def backward(d1, x1):
+        n = x1.size
+        dx = np.empty_like(x1)
+        for c in prange((n + _BLOCK - 1) // _BLOCK):
+            lo, hi = c * _BLOCK, (c + 1) * _BLOCK
+            xs, ds, gs = x1[lo:hi], d1[lo:hi], dx[lo:hi]
+            for j in range(xs.size):
+                gs[j] = ds[j] * dg(xs[j], tanh)
+        return dx
+    return forward, backward
+
+
+PARALLEL_MIN = 1 << 19    # v4: below this many elements the kernels run on the calling thread (layernorm.py's reason)
+
+
+def _small_on_one_thread(kernels):
+    """(forward, backward) of v4 that run their own code compiled without parallel=True below PARALLEL_MIN
+    elements (the first argument's size; the bits do not change: the db chunks are fixed rows)."""
+    fwd, bwd = kernels
+    opts = dict(cache=True, fastmath=_FAST, error_model="numpy")
+    fwd1, bwd1 = serial_twin(fwd, **opts), serial_twin(bwd, **opts)
+
+    def forward(x, *rest):
+        return (fwd if x.size >= PARALLEL_MIN else fwd1)(x, *rest)
+
+    def backward(d, *rest):
+        return (bwd if d.size >= PARALLEL_MIN else bwd1)(d, *rest)
+    return forward, backward
+
+
 def _kernels(g, dg):
     """{(tanh, with_db): (forward, backward)} for one version."""
     return {(t, w): _make(g, dg, t, w) for t in (False, True) for w in (False, True)}
@@ -224,11 +347,15 @@ def _check_approximate(approximate):
         raise ValueError(f"gelu: argument 'approximate' expected 'none' or 'tanh', got {approximate!r}")
 
 
-def _wrap(version, kernels):
-    """The four public-signature functions of one version around its kernels."""
+def _wrap(version, kernels, flat=None):
+    """The four public-signature functions of one version around its kernels (`flat`: {tanh: (forward, backward)}
+    of plain gelu on a flat array; without it plain gelu runs the bias kernels with b = 0 on one long row)."""
     def gelu_forward(x, approximate="none"):
         V.floats("gelu", x=x)
         _check_approximate(approximate)
+        if flat is not None:
+            out = flat[approximate == "tanh"][0](np.ascontiguousarray(x).reshape(-1))
+            return out.reshape(x.shape), (x, approximate)
         x2 = np.ascontiguousarray(x).reshape(1, -1)                   # (1, numel): elementwise, one long row
         out = kernels[approximate == "tanh", False][0](x2, np.zeros(x2.shape[1], x.dtype))
         return out.reshape(x.shape), (x, approximate)
@@ -236,6 +363,10 @@ def _wrap(version, kernels):
     def gelu_backward(dout, cache):
         x, approximate = cache
         V.dout("gelu", dout, x.shape, x.dtype)
+        if flat is not None:
+            dx = flat[approximate == "tanh"][1](np.ascontiguousarray(dout).reshape(-1),
+                                                np.ascontiguousarray(x).reshape(-1))
+            return dx.reshape(x.shape)
         x2 = np.ascontiguousarray(x).reshape(1, -1)
         d2 = np.ascontiguousarray(dout).reshape(1, -1)
         dx, _ = kernels[approximate == "tanh", False][1](d2, x2, np.zeros(x2.shape[1], x.dtype))
@@ -268,10 +399,13 @@ def _wrap(version, kernels):
 (gelu_forward_v1, gelu_backward_v1, bias_gelu_forward_v1, bias_gelu_backward_v1) = _wrap(1, _kernels(_gelu1, _dgelu1))
 (gelu_forward_v2, gelu_backward_v2, bias_gelu_forward_v2, bias_gelu_backward_v2) = _wrap(2, _kernels(_gelu2, _dgelu2))
 (gelu_forward_v3, gelu_backward_v3, bias_gelu_forward_v3, bias_gelu_backward_v3) = _wrap(3, _kernels(_gelu3, _dgelu3))
+(gelu_forward_v4, gelu_backward_v4, bias_gelu_forward_v4, bias_gelu_backward_v4) = _wrap(
+    4, {(t, True): _small_on_one_thread(_make_rows(_gelu4, _dgelu4, t)) for t in (False, True)},
+    {t: _small_on_one_thread(_make_flat(_gelu4, _dgelu4, t)) for t in (False, True)})
 
 # the public API: the fastest version
-gelu_forward, gelu_backward = gelu_forward_v3, gelu_backward_v3
-bias_gelu_forward, bias_gelu_backward = bias_gelu_forward_v3, bias_gelu_backward_v3
+gelu_forward, gelu_backward = gelu_forward_v4, gelu_backward_v4
+bias_gelu_forward, bias_gelu_backward = bias_gelu_forward_v4, bias_gelu_backward_v4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,19 +457,20 @@ _TOL = {np.float64: (1e-12, 1e-11), np.float32: (1e-6, 1e-5)}       # reasons: t
 SPEC_GELU = KernelSpec(
     name="gelu", oracle=(ops.gelu_forward, ops.gelu_backward),
     versions={1: (gelu_forward_v1, gelu_backward_v1), 2: (gelu_forward_v2, gelu_backward_v2),
-              3: (gelu_forward_v3, gelu_backward_v3)},
+              3: (gelu_forward_v3, gelu_backward_v3), 4: (gelu_forward_v4, gelu_backward_v4)},
     make_inputs=_make_gelu, wrt=("x",), shapes=_SHAPES,
     bench_shape={"shape": (4 * 512, 3072), "approximate": "none"}, tol=_TOL,
     # forward reads x, writes out; backward reads dout, x, writes dx: 5 N I items
     nbytes=lambda inp, kw: 5 * inp["x"].nbytes,
     torch_peer=_torch_gelu,
     notes={1: "math.erfc / math.exp (scalar libm)", 2: "_math polynomials (vectorised)",
-           3: "one float64-register exp for Phi and phi"})
+           3: "one float64-register exp for Phi and phi",
+           4: "float32 lanes: one exp, one reciprocal; plain gelu on flat blocks (all threads)"})
 
 SPEC_BIAS_GELU = KernelSpec(
     name="bias_gelu", oracle=(ops.bias_gelu_forward, ops.bias_gelu_backward),
     versions={1: (bias_gelu_forward_v1, bias_gelu_backward_v1), 2: (bias_gelu_forward_v2, bias_gelu_backward_v2),
-              3: (bias_gelu_forward_v3, bias_gelu_backward_v3)},
+              3: (bias_gelu_forward_v3, bias_gelu_backward_v3), 4: (bias_gelu_forward_v4, bias_gelu_backward_v4)},
     make_inputs=_make_bias_gelu, wrt=("x", "b"), shapes=_SHAPES[1:6] + _SHAPES[7:],   # b needs x.ndim >= 1
     bench_shape={"shape": (4 * 512, 3072), "approximate": "none"}, tol=_TOL,
     # forward reads x, b, writes out; backward reads dout, x, b, writes dx, db: 5 N I + 3 I items

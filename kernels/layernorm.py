@@ -19,6 +19,11 @@ Versions (python -m refbert_kernels.layernorm validates each against the oracle,
     2  s written once into the output row (it stays in L1) and normalised in place, row sums in the dtype
        (SIMD), chunks of rows per prange iteration; dropout multipliers one Philox block per 4 elements into a
        row buffer, regenerated in the backward (no mask in memory)
+    3  as 2, but plain layernorm reads x where v2 first copies it (into the output row, into dx's row); the
+       backward takes rows in pairs, so each dw, db partial entry is read and written once per two rows (those
+       stores bounded v2), keeps no xhat row (pass 1: c1, c2 and the partials; pass 2 recomputes xhat from s),
+       has each loop in a function of its own over 1-d views (one plain loop LLVM vectorises), and adds the
+       partials inside the kernel; below PARALLEL_MIN elements the same code runs on the calling thread
 
 Tolerance (the spec's tol): float64 atol 1e-12, rtol 1e-11 — summation order only (SIMD lanes and chunked dw, db
 against NumPy's pairwise row means and sequential column sums). float32 atol 1e-5, rtol 1e-4 — float32 sums in
@@ -39,7 +44,7 @@ from refbert import validate as V
 from refbert.philox import DropoutRNG
 
 from ._harness import KernelSpec, main
-from ._math import philox_word
+from ._math import philox_word, serial_twin
 from .dropout import draw, fill_multipliers, like
 
 FASTMATH = {"reassoc", "arcp", "nsz"}            # no 'contract': see the docstring
@@ -216,6 +221,212 @@ def _backward_v2(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# version 3: as 2, but plain layernorm reads x where v2 first copies it (into out, into dx); the backward takes rows
+# in pairs, so each dw, db partial entry is read and written once per two rows (its stores were the bottleneck),
+# and keeps no xhat row: pass 1 computes c1, c2 and the partials, pass 2 recomputes xhat from s for dx; dw, db
+# partials are summed (in chunk order) inside the kernel. Residual rows of s are formed in pass 1 and stored into
+# dx's rows for pass 2; s - mean goes through _minus, which carries no fast-math flag, so it is never regrouped.
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _forward_v3(x, a, drop, w, b, eps, out, mean, rstd):
+    R, C = x.shape
+    cf = like(eps, C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf = np.empty(C + 8, x.dtype)
+        for r in range(c * per, min(R, (c + 1) * per)):
+            o = out[r]
+            sr = x[r]                                # plain layernorm: s is x itself
+            s = like(eps, 0)
+            if a is not None:
+                mr = buf[:C]
+                if drop is not None:
+                    mr = _multipliers(buf, drop, r, C)
+                xr = x[r]
+                for j in range(C):                   # s = x + a (* keep * scale), kept in the output row
+                    v = xr[j] + a[r, j] * mr[j] if drop is not None else xr[j] + a[r, j]
+                    o[j] = v
+                    s += v
+                sr = o
+            else:
+                for j in range(C):
+                    s += sr[j]
+            m = s / cf
+            q = like(eps, 0)
+            for j in range(C):
+                d = sr[j] - m
+                q += d * d
+            rs = like(eps, 1) / math.sqrt(q / cf + eps)
+            for j in range(C):
+                o[j] = (sr[j] - m) * rs * w[j] + b[j]
+            mean[r] = m
+            rstd[r] = rs
+
+
+@njit(cache=True)
+def _minus(s, m):
+    """s - m without fast-math flags: inlined into a fast-math loop, 'reassoc' still cannot regroup (x + a) - m
+    into x + (a - m) (for C = 1 or a constant row s - m is exactly 0, and rstd = 1/sqrt(eps) magnifies any
+    difference)."""
+    return s - m
+
+
+# the backward's loops, one function each, so that each is a plain loop over a few 1-d views that LLVM vectorises
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_pair(s0, s1, y0, y1, w, m0, rs0, m1, rs1, dwc, dbc):
+    """c1 * C, c2 * C of rows 0 and 1 of plain layernorm (s = x); dwc += dout xhat and dbc += dout of both rows
+    (one update of each partial per pair)."""
+    c10, c20, c11, c21 = like(m0, 0), like(m0, 0), like(m0, 0), like(m0, 0)
+    for j in range(s0.size):
+        xh0 = (s0[j] - m0) * rs0
+        xh1 = (s1[j] - m1) * rs1
+        wd0 = y0[j] * w[j]
+        wd1 = y1[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        c11 += wd1 * xh1
+        c21 += wd1
+        dwc[j] += y0[j] * xh0 + y1[j] * xh1
+        dbc[j] += y0[j] + y1[j]
+    return c10, c20, c11, c21
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_row(s0, y0, w, m0, rs0, dwc, dbc):
+    c10, c20 = like(m0, 0), like(m0, 0)
+    for j in range(s0.size):
+        xh0 = (s0[j] - m0) * rs0
+        wd0 = y0[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        dwc[j] += y0[j] * xh0
+        dbc[j] += y0[j]
+    return c10, c20
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_pair_s(x0, a0, k0, x1, a1, k1, g0, g1, y0, y1, w, m0, rs0, m1, rs1, dwc, dbc):
+    """_sums_pair of residual rows, s = x + a (* k, the dropout multipliers, when k is not None) formed in the
+    same loop and stored into g (dx's rows) for the dx pass: one read of x and a."""
+    c10, c20, c11, c21 = like(m0, 0), like(m0, 0), like(m0, 0), like(m0, 0)
+    for j in range(x0.size):
+        if k0 is None:
+            v0 = x0[j] + a0[j]
+            v1 = x1[j] + a1[j]
+        else:
+            v0 = x0[j] + a0[j] * k0[j]
+            v1 = x1[j] + a1[j] * k1[j]
+        g0[j] = v0
+        g1[j] = v1
+        xh0 = _minus(v0, m0) * rs0
+        xh1 = _minus(v1, m1) * rs1
+        wd0 = y0[j] * w[j]
+        wd1 = y1[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        c11 += wd1 * xh1
+        c21 += wd1
+        dwc[j] += y0[j] * xh0 + y1[j] * xh1
+        dbc[j] += y0[j] + y1[j]
+    return c10, c20, c11, c21
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_row_s(x0, a0, k0, g0, y0, w, m0, rs0, dwc, dbc):
+    c10, c20 = like(m0, 0), like(m0, 0)
+    for j in range(x0.size):
+        if k0 is None:
+            v0 = x0[j] + a0[j]
+        else:
+            v0 = x0[j] + a0[j] * k0[j]
+        g0[j] = v0
+        xh0 = _minus(v0, m0) * rs0
+        wd0 = y0[j] * w[j]
+        c10 += wd0 * xh0
+        c20 += wd0
+        dwc[j] += y0[j] * xh0
+        dbc[j] += y0[j]
+    return c10, c20
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _dx_row(s, y, w, m, rs, c1, c2, g):
+    """g = (dout w - (xhat c1 + c2)) rstd with xhat = (s - m) rstd recomputed (s may be g itself)."""
+    for j in range(s.size):
+        g[j] = (y[j] * w[j] - ((s[j] - m) * rs * c1 + c2)) * rs
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _dx_row_inplace(g, y, w, m, rs, c1, c2):
+    """_dx_row with s read from g: one array read and written, so no overlap check stands in the vectoriser's way."""
+    for j in range(g.size):
+        g[j] = (y[j] * w[j] - ((g[j] - m) * rs * c1 + c2)) * rs
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _scaled(g, mr, out):
+    for j in range(g.size):
+        out[j] = g[j] * mr[j]
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _backward_v3(dout, x, a, drop, w, mean, rstd, dx, da, dwp, dbp, dw, db):
+    R, C = x.shape
+    cf = like(w[0], C)
+    per, n = _chunks_nb(R)
+    for c in prange(n):
+        buf0 = np.empty(C + 8, x.dtype)              # the dropout multipliers of the pair's two rows
+        buf1 = np.empty(C + 8, x.dtype)
+        dwc, dbc = dwp[c], dbp[c]
+        end = min(R, (c + 1) * per)
+        for r in range(c * per, end, 2):
+            two = r + 1 < end                        # else the last row of an odd chunk, alone
+            if drop is None:
+                k0 = k1 = None
+            else:
+                k0 = _multipliers(buf0, drop, r, C)
+                k1 = _multipliers(buf1, drop, min(r + 1, end - 1), C)
+            if two:
+                if a is None:
+                    c10, c20, c11, c21 = _sums_pair(x[r], x[r + 1], dout[r], dout[r + 1], w, mean[r], rstd[r],
+                                                    mean[r + 1], rstd[r + 1], dwc, dbc)
+                else:
+                    c10, c20, c11, c21 = _sums_pair_s(x[r], a[r], k0, x[r + 1], a[r + 1], k1, dx[r], dx[r + 1],
+                                                      dout[r], dout[r + 1], w, mean[r], rstd[r], mean[r + 1],
+                                                      rstd[r + 1], dwc, dbc)
+            else:
+                if a is None:
+                    c10, c20 = _sums_row(x[r], dout[r], w, mean[r], rstd[r], dwc, dbc)
+                else:
+                    c10, c20 = _sums_row_s(x[r], a[r], k0, dx[r], dout[r], w, mean[r], rstd[r], dwc, dbc)
+                c11, c21 = c10, c20
+            for k in range(2 if two else 1):
+                c1, c2 = (c10, c20) if k == 0 else (c11, c21)
+                if a is None:
+                    _dx_row(x[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf, dx[r + k])
+                else:                                # s is in dx's row
+                    _dx_row_inplace(dx[r + k], dout[r + k], w, mean[r + k], rstd[r + k], c1 / cf, c2 / cf)
+                if da is not None:
+                    _scaled(dx[r + k], k0 if k == 0 else k1, da[r + k])
+    for c in range(n):                               # the partials in chunk order: the same bits every run
+        for j in range(C):
+            dw[j] += dwp[c, j]
+            db[j] += dbp[c, j]
+
+
+# v3 on fewer than PARALLEL_MIN elements: the same kernels compiled without parallel=True (prange runs as range),
+# on the calling thread. Waking the two workqueue threads costs 0.03-0.08 ms, 0.2-0.3 ms right after a NumPy GEMM
+# (OpenBLAS's threads still spin on both cores): more than the whole of a (1024, 256) layernorm's work (~0.15 ms
+# backward, one thread), the size of every layernorm of the mini pretraining step. The rows and chunks are the same;
+# LLVM may split a row's float32 sums over its SIMD lanes differently in the two compilations (a last-bit
+# difference, inside the tolerance); each path gives the same bits on every run, whatever the thread count.
+PARALLEL_MIN = 1 << 19
+_forward_v3_serial = serial_twin(_forward_v3, cache=True, fastmath=FASTMATH)
+_backward_v3_serial = serial_twin(_backward_v3, cache=True, fastmath=FASTMATH)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # launchers: the oracle's checks in the oracle's order, then rows
 
 def _check_ln(x, w, b):
@@ -248,7 +459,8 @@ def _run_forward(version, x, a, drop, w, b, eps):
         mask = (keep, scale)
     else:
         mask = None if drop is None else (drop[0], drop[1], drop[2], dt(drop[3]))
-        _forward_v2(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
+        kernel = _forward_v2 if version == 2 else (_forward_v3 if x2.size >= PARALLEL_MIN else _forward_v3_serial)
+        kernel(x2, a2, mask, w, b, dt(eps), out.reshape(R, C), mean, rstd)
     return out, (version, x2, a2, mask, w, mean, rstd, x.shape)
 
 
@@ -262,6 +474,11 @@ def _run_backward(dout, cache, with_da):
     dx = np.empty(shape, x2.dtype)
     da = np.empty(shape, x2.dtype) if with_da else None
     da2 = None if da is None else da.reshape(R, C)
+    if version == 3:
+        dw, db = np.zeros(C, x2.dtype), np.zeros(C, x2.dtype)
+        kernel = _backward_v3 if x2.size >= PARALLEL_MIN else _backward_v3_serial
+        kernel(d2, x2, a2, mask, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp, dw, db)
+        return dx, da, dw, db
     if version == 1:
         keep, scale = mask
         _backward_v1(d2, x2, a2, keep, scale, w, mean, rstd, dx.reshape(R, C), da2, dwp, dbp)
@@ -343,16 +560,29 @@ def dropout_residual_layernorm_forward_v2(x, a, w, b, eps=1e-12, p=0.0, rng=None
     return _dropout_residual_forward(2, x, a, w, b, eps, p, rng, train)
 
 
+def layernorm_forward_v3(x, w, b, eps=1e-12):
+    return _layernorm_forward(3, x, w, b, eps)
+
+
+def residual_layernorm_forward_v3(x, a, w, b, eps=1e-12):
+    return _residual_forward(3, x, a, w, b, eps)
+
+
+def dropout_residual_layernorm_forward_v3(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_forward(3, x, a, w, b, eps, p, rng, train)
+
+
 # the cache names its version, so one backward serves every version of an op
-layernorm_backward_v1 = layernorm_backward_v2 = _layernorm_backward
-residual_layernorm_backward_v1 = residual_layernorm_backward_v2 = _residual_backward
+layernorm_backward_v1 = layernorm_backward_v2 = layernorm_backward_v3 = _layernorm_backward
+residual_layernorm_backward_v1 = residual_layernorm_backward_v2 = residual_layernorm_backward_v3 = _residual_backward
 dropout_residual_layernorm_backward_v1 = dropout_residual_layernorm_backward_v2 = _dropout_residual_backward
+dropout_residual_layernorm_backward_v3 = _dropout_residual_backward
 
 # the best versions
-layernorm_forward, layernorm_backward = layernorm_forward_v2, layernorm_backward_v2
-residual_layernorm_forward, residual_layernorm_backward = residual_layernorm_forward_v2, residual_layernorm_backward_v2
-dropout_residual_layernorm_forward = dropout_residual_layernorm_forward_v2
-dropout_residual_layernorm_backward = dropout_residual_layernorm_backward_v2
+layernorm_forward, layernorm_backward = layernorm_forward_v3, layernorm_backward_v3
+residual_layernorm_forward, residual_layernorm_backward = residual_layernorm_forward_v3, residual_layernorm_backward_v3
+dropout_residual_layernorm_forward = dropout_residual_layernorm_forward_v3
+dropout_residual_layernorm_backward = dropout_residual_layernorm_backward_v3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -408,24 +638,32 @@ def _spec(name, kind, versions, oracle, wrt, extra=()):
         shapes=[dict(s, kind=kind) for s in _SHAPES] + list(extra), bench_shape=dict(_BENCH, kind=kind),
         tol=_TOL, nbytes=_nbytes, torch_peer=_torch_peer,
         notes={1: "one row per prange, 3 passes from the inputs, float64 sums",
-               2: "s kept in the output row (L1), SIMD dtype sums, Philox blocks, chunked rows"})
+               2: "s kept in the output row (L1), SIMD dtype sums, Philox blocks, chunked rows",
+               3: "x read in place (no s copy for plain layernorm); backward rows in pairs, no xhat row"})
 
 
 SPEC = _spec("layernorm", "ln",
-             {1: (layernorm_forward_v1, layernorm_backward_v1), 2: (layernorm_forward_v2, layernorm_backward_v2)},
+             {1: (layernorm_forward_v1, layernorm_backward_v1), 2: (layernorm_forward_v2, layernorm_backward_v2),
+              3: (layernorm_forward_v3, layernorm_backward_v3)},
              (ops.layernorm_forward, ops.layernorm_backward), ("x", "w", "b"))
 SPEC_RESIDUAL = _spec("residual_layernorm", "res",
                       {1: (residual_layernorm_forward_v1, residual_layernorm_backward_v1),
-                       2: (residual_layernorm_forward_v2, residual_layernorm_backward_v2)},
+                       2: (residual_layernorm_forward_v2, residual_layernorm_backward_v2),
+                       3: (residual_layernorm_forward_v3, residual_layernorm_backward_v3)},
                       (ops.residual_layernorm_forward, ops.residual_layernorm_backward), ("x", "a", "w", "b"))
 SPEC_DROPOUT = _spec("dropout_residual_layernorm", "drop",
                      {1: (dropout_residual_layernorm_forward_v1, dropout_residual_layernorm_backward_v1),
-                      2: (dropout_residual_layernorm_forward_v2, dropout_residual_layernorm_backward_v2)},
+                      2: (dropout_residual_layernorm_forward_v2, dropout_residual_layernorm_backward_v2),
+                      3: (dropout_residual_layernorm_forward_v3, dropout_residual_layernorm_backward_v3)},
                      (ops.dropout_residual_layernorm_forward, ops.dropout_residual_layernorm_backward),
                      ("x", "a", "w", "b"),
                      extra=[dict(lead=(3,), C=37, kind="drop", p=0.5), dict(lead=(2, 3), C=7, kind="drop", p=1.0),
                             dict(lead=(3,), C=37, kind="drop", train=False), dict(lead=(2,), C=5, kind="drop", p=0.0)])
 
+# the second shape of the speed target, (8192, 768): 24 MB a tensor, more than L3 (refbert bench times it too)
+SPEC_8192 = KernelSpec(**{**SPEC.__dict__, "bench_shape": dict(lead=(8192,), C=768, kind="ln")})
+SPEC_RESIDUAL_8192 = KernelSpec(**{**SPEC_RESIDUAL.__dict__, "bench_shape": dict(lead=(8192,), C=768, kind="res")})
+
 if __name__ == "__main__":
-    for spec in (SPEC, SPEC_RESIDUAL, SPEC_DROPOUT):
+    for spec in (SPEC, SPEC_RESIDUAL, SPEC_DROPOUT, SPEC_8192, SPEC_RESIDUAL_8192):
         main(spec)

@@ -36,31 +36,16 @@ import math
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from refbert import ops
 from refbert import validate as V
 
 from ._harness import KernelSpec, main
-from ._math import bits_to_f32, exp
+from ._math import bits_to_f32, exp, fmaximum
 from .dropout import like
 
 FASTMATH = {"reassoc", "contract", "arcp", "nsz"}   # no 'nnan'/'ninf': -inf masks, and bad rows must be seen
-
-
-@intrinsic
-def fmaximum(typingctx, a, b):
-    """max(a, b) as llvm.maximum: NaN if either is NaN (as np.max), and a reduction of it vectorises, which the
-    compare-and-select of Python's max does not without 'nnan'. (Belongs in _math.py; kept here, see the report.)"""
-    if not (isinstance(a, types.Float) and a == b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from llvmlite import ir
-        t = args[0].type
-        fn = builder.module.declare_intrinsic("llvm.maximum", [t], ir.FunctionType(t, [t, t]))
-        return builder.call(fn, args)
-    return a(a, b), codegen
 
 
 def exp_lanes(x):

@@ -8,6 +8,7 @@ pytest.importorskip("numba")
 from hypothesis import given, strategies as st  # noqa: E402
 
 from refbert import ops  # noqa: E402
+from refbert_kernels import _pool as P  # noqa: E402
 from refbert_kernels import cross_entropy as CE  # noqa: E402
 
 VERSIONS = sorted(CE.SPEC.versions)
@@ -79,3 +80,21 @@ def test_same_value_errors_as_oracle(v):
     _, cache = fwd(z, y)
     _, rcache = ops.cross_entropy_forward(z, y)
     assert _message(bwd, np.ones(2), cache) == _message(ops.cross_entropy_backward, np.ones(2), rcache)
+
+
+def test_v4_reuses_dlogits_only_once_nobody_holds_it(monkeypatch):
+    monkeypatch.setattr(CE, "POOL_MIN", 0)                       # every dlogits "large"
+    monkeypatch.setattr(P, "_pool", {})                          # an empty pool for this test
+    logits = np.random.default_rng(0).standard_normal((2, 3, 11)).astype(np.float32)
+    labels = np.array([[1, -100, 4], [0, 10, -100]])
+    ref = ops.cross_entropy_backward(np.float32(1), ops.cross_entropy_forward(logits, labels)[1])
+    _, cache = CE.cross_entropy_forward_v4(logits, labels)
+    first = CE.cross_entropy_backward_v4(np.float32(1), cache)
+    second = CE.cross_entropy_backward_v4(np.float32(1), cache)  # `first` is held: a new array
+    assert not np.shares_memory(first, second)
+    first[:] = 5                                                 # a caller may write into its gradient
+    address = second.__array_interface__["data"][0]
+    del second
+    third = CE.cross_entropy_backward_v4(np.float32(1), cache)   # nobody holds the pooled one: written again
+    assert third.__array_interface__["data"][0] == address
+    close(third, ref, np.float32, "reused dlogits")             # ignored rows written as zeros, not left over

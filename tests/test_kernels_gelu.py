@@ -118,3 +118,27 @@ def test_same_value_errors_as_oracle(v):
                                        (bf, bb, ops.bias_gelu_forward, ops.bias_gelu_backward, (x, np.ones(4)))]:
         for bad in (np.ones((4, 3)), np.ones((3, 4), np.float32), [[1.0] * 4] * 3):
             assert _message(bwd, bad, fwd(*args)[1]) == _message(obwd, bad, ofwd(*args)[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_small_inputs_on_one_thread_give_the_parallel_bits(dtype, approximate, monkeypatch):
+    """v4 runs its kernels compiled without parallel=True below G.PARALLEL_MIN elements: both paths forced on one
+    shape (two flat blocks, five db chunks), checked against the oracle and against each other bit for bit."""
+    x = draw_x((67, 301), dtype, 3, [-10.0, 10.0, -1e-7])
+    b = (0.1 * np.random.default_rng(4).standard_normal(301)).astype(dtype)
+    dout = np.random.default_rng(5).standard_normal(x.shape).astype(dtype)
+    ref, rc = ops.gelu_forward(x, approximate)
+    bref, brc = ops.bias_gelu_forward(x, b, approximate)
+    results = []
+    for threshold in (0, 1 << 62):                            # every size parallel, then none
+        monkeypatch.setattr(G, "PARALLEL_MIN", threshold)
+        out, c = G.gelu_forward(x, approximate)
+        bout, bc = G.bias_gelu_forward(x, b, approximate)
+        got = (out, G.gelu_backward(dout, c), bout, *G.bias_gelu_backward(dout, bc))
+        for g, r, what in zip(got, (ref, ops.gelu_backward(dout, rc), bref, *ops.bias_gelu_backward(dout, brc)),
+                              ("out", "dx", "bias out", "bias dx", "db")):
+            close(g, r, dtype, f"{what} at threshold {threshold}")
+        results.append(got)
+    for g, h in zip(*results):
+        np.testing.assert_array_equal(g, h)

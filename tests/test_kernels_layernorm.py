@@ -177,3 +177,26 @@ def test_public_names_are_the_best_version():
     assert (K.residual_layernorm_forward, K.residual_layernorm_backward) == K.SPEC_RESIDUAL.versions[best]
     assert (K.dropout_residual_layernorm_forward, K.dropout_residual_layernorm_backward) == \
         K.SPEC_DROPOUT.versions[best]
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_inputs_on_one_thread_match_the_oracle_and_repeat(kind, dtype, monkeypatch):
+    """Below K.PARALLEL_MIN elements v3 runs its kernels compiled without parallel=True on the calling thread, which
+    the hypothesis shapes above always take: both paths are forced here on one shape, each checked against the
+    oracle and for the same bits on a second run and on one thread (the two paths may differ in the last bit: LLVM
+    may split a row's float32 sums over SIMD lanes differently in the two compilations)."""
+    inputs, kwargs = K.make_inputs(dict(lead=(67,), C=41, kind=kind, p=0.3), dtype, 4)
+    n0 = numba.get_num_threads()
+    for threshold in (0, 1 << 62):                                   # every size parallel, then none
+        monkeypatch.setattr(K, "PARALLEL_MIN", threshold)
+        for v in VERSIONS:
+            check(kind, v, inputs, kwargs)
+        runs = [run_both(kind, max(VERSIONS), inputs, kwargs)[1]]
+        try:
+            numba.set_num_threads(1)
+            runs.append(run_both(kind, max(VERSIONS), inputs, kwargs)[1])
+        finally:
+            numba.set_num_threads(n0)
+        for g, h in zip(*runs):
+            np.testing.assert_array_equal(g, h)

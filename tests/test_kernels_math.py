@@ -94,3 +94,65 @@ def test_float64_ndtr_and_sigmoid():
     # Cephes' own scheme in libm: within a few float64 ulps of scipy; the left tail relatively
     np.testing.assert_allclose(_RUN["ndtr"](x), ndtr(x), rtol=1e-13, atol=0)
     np.testing.assert_allclose(_RUN["sigmoid"](x), expit(x), rtol=1e-15, atol=0)
+
+
+# float32-lane functions (_math.exp_f32, phi_parts_f32, sigmoid_f32: gelu v4, cross_entropy v4, attention v6)
+
+def _loop2(fn):
+    @njit
+    def run(x):
+        a, b = np.empty_like(x), np.empty_like(x)
+        for i in range(x.size):
+            a[i], b[i] = fn(x[i])
+        return a, b
+    return run
+
+
+_EXP_F32 = _loop(M.exp_f32)
+_SIGMOID_F32 = _loop(M.sigmoid_f32)
+_PHI_F32 = _loop2(M.phi_parts_f32)
+
+
+def test_exp_f32_max_ulp():
+    x = _grid(-87.33, 88.72)
+    err = max_ulp(_EXP_F32(x), np.exp(x.astype(np.float64)))
+    assert err <= M.EXP_F32_MAX_ULP, f"exp_f32: {err:.3f} ulp > stated {M.EXP_F32_MAX_ULP}"
+
+
+def test_exp_f32_ends_of_the_range():
+    # k = 128 (x > 127.5 ln 2) is built as 2 p 2^127; below the range 0, above it inf, -inf -> 0, NaN -> NaN
+    top = np.linspace(88.3, 88.72, 1001).astype(np.float32)
+    got = _EXP_F32(top)
+    assert np.isfinite(got).all() and max_ulp(got, np.exp(top.astype(np.float64))) <= M.EXP_F32_MAX_ULP
+    ends = _EXP_F32(np.array([-90.0, -np.inf, 89.0, np.inf, np.nan], np.float32))
+    assert ends[0] == 0 and ends[1] == 0 and ends[2] == np.inf and ends[3] == np.inf and np.isnan(ends[4])
+
+
+def test_phi_parts_f32_max_ulp():
+    # Phi relative to itself in both tails (down to -13.2, where Phi nears the float32 normal range), and the
+    # Gaussian exp(-u^2/2), whose argument is carried exactly (u^2 = s + fma residual)
+    x = _grid(-13.2, 9.0)
+    phi, gauss = _PHI_F32(x)
+    xd = x.astype(np.float64)
+    err = max_ulp(phi, ndtr(xd))
+    assert err <= M.PHI_F32_MAX_ULP, f"Phi: {err:.3f} ulp > stated {M.PHI_F32_MAX_ULP}"
+    near = np.abs(xd) <= 13.0
+    err = max_ulp(gauss[near], np.exp(-0.5 * xd[near] ** 2))
+    assert err <= M.GAUSS_F32_MAX_ULP, f"exp(-u^2/2): {err:.3f} ulp > stated {M.GAUSS_F32_MAX_ULP}"
+
+
+def test_phi_parts_f32_gelu_left_tail_and_limits():
+    x = np.linspace(-13.0, -5.0, 100_001).astype(np.float32)
+    phi, _ = _PHI_F32(x)
+    err = max_ulp(x * phi, x.astype(np.float64) * ndtr(x.astype(np.float64)))
+    # Phi's error (<= PHI_F32_MAX_ULP) plus the product's rounding: a relative error, as in the tail of x Phi(x)
+    assert err <= M.PHI_F32_MAX_ULP + 1, err
+    phi, gauss = _PHI_F32(np.array([-np.inf, -20.0, 0.0, 20.0, np.inf], np.float32))
+    np.testing.assert_array_equal(phi, [0.0, 0.0, 0.5, 1.0, 1.0])
+    np.testing.assert_array_equal(gauss, [0.0, 0.0, 1.0, 0.0, 0.0])
+
+
+def test_sigmoid_f32_max_ulp():
+    x = _grid(-90.0, 30.0)
+    err = max_ulp(_SIGMOID_F32(x), expit(x.astype(np.float64)))
+    assert err <= M.SIGMOID_F32_MAX_ULP, f"sigmoid_f32: {err:.3f} ulp > stated {M.SIGMOID_F32_MAX_ULP}"

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from refbert import philox
 from refbert.philox import DropoutRNG, keep_mask, philox4x32, random_words, threshold
 
 KAT = [  # counter (4 words), key (2 words) -> output (4 words)
@@ -54,3 +55,23 @@ def test_dropout_rng_counts_calls_and_restores_its_state():
     assert again.next_stream() == r.next_stream() == (9, 3)
     with pytest.raises(ValueError, match=r"'seed' expected an integer in \[0, 2\^64\), got -1"):
         DropoutRNG(-1)
+
+
+@pytest.mark.parametrize("seed, stream", [(0, 0), (5, 3), (2 ** 40 + 17, 2 ** 33 + 5), (2 ** 64 - 1, 2 ** 64 - 1)])
+def test_keep_mask_is_the_words_compared_with_the_threshold(seed, stream):
+    # keep_mask's chunked fast path against philox4x32 itself (random_words), bit for bit: sizes that end inside a
+    # Philox block, exactly at a chunk boundary and one past it; p at the ends and a word-exact threshold
+    for n in (1, 5, 4 * philox.CHUNK, 4 * philox.CHUNK + 1, 4 * 20_001 + 3):
+        words = random_words(seed, stream, n)
+        for p in (0.0, 0.1, 0.5, 1.0, int(words[n // 2]) / 2 ** 32):
+            np.testing.assert_array_equal(keep_mask(seed, stream, (n,), p), words >= np.uint64(threshold(p)))
+    assert keep_mask(seed, stream, (3, 0, 2), 0.5).shape == (3, 0, 2)
+
+
+def test_keep_blocks_carry_the_counter_high_word():
+    # blocks past 2^32 set the counter's second word (c1 = block >> 32), which keep_mask's chunks hold constant
+    thr = threshold(0.5)
+    for b0, m in ((2 ** 32 - 3, 3), (2 ** 32, 5), (3 * 2 ** 32 + 7, 4)):
+        kb = np.empty((m, 4), np.bool_)
+        philox._keep_blocks(kb, b0, 77, 9, thr, [np.empty(m, np.uint64) for _ in range(5)])
+        np.testing.assert_array_equal(kb.reshape(-1), random_words(77, 9, 4 * m, start=4 * b0) >= np.uint64(thr))
