@@ -80,9 +80,9 @@ def main():
             lines.append(f"| {size} | torch cuda {name} | {judged} | {worst[0]:.2f} | {worst[1]} | {K} | "
                          f"{'yes' if worst[0] <= K else 'no'} | {det} |")
             print(lines[-1], f"{time.perf_counter() - t:.1f} s", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "verify_noise_gpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            os.makedirs(a.out, exist_ok=True)          # after every row: a run stopped at its time limit keeps them
+            with open(os.path.join(a.out, "verify_noise_gpu.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -107,9 +107,9 @@ def _nvrtc_compile(src):
     opts = [b"-std=c++17", b"-DNO_MAIN", f"-I{CSRC}".encode(), b"-arch=sm_90", f"-I{_nvrtc_include()}".encode()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * n
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    return src.name, int(err), log.decode(errors="replace")
+    log = bytearray(n)       # NVRTC writes into it: never a bytes object (b" " * 1 is CPython's shared b" ", and a
+    nvrtc.nvrtcGetProgramLog(prog, log)   # write into it made every later b" " a NUL, padding included)
+    return src.name, int(err), log.rstrip(b"\0").decode(errors="replace")
 
 
 def test_cu_compiles_under_nvrtc():
@@ -120,6 +120,7 @@ def test_cu_compiles_under_nvrtc():
         results = list(ex.map(_nvrtc_compile, SOURCES))
     failed = [f"{name}: NVRTC error {err}\n{log[-3000:]}" for name, err, log in results if err != 0]
     assert not failed, "\n".join(failed)
+    assert (b" " * 1)[0] == 0x20, "an NVRTC call wrote into CPython's shared one-byte bytes object"
 
 
 def _gpu():

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+numba = pytest.importorskip("numba")
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -68,7 +68,8 @@ def module(name, xp=None):
     return _module(name, xp)
 
 
-RECORD = None       # a list while the bench's launch probe records: (name, kernel, grid, block, args) per launch
+RECORD = None       # a list while the bench's launch probe records: (name, kernel, grid, block, args, kw) per launch
+                    # (kw: the launch's keywords, shared_mem above all: a replay without it reads outside shared memory)
 
 
 def kernel(source, name, xp=None):
@@ -77,7 +78,7 @@ def kernel(source, name, xp=None):
         return fn
 
     def recorded(grid, block, args, **kw):
-        RECORD.append((name, fn, grid, block, args))
+        RECORD.append((name, fn, grid, block, args, kw))
         return fn(grid, block, args, **kw)
     return recorded
 
