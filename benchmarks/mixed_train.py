@@ -1,0 +1,120 @@
+"""What mixed precision costs refbert's spec on the CPU: training quality and step time, float32 against
+bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchmarks/results/mixed_train.md).
+
+    python benchmarks/mixed_train.py [--steps 300] [--out benchmarks/results/mixed_train.md]
+
+1. Training: the demo's tiny preset, `refbert pretrain --corpus demo/corpus.txt --preset tiny --vocab-size 2000
+   --max-seq-length 64 --batch-size 64 --lr 2e-3 --steps 300 --eval-every 100 --mixed-precision no|bf16|fp16`
+   (numpy backend, the same seed, so the same data, vocabulary and masks), on demo data made afresh in a
+   temporary folder: the held-out MLM and MLM + NSP losses at the last step (eval.csv), the mean training loss of
+   the last 50 steps (log.csv), and for fp16 the loss scale at the end and the steps the scaler skipped.
+2. Step time: one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
+   V 2000) at B=4 T=64 on the numpy backend, in each precision: 7 rounds, each running the three precisions once
+   in turn (interleaved, so a busy moment of the machine hits all three alike), the median per precision.
+"""
+import argparse
+import csv
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRECISIONS = (("no", "fp32"), ("bf16", "bf16-mixed"), ("fp16", "fp16-mixed"))
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train(work, steps):
+    """{flag: dict(mlm, total, train_last50, scale, skipped, seconds)} of the three pretraining runs."""
+    env = dict(os.environ, TQDM_DISABLE="1")
+    subprocess.run(["refbert", "demo-data", os.path.join(work, "demo")], check=True, env=env, capture_output=True)
+    out = {}
+    for flag, _ in PRECISIONS:
+        run = os.path.join(work, f"run-{flag}")
+        t = time.perf_counter()
+        subprocess.run(["refbert", "pretrain", "--corpus", os.path.join(work, "demo", "corpus.txt"), "--out", run,
+                        "--preset", "tiny", "--vocab-size", "2000", "--max-seq-length", "64", "--batch-size", "64",
+                        "--lr", "2e-3", "--steps", str(steps), "--eval-every", "100", "--mixed-precision", flag],
+                       check=True, env=env, capture_output=True)
+        seconds = time.perf_counter() - t
+        ev, log = _rows(os.path.join(run, "eval.csv"))[-1], _rows(os.path.join(run, "log.csv"))
+        last = [float(r["loss"]) for r in log[-50:]]
+        scales = [float(r["loss_scale"]) for r in log if r.get("loss_scale")]
+        skipped = sum(1 for r in log if r.get("grad_norm", "") in ("nan", "inf"))
+        out[flag] = dict(mlm=float(ev["mlm_loss"]), total=float(ev["mlm_loss"]) + float(ev["nsp_loss"]),
+                         train_last50=sum(last) / len(last), scale=scales[-1] if scales else None,
+                         skipped=skipped, seconds=seconds, step=int(ev["step"]))
+        print(flag, out[flag], flush=True)
+    return out
+
+
+def step_times(rounds=7):
+    """{precision: median seconds of one mini training step at B=4 T=64, numpy backend}."""
+    import refbert
+    from refbert.bench import batch
+    cfg = refbert.BertConfig(vocab_size=2000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                             intermediate_size=1024, max_position_embeddings=512)
+    x = batch(4, 64, cfg.vocab_size, seed=0)
+    models = {p: refbert.BertForPreTraining(cfg, seed=0, dtype=np.float32, precision=p).train()
+              for _, p in PRECISIONS}
+    times = {p: [] for p in models}
+    for r in range(rounds + 1):                        # round 0 warms up (first-touch allocations)
+        for p, m in models.items():
+            t = time.perf_counter()
+            m(**x)
+            m.backward()
+            if r:
+                times[p].append(time.perf_counter() - t)
+    return {p: statistics.median(v) for p, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
+    a = ap.parse_args()
+    times = step_times()
+    with tempfile.TemporaryDirectory() as work:
+        runs = train(work, a.steps)
+    f32 = runs["no"]
+
+    def rel(v, ref):
+        return f"{100 * (v - ref) / ref:+.2f}%"
+    lines = ["# Mixed precision on the CPU: what refbert's spec costs", "", "Command:", "",
+             f"    python benchmarks/mixed_train.py --steps {a.steps}", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python "
+             f"{platform.python_version()}, numpy {np.__version__}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. "
+             "Method: the script's docstring.", "",
+             f"## Training: the demo's tiny preset, {a.steps} steps", "",
+             "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "
+             "last 50 steps (nats) | vs fp32 | final loss scale | skipped steps | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for flag, name in PRECISIONS:
+        r = runs[flag]
+        scale = "—" if r["scale"] is None else f"2^{np.log2(r['scale']):.0f}"
+        lines.append(f"| {name} | {r['mlm']:.3f} | {rel(r['mlm'], f32['mlm'])} | {r['total']:.3f} | "
+                     f"{rel(r['total'], f32['total'])} | {r['train_last50']:.3f} | "
+                     f"{rel(r['train_last50'], f32['train_last50'])} | "
+                     f"{scale} | {r['skipped']} | "
+                     f"{r['seconds']:.0f} |")
+    lines += ["", "## Step time: BERT mini, B=4 T=64, numpy backend (median of 7 interleaved rounds)", "",
+              "| precision | ms per step | x fp32 |", "|---|---|---|"]
+    for _, p in PRECISIONS:
+        lines.append(f"| {p} | {times[p] * 1e3:.1f} | {times[p] / times['fp32']:.2f} |")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
