@@ -4,6 +4,7 @@ Each README passage that quotes measurements sits in a `<!-- figures: FILE ... -
 files it comes from; every figure (a number with a unit) in it must be in one of them, with the same unit, at the
 precision quoted. `python tests/readme_figures.py` lists every figure and where it was found."""
 import os
+import subprocess
 
 import readme_figures as R
 
@@ -14,11 +15,17 @@ def test_every_readme_figure_is_in_the_results_file_it_cites():
 
 
 def test_cited_results_files_are_committed_results():
-    """The blocks cite files under benchmarks/results/ (what a benchmark command wrote), not arbitrary text."""
+    """The blocks cite files under benchmarks/results/ (what a benchmark command wrote), not arbitrary text, and
+    every one is tracked by git (a file only on the author's disk is no committed measurement)."""
     text = open(os.path.join(R.ROOT, "README.md"), encoding="utf-8").read()
     cited = [p for b in R.BLOCK.finditer(text) for p in b.group("files").split()]
+    cited += [b.group("file") for b in R.OUTPUT.finditer(text)]
     assert cited, "the README cites no results file"
     assert all(p.startswith("benchmarks/results/") for p in cited), cited
+    if os.path.isdir(os.path.join(R.ROOT, ".git")):        # a checkout (CI clones one); an sdist has no history
+        tracked = subprocess.run(["git", "ls-files", "--", *sorted(set(cited))], cwd=R.ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split()
+        assert sorted(set(cited)) == sorted(tracked), sorted(set(cited) - set(tracked))
 
 
 def _readme(tmp_path, body, results):
@@ -62,3 +69,10 @@ def test_checker_holds_sample_output_to_its_file(tmp_path):
     assert R.check(str(path)) == []
     path.write_text(body.replace("OUT", str(tmp_path / "out.txt")).replace("1.2e-11", "1.3e-11"), encoding="utf-8")
     assert [r[3] for r in R.check(str(path))] == [f"line not in {tmp_path / 'out.txt'}"]
+
+
+def test_escaped_pipes_and_bounds(tmp_path):
+    """A cell holding an escaped pipe ("\\|w\\|") keeps the columns in place; a figure after a bound is no measurement."""
+    results = "| model | \\|w - w0\\| / \\|w0\\| | pass (CPU s) |\n|---|---|---|\n| base | 0.07 | 3.53 |\n"
+    body = "<!-- figures: FILE -->\nThe pass took 3.53 s, within 5 s of the target.\n<!-- /figures -->\n"
+    assert [r[3] for r in R.check(_readme(tmp_path, body, results))] == [None]
