@@ -98,9 +98,9 @@ def _pct(x):
     return f"{100 * float(x):.1f}%"
 
 
-def report(done, cmds, workdir):
-    """demo.md's text from the runs' files and the commands' outputs."""
-    lines = ["# The README's demo, run end to end", "", "Command:", "", "    python benchmarks/demo_run.py", "",
+def report(done, cmds, workdir, command="python benchmarks/demo_run.py"):
+    """demo.md's text from the runs' files and the commands' outputs; command: how this script was run."""
+    lines = ["# The README's demo, run end to end", "", "Command:", "", f"    {command}", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python "
              f"{platform.python_version()}; numpy {_version('numpy')}, numba {_version('numba')}, tokenizers "
              f"{_version('tokenizers')}. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
@@ -191,7 +191,7 @@ def main():
                 if m:
                     done[name] = (float(m.group(1)), text.split("\n", 1)[1])
     with open(os.path.join(a.out, "demo.md"), "w", encoding="utf-8") as f:
-        f.write(report(done, cmds, a.workdir))
+        f.write(report(done, cmds, a.workdir, " ".join(["python benchmarks/demo_run.py", *sys.argv[1:]])))
     print(f"wrote {os.path.join(a.out, 'demo.md')}")
 
 
