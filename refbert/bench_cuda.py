@@ -669,8 +669,8 @@ def _pool_bytes():
 
 
 def run_step(args, timer):
-    """The step rows (refbert all / labelled, HF sdpa / eager, the GEMM floors, memory), and the launch-probe rows
-    of the first shape. -> (rows, launch_rows, failed, models) with models what run_profile reuses."""
+    """The step rows (refbert all / labelled, HF sdpa / eager, the GEMM floors, memory). -> (rows, failed, models)
+    with models what run_profile reuses and probe_step, one step of the first shape for main's launch probe."""
     cp = _xp()
     import refbert
     from refbert.bench import batch
@@ -679,7 +679,7 @@ def run_step(args, timer):
     cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
         BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
                    max_position_embeddings=512)
-    rows, launch_rows, failed, probe_step = [], [], False, None
+    rows, failed, probe_step = [], False, None
     tmp = tempfile.TemporaryDirectory()
     hf = {}
     if not args.no_torch:
@@ -775,7 +775,7 @@ def run_step(args, timer):
     for op, why in problems:
         rows.append(dict(impl="FALLBACK", shape=op, note=why))
     failed |= bool(problems)
-    return rows, launch_rows, failed, dict(ours=ours, hf=hf, tmp=tmp, cfg=cfg, probe_step=probe_step)
+    return rows, failed, dict(ours=ours, hf=hf, tmp=tmp, cfg=cfg, probe_step=probe_step)
 
 
 def launch_probe(step, repeats=200):
@@ -1081,7 +1081,7 @@ def main(args=None):
     models = None
     if "step" in sections or "profile" in sections:
         print("== step", flush=True)
-        step_rows, launch_rows, bad, models = run_step(args, timer)
+        step_rows, bad, models = run_step(args, timer)
         failed |= bad
         paths += write(out, "cuda_step", f"refbert training step on {device}", header,    # (again with the probe)
                        step_md(step_rows), dict(command=command, info=info, rows=step_rows))
