@@ -10,7 +10,6 @@ median; ns per element = median seconds / elements * 1e9. Issue 16's target: at 
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,11 +24,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "philox.md"))
     ap.add_argument("--repeats", type=int, default=9)
     a = ap.parse_args()
+    from refbert.bench import results_header
     from refbert.philox import keep_mask
-    lines = ["# Dropout masks in NumPy: Philox4x32-10 (refbert.philox.keep_mask) against np.random.Generator", "",
-             "Command:", "", "    python benchmarks/bench_philox.py " + " ".join(sys.argv[1:]), "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
-             f"{np.__version__}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Method: the script's docstring.", "",
+    lines = [*results_header("Dropout masks in NumPy: Philox4x32-10 (refbert.philox.keep_mask) against "
+                             "np.random.Generator", " ".join(["python benchmarks/bench_philox.py", *sys.argv[1:]])),
+             "Method: the script's docstring.", "",
              "| shape | elements | keep_mask ms | keep_mask ns / element | Generator ms | Generator ns / element |",
              "|---|---|---|---|---|---|"]
     for shape in ((4, 12, 512, 512), (4096, 768)):

@@ -12,8 +12,6 @@ anything is timed. The cost depends on the inputs (refbert's formulas for |x| > 
 one, plus the gathering of their values), so each spread is its own line. Needs scipy (the dev extra).
 """
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -52,12 +50,10 @@ def main():
                          f"{med['refbert'] / med['scipy']:.2f}x")
             print(lines[-1], flush=True)
     if args.out:
-        import scipy
-        head = ["# refbert.special.ndtr against scipy.special.ndtr, (4096, 3072) arrays", "", "Command:", "",
-                "    python benchmarks/bench_special.py " + " ".join(sys.argv[1:]), "",
-                f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}, numpy "
-                f"{np.__version__}, scipy {scipy.__version__}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. Method: "
-                "the script's docstring (ratio: refbert's median / scipy's; < 1: refbert faster).", ""]
+        from refbert.bench import results_header
+        head = [*results_header("refbert.special.ndtr against scipy.special.ndtr, (4096, 3072) arrays",
+                                " ".join(["python benchmarks/bench_special.py", *sys.argv[1:]])),
+                "Method: the script's docstring (ratio: refbert's median / scipy's; < 1: refbert faster).", ""]
         with open(args.out, "w") as f:
             f.write("\n".join(head + [f"    {line}" for line in lines]) + "\n")
 

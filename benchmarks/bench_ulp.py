@@ -5,18 +5,16 @@ tests/test_kernels_math.py (the test holds each measurement within its bound; th
     python benchmarks/bench_ulp.py            # needs numba and scipy (the dev extra)
 """
 import os
-import platform
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def main(out=os.path.join(ROOT, "benchmarks", "results", "ulp.md")):
-    import numba
-    import numpy as np
     import test_kernels_math as T
+
+    from refbert.bench import results_header
 
     rows = []
     for label in T._measured():
@@ -25,10 +23,7 @@ def main(out=os.path.join(ROOT, "benchmarks", "results", "ulp.md")):
                     f"{'ok' if err <= bound else 'OVER'} |")
         print(rows[-1], flush=True)
     text = "\n".join([
-        "# The float32 polynomials of refbert_kernels._math, in ulps", "", "Command:", "",
-        "    python benchmarks/bench_ulp.py", "",
-        f"Machine: {platform.machine()}; Python {platform.python_version()}, numpy {np.__version__}, numba "
-        f"{numba.__version__}. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+        *results_header("The float32 polynomials of refbert_kernels._math, in ulps", "python benchmarks/bench_ulp.py"),
         "max |f(x) - exact| in units of the float32 spacing at the exact value (float64 references: NumPy's exp, "
         "scipy.special's erf, erfc, ndtr, expit), over references in the float32 normal range; grids: evenly spaced "
         "points plus +-geometric points from 1e-38 to 1 (tests/test_kernels_math.py). The stated bound is the one "

@@ -15,7 +15,6 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
 import argparse
 import csv
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
     a = ap.parse_args()
+    from refbert.bench import results_header
     times = step_times()
     with tempfile.TemporaryDirectory() as work:
         runs = train(work, a.steps)
@@ -89,10 +89,8 @@ def main():
 
     def rel(v, ref):
         return f"{100 * (v - ref) / ref:+.2f}%"
-    lines = ["# Mixed precision on the CPU: what refbert's spec costs", "", "Command:", "",
-             f"    python benchmarks/mixed_train.py --steps {a.steps}", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python "
-             f"{platform.python_version()}, numpy {np.__version__}. Date: {time.strftime('%Y-%m-%d %H:%M %Z')}. "
+    lines = [*results_header("Mixed precision on the CPU: what refbert's spec costs",
+                             f"python benchmarks/mixed_train.py --steps {a.steps}"),
              "Method: the script's docstring.", "",
              f"## Training: the demo's tiny preset, {a.steps} steps", "",
              "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "

@@ -226,7 +226,10 @@ def _busy_note(share):
     return f"Other processes used {100 * share:.0f}% of the machine's CPU time while these were timed (quiet)."
 
 
-def _header(title, info, command, quick):
+def results_header(title, command, info=None, quick=False):
+    """The head of every results file: title, the command that wrote it, the machine (machine(), or info) and the
+    date. -> [lines]"""
+    info = machine() if info is None else info
     lines = [f"# {title}", "", "Command:", "", f"    {command}", "",
              f"Machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), "
              f"{info['memory_gib']} GiB; Python {info['python']}, numpy {info['numpy']} (BLAS: {info['blas']}), "
@@ -242,7 +245,7 @@ def _write(out, name, title, info, command, quick, md_lines, data, plot=None):
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, f"{name}.md"), os.path.join(out, f"{name}.json")]
     with open(paths[0], "w") as f:
-        f.write("\n".join(_header(title, info, command, quick) + md_lines) + "\n")
+        f.write("\n".join(results_header(title, command, info, quick) + md_lines) + "\n")
     with open(paths[1], "w") as f:
         json.dump(dict(command=command, machine=info, quick=quick, **data), f, indent=1, default=_json_default)
         f.write("\n")
