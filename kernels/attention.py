@@ -148,14 +148,7 @@ def _from_key_overload(key, like):
 def _forward(kernel, q, k, v, n_heads, mask, dropout_p, rng, train):
     """Checks as the oracle does, runs kernel(q, k, v, mask4, H, scale, seed, stream, thresh, dscale, out, m, linv)
     and returns (out, cache). cache = (q, k, v, mask4, H, out, m, linv, (seed, stream, thresh, dscale))."""
-    V.floats("attention", q=q, k=k, v=v, mask=mask)
-    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
-    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
-    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
-    B, T, C = q.shape
-    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
-        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
-    H = int(n_heads)
+    B, T, C, H, _ = ops.attention_shapes(q, k, v, n_heads, mask)
     if mask is not None:
         V.broadcasts_to("attention", "mask", mask, (B, H, T, T))
     if q.size == 0 or T == 0:                       # degenerate shapes: the oracle's errors and empty outputs

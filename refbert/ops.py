@@ -428,14 +428,7 @@ def compose(o):
         backward recomputes pd = dropout(p) as dropout_backward(p): dropout is linear and diagonal, so its backward
         applied to p is the same product p * keep / (1 - p).
         """
-        V.floats("attention", q=q, k=k, v=v, mask=mask)
-        V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
-        V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
-        V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
-        B, T, C = q.shape
-        if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
-            raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
-        H, hs = int(n_heads), C // int(n_heads)
+        B, T, C, H, hs = attention_shapes(q, k, v, n_heads, mask)
         qh = q.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
         kh = k.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
         vh = v.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
@@ -570,6 +563,19 @@ def mse_backward(dloss, cache):
     dloss = _scalar_dout("mse", dloss, diff.dtype)
     dpred = diff * (2 * dloss / max(diff.size, 1))
     return dpred, -dpred
+
+
+def attention_shapes(q, k, v, n_heads, mask=None):
+    """attention's argument checks (every backend's, in this order: float arrays, q (B, T, C), k and v as q, n_heads a
+    positive divisor of C), the mask's broadcast left to the caller. -> (B, T, C, H, hs)"""
+    V.floats("attention", q=q, k=k, v=v, mask=mask)
+    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
+    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
+    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
+    B, T, C = q.shape
+    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
+        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
+    return B, T, C, int(n_heads), C // int(n_heads)
 
 
 def _scalar_dout(op, d, dtype):
@@ -736,18 +742,11 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
     more than one key block it differs from this by the rounding of the pt it rescales (<= 1 ulp of a term).
     """
     R = ROUND[compute]
-    V.floats("attention", q=q, k=k, v=v, mask=mask)
-    V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
-    V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
-    V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
-    B, T, C = q.shape
-    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
-        raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
+    B, T, C, H, hs = attention_shapes(q, k, v, n_heads, mask)
     if q.dtype != np.float32:
         raise ValueError(f"attention: argument 'q' expected float32 (mixed precision), got {q.dtype}")
     if mask is not None:
-        V.broadcasts_to("attention", "mask", mask, (B, n_heads, T, T))
-    H, hs = int(n_heads), C // int(n_heads)
+        V.broadcasts_to("attention", "mask", mask, (B, H, T, T))
     scale = 1.0 / math.sqrt(hs)
     heads = lambda a: R(a).reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # noqa: E731  (B, H, T, hs)
     qh, kh, vh = heads(q), heads(k), heads(v)
