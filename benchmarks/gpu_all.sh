@@ -20,12 +20,13 @@
 #               own GPU dumps (float64, float32, float32 with TF32, float16, bfloat16) in units of refbert's noise
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
-#               the launch probe with the step's own arguments, the torch.profiler table
+#               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
+#               16-bit GEMM floor, the launch probe with the step's own arguments, the torch.profiler table
 # mains, tests, check and verify run side by side (they time nothing that is reported; 16 cores; Numba compiles on the
 # CPU); bench runs alone after them. A step that fails or times out is recorded and the next one still runs; the
 # exit status is the number of failed steps. What comes back is at most 8 files in $OUT: summary.txt, report.tgz
-# (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_profile.md, cuda_kernels.md,
-# cuda_order.json, verify_noise_gpu.md and mains.txt.
+# (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_mixed.md, cuda_profile.md,
+# cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_BENCH=... (seconds), BENCH_ARGS="...",
 # STEPS="mains tests check verify bench" (a subset). DRY=1: the plumbing on a machine without a GPU (no preflight, the
 # mains on CPU threads through csrc/cpusim.cuh, the GPU tests skip, the bench says SKIPPED).
@@ -46,7 +47,7 @@ T_BENCH=${T_BENCH:-190}                 # preflight (~20 s) + 150 + 190: 6 minut
 T_VERIFY=${T_VERIFY:-150}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
 STEPS=${STEPS:-"mains tests check verify bench"}
-BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step profile"}
+BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)
@@ -66,8 +67,8 @@ step() {            # step NAME TIMEOUT COMMAND...
 }
 wants() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 finish() {          # the report: one tarball and the files worth reading at once (at most 8 in $OUT)
-    for f in bench/cuda_step.md bench/cuda_profile.md bench/cuda_kernels.md bench/cuda_order.json \
-             verify/verify_noise_gpu.md; do
+    for f in bench/cuda_step.md bench/cuda_mixed.md bench/cuda_profile.md bench/cuda_kernels.md \
+             bench/cuda_order.json; do
         [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"
     done
     [ -f "$R/mains.log" ] && grep -E "^==|FAILED|mismatch|every version ok|TFLOP|GB/s| ms" "$R/mains.log" > "$OUT/mains.txt"

@@ -107,7 +107,7 @@ def shape_str(shape):
 def add_arguments(p):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
     p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, B=4 T=128 only")
-    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "profile"],
+    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "mixed", "profile"],
                    help="run only these sections (probes always)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
@@ -778,6 +778,127 @@ def run_step(args, timer):
     return rows, failed, dict(ours=ours, hf=hf, tmp=tmp, cfg=cfg, probe_step=probe_step)
 
 
+MIXED = (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))     # precision, torch.autocast dtype
+
+
+def time_gemms16(timer, gemms, dtype):
+    """Seconds of every product of `gemms` in `dtype` ("bfloat16" / "float16") on cuBLAS through torch, float32
+    accumulation (torch's reduced-precision reductions off): the floor of a mixed-precision step."""
+    import torch
+    dt = getattr(torch, dtype)
+    shapes = {}
+    for _, b, m, k, n in gemms:
+        if (b, m, k, n) not in shapes:
+            shapes[(b, m, k, n)] = (torch.randn(b, m, k, device="cuda", dtype=dt),
+                                    torch.randn(b, k, n, device="cuda", dtype=dt),
+                                    torch.empty(b, m, n, device="cuda", dtype=dt))
+    seq = [shapes[(b, m, k, n)] for _, b, m, k, n in gemms]
+
+    def run():
+        for a, bb, o in seq:
+            torch.matmul(a, bb, out=o)
+    return timer(run, repeats=max(3, timer.repeats // 2))
+
+
+def run_mixed(args, timer):
+    """The mixed-precision step rows: refbert backend="cuda" with precision="bf16-mixed" / "fp16-mixed" (refbert.ops'
+    spec: 16-bit GEMMs on tensor cores, the fused ops' float32 versions between roundings, the spec's attention)
+    against HF + PyTorch sdpa under torch.autocast in bfloat16 / float16, at the step shapes; the 16-bit GEMM floor;
+    and each one's eval loss against the float32 model's (what the precision costs). Both sides accumulate 16-bit
+    products in float32 (torch's reduced-precision reductions off). -> (rows, failed)"""
+    cp = _xp()
+    import refbert
+    from refbert.bench import batch, hf_model
+    from refbert.config import BertConfig
+    cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
+        BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                   max_position_embeddings=512)
+    rows, failed = [], False
+    tmp = tempfile.TemporaryDirectory()
+    hf = None
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch
+            import transformers
+            _tf32_off()
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            hf_model(cfg, tmp.name)
+            hf = transformers.BertForPreTraining.from_pretrained(tmp.name, attn_implementation="sdpa").cuda()
+        except Exception as e:
+            rows.append(dict(impl="HF + PyTorch", note=_err(e)))
+            hf, torch = None, None
+    try:
+        ours = refbert.BertForPreTraining.from_pretrained(tmp.name, backend="cuda") if hf is not None else \
+            refbert.BertForPreTraining(cfg, seed=0, backend="cuda")
+    except Exception as e:
+        return [dict(impl="refbert", note=_err(e))], True
+    for B, T in step_shapes(args):
+        x = batch(B, T, cfg.vocab_size, seed=T)
+        n = int((x["labels"] != -100).sum())
+        shape = f"B={B} T={T}"
+        base = dict(shape=shape, B=B, T=T, labelled=n)
+        tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()} if hf is not None else None
+        ours.precision = "fp32"
+        l32 = float(ours.eval()(**x).loss)
+        for precision, dtype in MIXED:
+            hf_ms = None
+            if hf is not None:
+                with torch.no_grad(), torch.autocast("cuda", dtype=getattr(torch, dtype)):
+                    l_hf = float(hf.eval()(**tx).loss)
+                m = hf.train()
+
+                def step_hf(m=m, dt=getattr(torch, dtype)):
+                    m.zero_grad(set_to_none=True)
+                    with torch.autocast("cuda", dtype=dt):
+                        loss = m(**tx).loss
+                    loss.backward()
+                t = timer(step_hf, repeats=max(3, args.repeats // 2))
+                m.zero_grad(set_to_none=True)
+                hf_ms = t * 1e3
+                floor = time_gemms16(timer, step_gemms(cfg, B, T, n, "all", "hf"), dtype)
+                rows.append(dict(base, impl=f"HF + PyTorch sdpa autocast {dtype}", ms=hf_ms, tokens_per_s=B * T / t,
+                                 floor_ms=floor * 1e3, note=f"eval loss {l_hf:.5f} (fp32 {l32:.5f}: rel "
+                                 f"{abs(l_hf - l32) / max(abs(l32), 1e-30):.1e})"))
+                print(f"  mixed {shape} HF autocast {dtype}: {hf_ms:.2f} ms (GEMM floor {floor * 1e3:.2f} ms)",
+                      flush=True)
+                torch.cuda.empty_cache()
+            try:
+                ours.precision = precision
+                l_ours = float(ours.eval()(**x).loss)
+                ours.train()
+
+                def step_ours():
+                    ours(**x, mlm_decode="all")
+                    ours.backward()
+                t = timer(step_ours, repeats=max(3, args.repeats // 2))
+            except Exception as e:
+                rows.append(dict(base, impl=f"refbert cuda {precision}", note=_err(e)))
+                failed = True
+                print(f"  mixed {shape} refbert {precision}: {_err(e)}", flush=True)
+                continue
+            floor = time_gemms16(timer, step_gemms(cfg, B, T, n, "all"), dtype) if torch is not None else None
+            rows.append(dict(base, impl=f"refbert cuda {precision} (all)", ms=t * 1e3, tokens_per_s=B * T / t,
+                             floor_ms=floor * 1e3 if floor else None, vs_hf=t * 1e3 / hf_ms if hf_ms else None,
+                             note=f"eval loss {l_ours:.5f} (fp32 {l32:.5f}: rel "
+                             f"{abs(l_ours - l32) / max(abs(l32), 1e-30):.1e})"))
+            print(f"  mixed {shape} refbert {precision}: {t * 1e3:.2f} ms" +
+                  (f", {t * 1e3 / hf_ms:.2f}x HF autocast" if hf_ms else "") +
+                  (f", {t / floor:.2f}x its 16-bit GEMM floor ({floor * 1e3:.2f} ms)" if floor else ""), flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+    ours.precision = "fp32"
+    return rows, failed
+
+
+def mixed_md(rows):
+    head = ("impl", "shape", "ms (fwd + bwd)", "tokens/s", "x HF autocast", "16-bit GEMM floor ms", "x floor", "note")
+    return md_table(head, [(r["impl"], r.get("shape", ""), fmt(r.get("ms")), fmt(r.get("tokens_per_s"), ".0f"),
+                            fmt(r.get("vs_hf"), ".2f"), fmt(r.get("floor_ms")),
+                            fmt(r.get("ms") / r["floor_ms"] if r.get("ms") and r.get("floor_ms") else None, ".2f"),
+                            r.get("note", "")) for r in rows])
+
+
 def launch_probe(step, repeats=200):
     """Every CUDA C kernel one call of step() launches, replayed `repeats` times back to back with the step's own
     arguments: host microseconds per launch (the wall time of the loop / repeats, the device drained before and
@@ -866,14 +987,28 @@ def run_profile(args, models, steps=3):
     x = batch(B, T, cfg.vocab_size, seed=T)
     runs = {f"refbert cuda fp32 ({d})": (lambda d=d: (ours(**x, mlm_decode=d), ours.backward()))
             for d in ("all", "labelled")}
+    precisions = {}
+    if "mixed" in (args.only or ["mixed"]):
+        for precision, _ in MIXED:
+            runs[f"refbert cuda {precision} (all)"] = lambda: (ours(**x, mlm_decode="all"), ours.backward())
+            precisions[f"refbert cuda {precision} (all)"] = precision
     ours.train()
     if "sdpa" in hf:
         tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
         m = hf["sdpa"].train()
         runs["HF + PyTorch sdpa fp32"] = lambda: (m.zero_grad(set_to_none=True), m(**tx).loss.backward())
+
+        def autocast_step(dt):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dt):
+                loss = m(**tx).loss
+            loss.backward()
+        if precisions:
+            runs["HF + PyTorch sdpa autocast bfloat16"] = lambda: autocast_step(torch.bfloat16)
     out = {}
     for impl, fn in runs.items():
         try:
+            ours.precision = precisions.get(impl, "fp32")
             fn()
             torch.cuda.synchronize()
             cp.cuda.Device().synchronize()
@@ -888,9 +1023,19 @@ def run_profile(args, models, steps=3):
             s = out[impl][0]
             print(f"  profile {impl} B={B} T={T}: {s['launches_per_step']:.0f} launches / step, GPU busy "
                   f"{s['gpu_busy_ms']:.1f} of {s['wall_ms']:.1f} ms", flush=True)
+            if impl in precisions:                       # where the host time of a mixed step goes (the log only)
+                import cProfile
+                import pstats
+                host = cProfile.Profile()
+                host.enable()
+                fn()
+                cp.cuda.Device().synchronize()
+                host.disable()
+                pstats.Stats(host).sort_stats("tottime").print_stats(18)
         except Exception as e:
             out[impl] = _err(e, 300)
             print(f"  profile {impl}: {out[impl]}", flush=True)
+    ours.precision = "fp32"
     return out
 
 
@@ -1058,7 +1203,7 @@ def main(args=None):
     paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
     failed = False
-    sections = args.only or ["kernels", "precision", "step", "profile"]
+    sections = args.only or ["kernels", "precision", "step", "mixed", "profile"]
     if "kernels" in sections:
         print("== kernels", flush=True)
         rows, bad, timings = run_kernels(args, timer, bw)
@@ -1085,6 +1230,12 @@ def main(args=None):
         failed |= bad
         paths += write(out, "cuda_step", f"refbert training step on {device}", header,    # (again with the probe)
                        step_md(step_rows), dict(command=command, info=info, rows=step_rows))
+    if "mixed" in sections:
+        print("== mixed precision step", flush=True)
+        mixed_rows, bad = run_mixed(args, timer)
+        failed |= bad
+        paths += write(out, "cuda_mixed", f"refbert mixed-precision training step on {device}", header,
+                       mixed_md(mixed_rows), dict(command=command, info=info, rows=mixed_rows))
     if "profile" in sections and models is not None:
         print("== profile", flush=True)
         prof = run_profile(args, models)

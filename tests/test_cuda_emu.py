@@ -181,16 +181,19 @@ def test_emu_value_checks_need_refbert_cuda_checks():
 
 def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
-    step's own arguments) runs on the emulator: a tooling check of the code the GPU run will execute (its times
-    mean nothing here). Every CUDA C kernel of the step shows in the launch probe."""
+    step's own arguments) and its mixed-precision section run on the emulator: a tooling check of the code the GPU
+    run will execute (its times mean nothing here). Every CUDA C kernel of the step shows in the launch probe."""
     import json
     code = f"""
         import sys
         from refbert import bench_cuda as BC
-        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "--step", "2x8", "--repeats", "1",
-                          "--no-plot", "--out", {str(tmp_path)!r}]))
+        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "mixed", "--step", "2x8",
+                          "--repeats", "1", "--no-plot", "--out", {str(tmp_path)!r}]))
     """
     out = cudachild.check(_run(_env(code)))
+    mixed = json.loads((tmp_path / "cuda_mixed.json").read_text())["rows"]
+    assert [r["impl"] for r in mixed] == ["refbert cuda bf16-mixed (all)", "refbert cuda fp16-mixed (all)"], mixed
+    assert all(r["ms"] > 0 and "eval loss" in r["note"] for r in mixed), mixed
     data = json.loads((tmp_path / "cuda_step.json").read_text())
     impls = [r["impl"] for r in data["rows"]]
     assert "refbert cuda fp32 (all)" in impls and "refbert cuda fp32 (labelled)" in impls, impls

@@ -529,6 +529,25 @@ def test_a_backend_plugs_in_its_own_16_bit_ops():
     assert calls == ["float16"] * CFG["num_hidden_layers"]
     dev = types.ModuleType("mydevice")
     dev.ARRAY_LIBRARY, dev.to_device = "torch", (lambda a: a)
-    with pytest.raises(ValueError, match=r"keeps its arrays on a device \(torch\); expected its own 16-bit ops "
-                                         r"\(<name>_mixed\) for every op, got none for add, attention"):
+    with pytest.raises(ValueError, match=r"keeps its arrays on a device \(torch\); expected its own rounding "
+                                         r"\(round_compute\(x, compute\)\) or its own 16-bit ops \(<name>_mixed\) "
+                                         r"for every op, got neither for add, attention"):
         mixed.MixedOps(Backend(dev), "bfloat16")
+    # with its own rounding the rule runs around a backend's float32 ops (here NumPy's arrays), rounding with it,
+    # and skipping an input that one of its ops wrote (marked): R is idempotent
+    seen = []
+
+    def round_compute(x, compute):
+        seen.append(compute)
+        return ops.round_compute(x, compute)
+    dev.round_compute = round_compute
+    mixed.MixedOps(Backend(dev), "bfloat16")            # no error now: it rounds its own arrays
+    own = types.ModuleType("myrounding")
+    own.round_compute = round_compute
+    mo = mixed.MixedOps(Backend(own), "bfloat16")
+    assert mo.how["gelu_forward"] == "rounded"
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    out, _ = mo.gelu_forward(x)
+    assert seen == ["bfloat16", "bfloat16"] and np.array_equal(ops.round_compute(out, "bfloat16"), out)
+    out2, _ = mo.gelu_forward(out)                      # out is marked: only the output is rounded
+    assert len(seen) == 3 and mixed.on_grid(out2, "bfloat16") and not mixed.on_grid(x, "bfloat16")

@@ -291,13 +291,18 @@ def _ids(op, name, x, upper, allow=None):
 # ----------------------------------------------------------------------------------------------------------------
 # the ops written here: matmuls (cuBLAS), lookups, small element-wise ops
 
-def linear_forward(x, w, b=None):
-    """out = x @ w.T + b (refbert.ops.linear_forward): one cuBLAS GEMM over all leading positions."""
+def check_linear(x, w, b):
+    """linear's argument checks (the oracle's, on any array module)."""
     _floats("linear", x=x, w=w, b=b)
     V.min_ndim("linear", "x", x, 1, "(..., C_in)")
     V.shape("linear", "w", _stub(w), (None, x.shape[-1]), "(C_out, C_in)")
     if b is not None:
         V.shape("linear", "b", _stub(b), (w.shape[0],), "(C_out,)")
+
+
+def linear_forward(x, w, b=None):
+    """out = x @ w.T + b (refbert.ops.linear_forward): one cuBLAS GEMM over all leading positions."""
+    check_linear(x, w, b)
     out = xp.matmul(x.reshape(-1, x.shape[-1]), w.T)
     if b is not None:
         out += b
@@ -573,6 +578,13 @@ def version_rows(dtypes=("float32",)):
     for op, why in versions.problems():
         rows.append((f"{op} FALLBACK", "—", math.inf, False, why))
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mixed precision (refbert.mixed finds these): R on device arrays, linear on tensor cores, the spec's attention
+
+from .mixed import (round_compute, linear_forward_mixed, linear_backward_mixed,  # noqa: E402,F401
+                    attention_forward_mixed, attention_backward_mixed, attention_probs_mixed)
 
 
 def describe():

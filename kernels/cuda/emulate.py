@@ -223,7 +223,7 @@ class DevArray(np.ndarray):
 
 _TYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "long long": np.int64, "u64": np.uint64,
           "unsigned long long": np.uint64, "u32": np.uint32, "unsigned int": np.uint32, "unsigned": np.uint32,
-          "long long int": np.int64, "bool": np.bool_}
+          "long long int": np.int64, "bool": np.bool_, "unsigned short": np.uint16}
 _CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, np.int32: ctypes.c_int32,
            np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64, np.uint32: ctypes.c_uint32, np.bool_: ctypes.c_bool}
 

@@ -1,0 +1,509 @@
+"""Mixed precision on the cuda backend: the spec of refbert.ops ("mixed precision: the spec") with tensor-core
+GEMMs. refbert.mixed calls these in place of its generic rule (a function `<name>_mixed` of a backend is its own
+16-bit op; `round_compute` its rounding of device arrays), so `BertForPreTraining(cfg, backend="cuda",
+precision="bf16-mixed")` runs:
+
+    round_compute     R on device arrays: csrc/mixed.cu round_v1, bit for bit refbert.ops.round_bfloat16 /
+                      round_float16 (NumPy arrays: those functions themselves). refbert.mixed's rule rounds every
+                      fused op's inputs and outputs with it: the fused ops run their float32 versions in between.
+    linear (M1)       out = R(x2 @ R(w)^T + R(b)): x2 and w rounded into 16-bit storage (csrc/mixed.cu round16_v1),
+                      one cuBLAS GEMM with 16-bit inputs, float32 accumulation and a float32 result
+                      (cublasGemmEx, CUBLAS_COMPUTE_32F: tensor cores), then bias_round_v1 adds R(b) and rounds, in
+                      place. Backward: dout rounded into 16-bit storage (and into float32 for the bias), dx =
+                      R(dout2 @ R(w)) (a GEMM, then round_v1), dw = dout2^T @ x2 in float32 (a GEMM with a float32
+                      result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
+                      column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
+                      call, never per use.
+    attention (S1)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed) on
+                      device arrays: scores, P V and the backward's products as batched float32 GEMMs on the
+                      rounded operands (products of two 16-bit numbers are exact in float32), the row max and sum
+                      in float32, P and dS rounded where a tensor core would read them, the keep-mask the next
+                      Philox stream of rng drawn on the device by the dropout version (the oracle's elements).
+                      It materialises the (B, H, T, T) scores: a reference for the flash kernels to come (issue 14
+                      item 4), not one of them.
+
+Where the arrays are NumPy's (the simulator) or the emulator's, the GEMMs are the array module's matmul on the
+rounded float32 operands (the same products and float32 sums), and the roundings run as above (the emulator runs
+csrc/mixed.cu on CPU threads). Agreement with the spec: the roundings are the spec's bit for bit; the float32 sums
+inside a GEMM, a reduction or exp come in another order or from another library, so a compute-dtype value can
+differ by one ulp where its float32 value sits within float32 noise of a rounding boundary (tests: the simulator
+against the numpy backend's spec; GPU tests and `refbert bench --device cuda --mixed-precision` on a GPU).
+"""
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from refbert import ops
+from refbert import validate as V
+from refbert.mixed import mark, on_grid
+
+from . import _common as C
+from . import versions
+
+KIND = {"bfloat16": 0, "float16": 1}       # csrc/mixed.cu's kind
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14         # cudaDataType
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_POINTER_MODE_HOST = 0
+F32 = np.dtype(np.float32)
+
+
+def _kind(compute):
+    if compute not in KIND:
+        raise ValueError(f"mixed: argument 'compute' expected one of {', '.join(KIND)}, got {compute!r}")
+    return np.int32(KIND[compute])
+
+
+def _ran(op, compute, key):
+    k = (op, compute, key)
+    versions.RAN[k] = versions.RAN.get(k, 0) + 1
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name, xp):
+    from . import cuda_c
+    return cuda_c.module("mixed.cu", xp).get_function(name)
+
+
+def _launch(name, threads, args, xp):
+    from . import cuda_c
+    grid = (min(C.grid_for(threads, 256), 65536),)
+    if cuda_c.RECORD is not None:                      # the bench's launch probe records (cuda_c.kernel)
+        return cuda_c.kernel("mixed.cu", name, xp)(grid, (256,), args)
+    _kernel(name, xp)(grid, (256,), args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# R on the device
+
+def round_compute(x, compute):
+    """R(x): x (float32) rounded to the compute dtype's grid, as float32 (refbert.ops.round_compute's bits). A device
+    array is rounded by csrc/mixed.cu round_v1 into a new array; anything else by refbert.ops."""
+    if not C.on_device(x):
+        return ops.round_compute(x, compute)
+    if x.dtype != F32:
+        raise ValueError(f"round_compute: argument 'x' expected float32, got {x.dtype}")
+    xp = C.xp_of(x)
+    x = xp.ascontiguousarray(x)
+    out = xp.empty(x.shape, F32)
+    if x.size:
+        _launch("round_v1", x.size, (x, np.int64(x.size), _kind(compute), out), xp)
+    return out
+
+
+def settle(x, compute):
+    """R(x), skipping an array a mixed op wrote (refbert.mixed.mark: on the grid already); the result marked."""
+    return x if on_grid(x, compute) else mark(round_compute(x, compute), compute)
+
+
+def _round_(y, compute):
+    """R(y) in place (y a contiguous float32 device array), y returned."""
+    if not C.on_device(y):
+        y[...] = ops.round_compute(y, compute)
+        return y
+    if y.size:
+        _launch("round_v1", y.size, (y, np.int64(y.size), _kind(compute), y), C.xp_of(y))
+    return y
+
+
+def _gemm_ex():
+    return versions.MODE == "gpu"
+
+
+def operand(x, compute, want32=False):
+    """x rounded for a GEMM: (R(x) as float32 or None, the GEMM operand). On a GPU the operand is R(x) in 16-bit
+    storage (uint16 bit patterns: the GEMM reads them as bfloat16 / float16) and R(x) float32 is made only when
+    want32; elsewhere the operand is R(x) float32 itself."""
+    x = C.xp_of(x).ascontiguousarray(x)
+    if not _gemm_ex():
+        r = round_compute(x, compute)
+        return r, r
+    xp = C.xp_of(x)
+    bits = xp.empty(x.shape, np.uint16)
+    r = xp.empty(x.shape, F32) if want32 else x
+    if x.size:
+        _launch("round16_v1", x.size, (x, np.int64(x.size), _kind(compute), np.int32(want32), r, bits), xp)
+    return (r if want32 else None), bits
+
+
+def gemm(a, b, ta, tb, compute):
+    """op(a) @ op(b) (op: transpose when ta / tb), a float32 (M, N) array, from two GEMM operands (operand()):
+    on a GPU one cublasGemmEx with 16-bit inputs, CUBLAS_COMPUTE_32F (float32 accumulation, tensor cores) and a
+    float32 result; elsewhere the array module's float32 matmul of the rounded operands.
+
+    Row-major arrays seen by column-major cuBLAS are their transposes: C = op(a) op(b) is computed as
+    C^T = op(b)^T op(a)^T, so cuBLAS's first operand is b (transposed iff tb), its second a (iff ta)."""
+    A = a.T if ta else a
+    Bm = b.T if tb else b
+    if not _gemm_ex():
+        return C.xp_of(a).matmul(A, Bm)
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    M, K = A.shape
+    N = Bm.shape[1]
+    out = cupy.empty((M, N), F32)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    try:
+        cublas.gemmEx(handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K,
+                      one.ctypes.data, b.data.ptr, dt, b.shape[1], a.data.ptr, dt, a.shape[1],
+                      zero.ctypes.data, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
+def gemm_batched(a, b, ta, tb, compute):
+    """op(a[i]) @ op(b[i]) for every i of the leading axis (a, b: (N, rows, cols) GEMM operands, contiguous), a
+    float32 (N, M, N') array: on a GPU one cublasGemmStridedBatchedEx (16-bit inputs, float32 accumulation and
+    result), elsewhere the array module's batched matmul. The same transposition argument as gemm()."""
+    A = a.transpose(0, 2, 1) if ta else a
+    Bm = b.transpose(0, 2, 1) if tb else b
+    if not _gemm_ex():
+        return C.xp_of(a).matmul(A, Bm)
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    nb, M, K = A.shape
+    N = Bm.shape[2]
+    out = cupy.empty((nb, M, N), F32)
+    if out.size == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    try:
+        cublas.gemmStridedBatchedEx(
+            handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K, one.ctypes.data,
+            b.data.ptr, dt, b.shape[2], b.shape[1] * b.shape[2], a.data.ptr, dt, a.shape[2], a.shape[1] * a.shape[2],
+            zero.ctypes.data, out.data.ptr, CUDA_R_32F, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear (M1)
+
+class LinearCache(NamedTuple):
+    x2: Any          # (N, C_in) the GEMM operand of R(x2)
+    w: Any           # (C_out, C_in) the GEMM operand of R(w)
+    has_b: bool
+    shape: tuple     # x's shape
+    compute: str
+
+
+def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
+    """out = R(x2 @ R(w)^T + R(b)) (the spec's linear) with one tensor-core GEMM; see the module docstring."""
+    from .backend import _dev, check_linear
+    x = _dev(x)
+    check_linear(x, w, b)
+    xp = C.xp_of(w)
+    x2 = x.reshape(-1, x.shape[-1])
+    _, x16 = operand(x2, compute)
+    _, w16 = operand(w, compute)
+    out = gemm(x16, w16, False, True, compute)                          # (N, C_out) float32
+    if b is None:
+        _round_(out, compute)
+    elif C.on_device(out):
+        _launch("bias_round_v1", out.shape[0] * 256, (out, xp.ascontiguousarray(b), np.int64(out.shape[0]),
+                                                      np.int32(out.shape[1]), _kind(compute)), xp)
+    else:
+        out = ops.round_compute(out + ops.round_compute(b, compute), compute)
+    _ran("linear", compute, "M1")
+    out = mark(out.reshape(*x.shape[:-1], w.shape[0]), compute)
+    return out, LinearCache(x16, w16, b is not None, x.shape, compute)
+
+
+def linear_backward_mixed(dout, cache):
+    """dx = R(R(dout2) @ R(w)), dw = R(dout2)^T @ R(x2) (float32), db = column sums of R(dout2) (float32)."""
+    from .backend import _dev, column_sum
+    if not isinstance(cache, LinearCache):
+        raise ValueError(f"linear: argument 'cache' expected the cache of the cuda backend's linear_forward_mixed, "
+                         f"got {type(cache).__name__}")
+    x16, w16, has_b, shape, compute = cache
+    dout = _dev(dout)
+    C.dout("linear", dout, (*shape[:-1], w16.shape[0]), F32)
+    d32, d16 = operand(dout.reshape(-1, w16.shape[0]), compute, want32=has_b)
+    dx = mark(_round_(gemm(d16, w16, False, False, compute), compute).reshape(shape), compute)
+    dw = gemm(d16, x16, True, False, compute)
+    return (dx, dw, column_sum(d32)) if has_b else (dx, dw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention: the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed)
+#   S1  array operations (the array module's batched matmuls and element-wise calls): any array module, the
+#       simulator's NumPy included; ~20 launches a forward, ~30 a backward
+#   S2  csrc/mixed.cu's kernels around five batched GEMMs on 16-bit operands (cublasGemmStridedBatchedEx): heads_v1
+#       (R, and the (B, H, T, hs) layout, into 16-bit), attn_rows_fwd_v1 (scale, mask, row max, exp, row sum,
+#       R(pt), the Philox keep-mask: one warp per score row), merge_v1 (the normalisation, R, and the (B, T, C)
+#       layout), D_v1 and attn_rows_bwd_v1 (P recomputed, dS' and R(P) keep); device arrays only
+
+class AttentionCache(NamedTuple):     # refbert.ops.MixedAttentionCache's fields, device arrays
+    qh: Any
+    kh: Any
+    vh: Any
+    out: Any
+    m: Any
+    l: Any
+    keep: Any
+    scale: float
+    mask: Any
+    dropout_p: float
+    compute: str
+
+
+def _scores(qh, kh, scale, mask):
+    s = C.xp_of(qh).matmul(qh, kh.transpose(0, 1, 3, 2)) * np.float32(scale)     # (B, H, T, T)
+    return s if mask is None else s + mask
+
+
+def _keep(rng, shape, p, xp):
+    """The keep-mask (bool, `shape`) of the next dropout call of rng: the chosen dropout version applied to ones
+    (its elements are the oracle's: refbert.ops.dropout_mask)."""
+    from .backend import dropout_forward
+    kept, _ = dropout_forward(xp.ones(shape, F32), p, rng, True)
+    return kept != 0
+
+
+def _attention_checks(q, k, v, n_heads, mask, dropout_p):
+    """The spec's checks (refbert.ops.attention_forward_mixed), on any array module. -> (B, T, C, H, hs)"""
+    B, T, Cw, H, hs = ops.attention_shapes(C.stub(q), C.stub(k), C.stub(v), n_heads, C.stub(mask))
+    if q.dtype != F32:
+        raise ValueError(f"attention: argument 'q' expected float32 (mixed precision), got {q.dtype}")
+    if mask is not None:
+        V.broadcasts_to("attention", "mask", C.stub(mask), (B, H, T, T))
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"attention: argument 'dropout_p' expected a probability in [0, 1], got {dropout_p}")
+    return B, T, Cw, H, hs
+
+
+def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
+    """refbert.ops.attention_forward_mixed: S2 on device arrays (a GPU's, the emulator's), S1 on NumPy's."""
+    from .backend import _dev
+    mask = _dev(mask)
+    if C.on_device(q):
+        return attention_forward_s2(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
+    return attention_forward_s1(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
+
+
+def attention_backward_mixed(dout, cache):
+    if isinstance(cache, S2Cache):
+        return attention_backward_s2(dout, cache)
+    return attention_backward_s1(dout, cache)
+
+
+def attention_probs_mixed(cache):
+    if isinstance(cache, S2Cache):
+        return attention_probs_s2(cache)
+    return attention_probs_s1(cache)
+
+
+def attention_forward_s1(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
+    """S1: refbert.ops.attention_forward_mixed's steps as array operations (see there for the arithmetic)."""
+    xp = C.xp_of(q)
+    B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
+    R = lambda a: round_compute(a, compute)                           # noqa: E731
+    scale = 1.0 / math.sqrt(hs)
+    # (B, H, T, hs), contiguous once: every batched GEMM below then reads them (and their transposes) in place
+    heads = lambda a: xp.ascontiguousarray(settle(a, compute).reshape(B, T, H, hs).transpose(0, 2, 1, 3))  # noqa
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    s = _scores(qh, kh, scale, mask)                                  # (B, H, T, T) float32
+    m = s.max(-1, keepdims=True)
+    if C.checks_on(m) and not bool(xp.isfinite(m).all()):
+        raise ValueError("attention: argument 'q' (with 'mask') expected every row to have a finite maximum score, "
+                         "got a row that is entirely -inf, or a NaN/+inf score")
+    pt = xp.exp(s - m)
+    l = pt.sum(-1, keepdims=True)                                     # (B, H, T, 1)
+    p = float(dropout_p) if train else 0.0
+    keep = _keep(rng, s.shape, p, xp) if p > 0 else None
+    P = R(pt) if keep is None else R(pt) * keep
+    rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
+    oh = R(xp.matmul(P, vh) * ((np.float32(1.0) / l) * rp))           # (B, H, T, hs)
+    out = mark(oh.transpose(0, 2, 1, 3).reshape(B, T, Cw), compute)   # (a copy: the (B, T, C) layout)
+    _ran("attention", compute, "S1")
+    return out, AttentionCache(qh, kh, vh, oh, m, l, keep, scale, mask, p, compute)
+
+
+def attention_backward_s1(dout, cache):
+    """S1: refbert.ops.attention_backward_mixed's steps as array operations."""
+    from .backend import _dev
+    if not isinstance(cache, AttentionCache):
+        raise ValueError(f"attention: argument 'cache' expected the cache of the cuda backend's "
+                         f"attention_forward_mixed, got {type(cache).__name__}")
+    qh, kh, vh, oh, m, l, keep, scale, mask, p, compute = cache
+    xp = C.xp_of(qh)
+    R = lambda a: round_compute(xp.ascontiguousarray(a), compute)     # noqa: E731
+    B, H, T, hs = qh.shape
+    dout = _dev(dout)
+    C.dout("attention", dout, (B, T, H * hs), F32)
+    dO = xp.ascontiguousarray(settle(dout, compute).reshape(B, T, H, hs).transpose(0, 2, 1, 3))  # (B, H, T, hs)
+    P = xp.exp(_scores(qh, kh, scale, mask) - m) / l
+    kp = np.float32(1.0 - p)
+    D = (dO * oh).sum(-1, keepdims=True) * kp                         # (B, H, T, 1)
+    dP = xp.matmul(dO, vh.transpose(0, 1, 3, 2))                      # (B, H, T, T)
+    rp = np.float32(1.0 / kp) if kp > 0 else np.float32(0.0)
+    if keep is None:
+        dS, Pk = P * (dP - D), R(P)
+    else:
+        dS, Pk = P * (dP * keep - D), R(P) * keep
+    dvh = R(xp.matmul(Pk.transpose(0, 1, 3, 2), dO) * rp)
+    dS = R(dS)
+    g = np.float32(scale) * rp
+    dqh = R(xp.matmul(dS, kh) * g)
+    dkh = R(xp.matmul(dS.transpose(0, 1, 3, 2), qh) * g)
+    merge = lambda a: mark(a.transpose(0, 2, 1, 3).reshape(B, T, H * hs), compute)  # noqa: E731
+    return merge(dqh), merge(dkh), merge(dvh)
+
+
+def attention_probs_s1(cache):
+    """R(keep * P / (1 - p)) (B, H, T, T), for output_attentions."""
+    qh, kh, _, _, m, l, keep, scale, mask, p, compute = cache
+    P = C.xp_of(qh).exp(_scores(qh, kh, scale, mask) - m) / l
+    if keep is not None:
+        P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)
+    return round_compute(P, compute)
+
+
+class S2Cache(NamedTuple):
+    q: Any           # (B H, T, hs) GEMM operands of R(q), R(k), R(v) (16-bit bits on a GPU, float32 values elsewhere)
+    k: Any
+    v: Any
+    out: Any         # (B, T, C) the compute-dtype output, read back for D
+    m: Any           # (B H T,) float32 row max of the scores
+    l: Any           # (B H T,) float32 row sum of exp(s - m)
+    mask4: Any       # the mask as a contiguous 4-D array, each axis 1 or full (float32)
+    drop: Any        # (seed, stream, thresh, scale) of the keep-mask, or None
+    scale: float
+    p: float
+    compute: str
+    shape: tuple     # (B, T, H, hs)
+
+
+def _warps(name, rows, args, xp):
+    """A kernel with a warp per row, 8 rows a block (no grid-stride: as many blocks as it takes)."""
+    from . import cuda_c
+    if rows:
+        fn = cuda_c.kernel("mixed.cu", name, xp) if cuda_c.RECORD is not None else _kernel(name, xp)
+        fn((-(-rows // 8),), (256,), args)
+
+
+def _buffers(xp, shape, as16):
+    """(float32 values, 16-bit bits) output buffers of a kernel that writes one or the other; the unused one is a
+    one-element stand-in (a kernel argument must be a device array)."""
+    if as16:
+        return xp.empty((1,), F32), xp.empty(shape, np.uint16)
+    return xp.empty(shape, F32), xp.empty((1,), np.uint16)
+
+
+def _heads(a, shape, compute, xp):
+    """(B, T, H hs) -> R(a) as (B H, T, hs), a GEMM operand."""
+    B, T, H, hs = shape
+    as16 = _gemm_ex()
+    a = xp.ascontiguousarray(a)
+    f32, bits = _buffers(xp, (B * H, T, hs), as16)
+    if a.size:
+        _launch("heads_v1", a.size, (a, np.int64(a.size), np.int32(T), np.int32(H), np.int32(hs), _kind(compute),
+                                     np.int32(as16), f32, bits), xp)
+    return bits if as16 else f32
+
+
+def _merge(y, shape, l, g, compute, xp):
+    """(B H, T, hs) float32 -> R(y f) as (B, T, H hs), f = (1 / l) g per row when l is given, else g; marked."""
+    B, T, H, hs = shape
+    out = xp.empty((B, T, H * hs), F32)
+    if out.size:
+        _launch("merge_v1", out.size, (y, np.int64(out.size), np.int32(T), np.int32(H), np.int32(hs),
+                                       y if l is None else l, np.int32(l is not None), np.float32(g),
+                                       _kind(compute), out), xp)
+    return mark(out, compute)
+
+
+def _mask_args(mask4):
+    from .cuda_c import _mask_strides
+    return (mask4, *_mask_strides(mask4))
+
+
+def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
+    """S2: the spec's attention forward with csrc/mixed.cu's kernels and batched 16-bit GEMMs (see above)."""
+    from .attention import _mask4
+    from .dropout import draw
+    xp = C.xp_of(q)
+    B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
+    p = float(dropout_p) if train else 0.0
+    drop = draw(rng, dropout_p, train, "attention") if p > 0 else None
+    shape, rows, as16 = (B, T, H, hs), B * H * T, _gemm_ex()
+    qh, kh, vh = (_heads(a, shape, compute, xp) for a in (q, k, v))
+    s = gemm_batched(qh, kh, False, True, compute)                    # (B H, T, T) float32
+    mask4 = xp.ascontiguousarray(_mask4(xp, mask, B, H, T, F32).astype(F32))
+    P32, P16 = _buffers(xp, (B * H, T, T), as16)
+    m, l = xp.empty(rows, F32), xp.empty(rows, F32)
+    seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
+    _warps("attn_rows_fwd_v1", rows, (s, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
+                                      np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh, _kind(compute),
+                                      np.int32(as16), P32, P16, m, l), xp)
+    O = gemm_batched(P16 if as16 else P32, vh, False, False, compute)  # (B H, T, hs) float32
+    rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
+    out = _merge(O, shape, l, rp, compute, xp)
+    _ran("attention", compute, "S2")
+    return out, S2Cache(qh, kh, vh, out, m, l, mask4, drop, 1.0 / math.sqrt(hs), p, compute, shape)
+
+
+def attention_backward_s2(dout, cache):
+    """S2: the spec's attention backward (refbert.ops.attention_backward_mixed) with csrc/mixed.cu's kernels."""
+    from .backend import _dev
+    qh, kh, vh, out, m, l, mask4, drop, scale, p, compute, shape = cache
+    xp = C.xp_of(qh)
+    B, T, H, hs = shape
+    dout = _dev(dout)
+    C.dout("attention", dout, (B, T, H * hs), F32)
+    rows, as16 = B * H * T, _gemm_ex()
+    dO = _heads(dout, shape, compute, xp)
+    kp = np.float32(1.0 - p)
+    D = xp.empty(rows, F32)
+    _warps("D_v1", rows, (xp.ascontiguousarray(dout), out, np.int64(rows), np.int32(T), np.int32(H), np.int32(hs),
+                          kp, _kind(compute), D), xp)
+    s = gemm_batched(qh, kh, False, True, compute)                    # (B H, T, T)
+    dP = gemm_batched(dO, vh, False, True, compute)                   # (B H, T, T)
+    dS32, dS16 = _buffers(xp, (B * H, T, T), as16)
+    Pk32, Pk16 = _buffers(xp, (B * H, T, T), as16)
+    seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
+    _warps("attn_rows_bwd_v1", rows, (s, dP, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
+                                      np.float32(scale), seed, stream, thresh, m, l, D, _kind(compute),
+                                      np.int32(as16), dS32, dS16, Pk32, Pk16), xp)
+    dS, Pk = (dS16, Pk16) if as16 else (dS32, Pk32)
+    rp = np.float32(1.0) / kp if kp > 0 else np.float32(0.0)
+    g = np.float32(scale) * rp
+    dv = _merge(gemm_batched(Pk, dO, True, False, compute), shape, None, rp, compute, xp)
+    dq = _merge(gemm_batched(dS, kh, False, False, compute), shape, None, g, compute, xp)
+    dk = _merge(gemm_batched(dS, qh, True, False, compute), shape, None, g, compute, xp)
+    return dq, dk, dv
+
+
+def attention_probs_s2(cache):
+    """R(keep * P / (1 - p)) (B, H, T, T) from S2's cache (array operations: output_attentions only)."""
+    from .cuda_c import _dropout_apply
+    qh, kh, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
+    xp = C.xp_of(qh)
+    s = gemm_batched(qh, kh, False, True, compute).reshape(B, H, T, T)
+    P = xp.exp(s * np.float32(scale) + mask4 - m.reshape(B, H, T, 1)) / l.reshape(B, H, T, 1)
+    if drop is not None:
+        keep = _dropout_apply(xp.ones(P.shape, F32), drop) != 0
+        P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)
+    return round_compute(xp.ascontiguousarray(P), compute)

@@ -1,0 +1,219 @@
+"""Mixed precision on the cuda backend (refbert_kernels.cuda.mixed) against the spec (refbert.ops, "mixed precision:
+the spec", run by the numpy backend): on the emulator (CI: CuPy and the GPU emulated on CPU threads,
+csrc/mixed.cu's kernels compiled by g++) and on a real GPU when one is present (there the GEMMs are cublasGemmEx
+with 16-bit inputs on tensor cores).
+
+What must hold, and why these bounds:
+  * R on the device is refbert.ops.round_bfloat16 / round_float16 bit for bit (the same integer recipe), on every
+    class of float32 pattern: ties both ways, carries into the exponent, overflow to inf, subnormal halves, NaN,
+    +-0; and the 16-bit patterns the GEMM reads are ml_dtypes' bfloat16 / NumPy's float16 of those values.
+  * An op (linear, attention, forward and backward) equals the spec up to float32 summation order: a value in the
+    compute dtype may then differ by one ulp of the compute dtype, where its float32 value lies within float32
+    noise of a rounding boundary, and only there: so every element within 1 ulp (of the compute dtype, at the
+    spec's value) and at most 2% of the elements differing at all (a rounding or a term wrong anywhere moves far
+    more: a missing R leaves values off the grid, checked too). A float32 gradient of a parameter (dw, db) is a
+    float32 sum of the same exact products in another order: rtol 1e-5 of the tensor's scale (K <= 64 terms,
+    float32's 2^-24 each, with margin).
+  * The whole model (BertForPreTraining, train mode, dropout 0.1 on hidden states and attention, padding, ignored
+    labels): the loss within 1e-3 relative and every gradient within 2 ulp of the compute dtype at the tensor's
+    scale (ulp(1) = 2^-7 in bfloat16, 2^-10 in float16), against the numpy backend running the spec: the
+    one-ulp flips of single activations propagate through two layers and a loss, each moving a gradient by about
+    one compute-dtype ulp of its own size; an error in the recipe (a rounding left out or added) moves the loss
+    and gradients by many ulps (tests/test_mixed.py shows fp32 against the spec differing by far more). Plus: every
+    activation the model returns lies on the compute grid, what ran was the 16-bit ops (versions.RAN), and both
+    models drew the same number of dropout streams.
+"""
+import functools
+import importlib.util
+import shutil
+
+import pytest
+
+import cudachild
+from test_cuda_emu import _env
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")]
+_run = functools.partial(cudachild.run, timeout=900)
+
+
+def _gpu_present():
+    r = _run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120)
+    return r.returncode == 0
+
+
+def _child(code, mode):
+    """Run `code` in the emulator ("emu": needs g++), in Numba's simulator ("sim": NumPy arrays) or on a GPU ("gpu":
+    skipped without one)."""
+    if mode == "sim":
+        return cudachild.check(_run(code))
+    if mode == "emu":
+        if shutil.which("g++") is None:
+            pytest.skip("needs g++ (the CUDA C kernels on CPU threads)")
+        return cudachild.check(_run(_env(code)))
+    if not _gpu_present():
+        pytest.skip("needs a CUDA GPU with CuPy")
+    return cudachild.check(_run(code, sim=False))
+
+
+_ROUND = """
+    import numpy as np
+    from ml_dtypes import bfloat16
+    from refbert import ops
+    from refbert_kernels.cuda import backend as B, mixed as M
+    xp = B.xp
+    H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
+    specials = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,
+                         0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF, 0x7F7FFFFF, 0x7F7F8000, 0x477FE000,
+                         0x477FF000, 0x477FEFFF, 0x38800000, 0x387FFFFF, 0x33800000, 0x33000000, 0x33000001,
+                         0x00000001, 0x80400000, 0x3F802000, 0x3F803000, 0x3F801000], np.uint32).view(np.float32)
+    rng = np.random.default_rng(0)
+    rand = (rng.standard_normal(3000) * np.exp2(rng.integers(-30, 20, 3000))).astype(np.float32)
+    ties = (rng.integers(0, 2 ** 31, 500, dtype=np.uint64).astype(np.uint32) & np.uint32(0xFFFF0000)
+            | np.uint32(0x8000)).view(np.float32)
+    x = np.concatenate([specials, rand, ties, -rand])
+    for compute, kind in (("bfloat16", 0), ("float16", 1)):
+        want = ops.round_compute(x, compute)
+        got = H(M.round_compute(B.to_device(x), compute))
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), compute
+        d = B.to_device(x)
+        bits, r32 = xp.empty(x.shape, np.uint16), xp.empty(x.shape, np.float32)
+        M._launch("round16_v1", x.size, (d, np.int64(x.size), np.int32(kind), np.int32(1), r32, bits), xp)
+        ref16 = want.astype(bfloat16) if compute == "bfloat16" else want.astype(np.float16)
+        b = H(bits)
+        finite = ~np.isnan(want)
+        assert np.array_equal(b[finite], ref16.view(np.uint16)[finite]), compute
+        nan_exp = 0x7F80 if compute == "bfloat16" else 0x7C00
+        assert ((b[~finite] & nan_exp) == nan_exp).all() and ((b[~finite] & ~np.uint16(nan_exp | 0x8000)) != 0).all()
+        assert np.array_equal(H(r32).view(np.uint32), want.view(np.uint32)), compute
+        y = B.to_device(rand.reshape(60, 50).copy())
+        bias = B.to_device(rand[:50].copy())
+        M._launch("bias_round_v1", 60 * 256, (y, bias, np.int64(60), np.int32(50), np.int32(kind)), xp)
+        ref = ops.round_compute(rand.reshape(60, 50) + ops.round_compute(rand[:50], compute), compute)
+        assert np.array_equal(H(y).view(np.uint32), ref.view(np.uint32)), compute
+        print("ROUND OK", compute)
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_device_rounding_is_the_spec_bit_for_bit(mode):
+    out = _child(_ROUND, mode)
+    assert "ROUND OK bfloat16" in out and "ROUND OK float16" in out, out
+
+
+_OPS = """
+    import numpy as np
+    from refbert import ops
+    from refbert.philox import DropoutRNG
+    from refbert_kernels.cuda import backend as B, mixed as M, versions as VV
+    H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
+
+    def close_ulp(got, ref, compute, what):
+        got, ref = np.asarray(H(got), np.float32), np.asarray(ref, np.float32)
+        assert got.shape == ref.shape, (what, got.shape, ref.shape)
+        assert np.array_equal(ops.round_compute(got, compute), got), what + ": off the compute grid"
+        ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ref), 1e-30)))) * (2.0 ** -7 if compute == "bfloat16"
+                                                                           else 2.0 ** -10)
+        diff = np.abs(got.astype(np.float64) - ref)
+        assert (diff <= ulp * (1 + 1e-6)).all(), (what, float((diff / ulp).max()))
+        frac = float((got != ref).mean())
+        assert frac <= 0.02, (what, frac)
+        return frac
+
+    def close_f32(got, ref, what):
+        got, ref = np.asarray(H(got), np.float64), np.asarray(ref, np.float64)
+        scale = max(float(np.abs(ref).max()), 1e-30)
+        assert float(np.abs(got - ref).max()) <= 1e-5 * scale, (what, float(np.abs(got - ref).max()) / scale)
+
+    r = np.random.default_rng(3)
+    for compute in ("bfloat16", "float16"):
+        Rn = lambda a: ops.round_compute(np.asarray(a, np.float32), compute)   # noqa: E731
+        # linear: 3 x 5 rows, 48 -> 40, with and without a bias
+        x = r.standard_normal((3, 5, 48)).astype(np.float32)
+        w = (r.standard_normal((40, 48)) * 0.2).astype(np.float32)
+        b = r.standard_normal(40).astype(np.float32)
+        d = r.standard_normal((3, 5, 40)).astype(np.float32)
+        for bias in (b, None):
+            out, cache = M.linear_forward_mixed(B.to_device(x), B.to_device(w),
+                                                None if bias is None else B.to_device(bias), compute=compute)
+            ref, rc = ops.linear_forward(Rn(x), Rn(w), None if bias is None else Rn(bias))
+            close_ulp(out, Rn(ref), compute, f"linear out {compute}")
+            g = M.linear_backward_mixed(B.to_device(d), cache)
+            gr = ops.linear_backward(Rn(d), rc)
+            close_ulp(g[0], Rn(gr[0]), compute, "linear dx")
+            for got, want, name in zip(g[1:], gr[1:], ("dw", "db")):
+                assert H(got).dtype == np.float32
+                close_f32(got, want, f"linear {name}")
+        # attention: B=2, T=9, 2 heads of 16, HF's padding mask, dropout 0.2
+        Bq, T, Cq, nh = 2, 9, 32, 2
+        q, k, v, dout = (r.standard_normal((Bq, T, Cq)).astype(np.float32) for _ in range(4))
+        mask = np.zeros((Bq, 1, 1, T), np.float32)
+        mask[1, ..., 6:] = np.finfo(np.float32).min
+        for p in (0.0, 0.2):
+            r1, r2 = DropoutRNG(11), DropoutRNG(11)
+            out, cache = M.attention_forward_mixed(*(B.to_device(a) for a in (q, k, v)), nh, mask, p, r1, True,
+                                                   compute=compute)
+            ref, rc = ops.attention_forward_mixed(q, k, v, nh, mask, p, r2, True, compute=compute)
+            assert r1.calls == r2.calls
+            close_ulp(out, ref, compute, f"attention out p={p}")
+            close_ulp(M.attention_probs_mixed(cache), ops.attention_probs_mixed(rc), compute, "attention probs")
+            for got, want, name in zip(M.attention_backward_mixed(B.to_device(dout), cache),
+                                       ops.attention_backward_mixed(Rn(dout), rc), ("dq", "dk", "dv")):
+                close_ulp(got, want, compute, f"attention {name} p={p}")
+        print("OPS OK", compute)
+    want = "S1" if B.MODE == "sim" else "S2"             # the array-operation version on NumPy arrays
+    assert VV.RAN[("linear", "bfloat16", "M1")] == 2 and VV.RAN[("attention", "float16", want)] == 2, VV.RAN
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "sim", "gpu"])
+def test_linear_and_attention_equal_the_spec(mode):
+    out = _child(_OPS, mode)
+    assert "OPS OK bfloat16" in out and "OPS OK float16" in out, out
+
+
+_MODEL = """
+    import numpy as np
+    import refbert
+    from refbert import ops
+    from refbert.check import model_batch, tiny_config
+    from refbert.model import get_backend, to_numpy
+    from refbert_kernels.cuda import versions as VV
+    B_ = get_backend("cuda")
+
+    def run(backend, precision):
+        cfg = tiny_config("BertForPreTraining")
+        m = refbert.BertForPreTraining(cfg, seed=4, backend=backend, precision=precision).train(True)
+        r = np.random.default_rng(5)
+        for p in m.parameters().values():                   # off HF's init: no gradient hides behind a zero
+            noise = (r.standard_normal(p.shape) * 0.05).astype(np.float32)
+            p += B_.to_device(noise) if backend == "cuda" else noise
+        x = model_batch(cfg, "BertForPreTraining", B=2, T=6)
+        out = m(**x, output_hidden_states=True, output_attentions=True)
+        calls = m.dropout_rng.calls
+        return to_numpy(out), to_numpy(m.backward()), calls, m
+
+    for precision, compute in (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16")):
+        oc, gc, cc, mc = run("cuda", precision)
+        on, gn, cn, _ = run("numpy", precision)
+        assert cc == cn, (cc, cn)
+        assert abs(float(oc.loss) - float(on.loss)) <= 1e-3 * abs(float(on.loss)), (oc.loss, on.loss)
+        for t in [oc.prediction_logits, oc.seq_relationship_logits, *oc.hidden_states, *oc.attentions]:
+            assert np.array_equal(ops.round_compute(np.asarray(t, np.float32), compute), t)
+        ulp1 = 2.0 ** -7 if compute == "bfloat16" else 2.0 ** -10
+        worst = 0.0
+        for name, ref in gn.items():
+            scale = max(float(np.abs(ref).max()), 1e-30)
+            err = float(np.abs(np.asarray(gc[name], np.float64) - ref).max()) / (scale * ulp1)
+            assert err <= 2.0, (precision, name, err)
+            worst = max(worst, err)
+        how = mc.ops.how
+        assert how["linear_forward"] == how["attention_forward"] == "own", how
+        assert VV.RAN.get(("linear", compute, "M1")) and VV.RAN.get(("attention", compute, "S2")), VV.RAN
+        print("MODEL OK", precision, f"worst gradient {worst:.3f} ulp of the compute dtype at its scale")
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_whole_model_mixed_equals_the_numpy_spec(mode):
+    out = _child(_MODEL, mode)
+    assert "MODEL OK bf16-mixed" in out and "MODEL OK fp16-mixed" in out, out
