@@ -159,8 +159,42 @@ _OPS = """
             for got, want, name in zip(M.attention_backward_mixed(B.to_device(dout), cache),
                                        ops.attention_backward_mixed(Rn(dout), rc), ("dq", "dk", "dv")):
                 close_ulp(got, want, compute, f"attention {name} p={p}")
+        # the fused ops (K1 on device arrays: the rounding inside the CUDA C kernels; the rule on NumPy's), against
+        # the spec: refbert.mixed's rule around the oracle's float32 op (dropout 0.2 draws the same Philox stream)
+        from refbert import mixed as MX
+        xr = r.standard_normal((4, 6, 24)).astype(np.float32)
+        ar = r.standard_normal((4, 6, 24)).astype(np.float32)
+        wr, br = (1 + 0.1 * r.standard_normal(24)).astype(np.float32), r.standard_normal(24).astype(np.float32)
+        dr = r.standard_normal((4, 6, 24)).astype(np.float32)
+        cases = [("layernorm", (xr, wr, br), {}, ("w", "b")),
+                 ("residual_layernorm", (xr, ar, wr, br), {}, ("w", "b")),
+                 ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=True), ("w", "b")),
+                 ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=False), ("w", "b")),
+                 ("gelu", (xr,), {}, ()), ("bias_gelu", (xr, br), {}, ("b",)),
+                 ("bias_gelu", (xr, br), dict(approximate="tanh"), ("b",))]
+        for op, args, kw, params in cases:
+            kd, ks = dict(kw), dict(kw)
+            if "p" in kw:
+                kd["rng"], ks["rng"] = DropoutRNG(5), DropoutRNG(5)
+            fwd = getattr(M, op + "_forward_mixed")
+            out, cache = fwd(*(B.to_device(a) for a in args), **kd, compute=compute)
+            spec_f = MX.wrap_forward(getattr(ops, op + "_forward"), op + "_forward", compute)
+            ref, rc = spec_f(*args, **ks)
+            close_ulp(out, ref, compute, f"{op} {kw} out")
+            got = getattr(M, op + "_backward_mixed")(B.to_device(dr), cache)
+            want = MX.wrap_backward(getattr(ops, op + "_backward"), op + "_backward", compute)(dr, rc)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            names = ops.GRADS_OF[op]
+            for g, w_, name in zip(got, want, names):
+                if name in params:
+                    assert H(g).dtype == np.float32
+                    close_f32(g, w_, f"{op} d{name}")
+                else:
+                    close_ulp(g, w_, compute, f"{op} {kw} d{name}")
         print("OPS OK", compute)
     want = "S1" if B.MODE == "sim" else "S2"             # the array-operation version on NumPy arrays
+    if B.MODE != "sim":                                   # the kernels rounded (no rule around them)
+        assert VV.RAN[("layernorm", "float16", "K1")] == 1 and VV.RAN[("bias_gelu", "bfloat16", "K1")] == 2, VV.RAN
     assert VV.RAN[("linear", "bfloat16", "M1")] == 2 and VV.RAN[("attention", "float16", want)] == 2, VV.RAN
 """
 

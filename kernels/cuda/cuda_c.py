@@ -401,9 +401,10 @@ class LayerNormCacheC2(NamedTuple):
     mean: Any
     rstd: Any
     shape: tuple
+    rk: int = -1        # mixed precision's rounding inside the kernels: -1 none, 0 bfloat16, 1 float16 (csrc rnd)
 
 
-def _ln2_forward(kind, x, a, w, b, eps, drop):
+def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1):
     xp = C.xp_of(x)
     Cc = x.shape[-1]
     x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
@@ -417,14 +418,14 @@ def _ln2_forward(kind, x, a, w, b, eps, drop):
         out2 = out.reshape(R, Cc)
         vec = Cc % 4 == 0 and _aligned(x2, a2, w, b, out2)
         kernel("layernorm.cu", f"layernorm_fwd_v2_{kind}", xp)(
-            ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), w, b, _f(eps),
-                                      _i(R), _i(Cc), _i(vec), out2, mean, rstd))
-    return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape)
+            ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), _i(rk), w, b,
+                                      _f(eps), _i(R), _i(Cc), _i(vec), out2, mean, rstd))
+    return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 
 def _ln2_backward(dout, cache):
     """(dx, da or None, dw, db) of version C2."""
-    kind, x2, a2, drop, w, mean, rstd, shape = cache
+    kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
     C.dout("layernorm", dout, shape, x2.dtype)
     xp = C.xp_of(x2)
     R, Cc = x2.shape
@@ -439,13 +440,13 @@ def _ln2_backward(dout, cache):
     a = x2 if a2 is None else a2
     vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
     kernel("layernorm.cu", f"layernorm_bwd_dx_v2_{kind}", xp)(
-        ((R + 7) // 8,), (256,), (d2, x2, a, seed, stream, thr, _f(scale), w, mean, rstd, _i(R), _i(Cc), _i(vec),
-                                  dx2, da2))
+        ((R + 7) // 8,), (256,), (d2, x2, a, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc),
+                                  _i(vec), dx2, da2))
     per, chunks = C.chunks(R)
     pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
     kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(
-        ((Cc + 255) // 256, chunks), (256,), (d2, x2, a, seed, stream, thr, _f(scale), mean, rstd, _i(R), _i(Cc),
-                                              _i(per), pw, pb))
+        ((Cc + 255) // 256, chunks), (256,), (d2, x2, a, seed, stream, thr, _f(scale), _i(rk), mean, rstd, _i(R),
+                                              _i(Cc), _i(per), pw, pb))
     dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
     kernel("layernorm.cu", "column_sum2", xp)(((Cc + 255) // 256,), (256,), (pw, pb, _i(chunks), _i(Cc), dw, db))
     return dx, da, dw, db
@@ -554,13 +555,14 @@ class GeluCacheC(NamedTuple):
     b: Any
     approximate: str
     shape: tuple
+    rk: int = -1        # mixed precision's rounding inside the kernels (LayerNormCacheC2.rk)
 
 
 def _gelu_name(approximate):
     return "tanh" if approximate == "tanh" else "erf"
 
 
-def _gelu_run(x, b, approximate):
+def _gelu_run(x, b, approximate, rk=-1):
     xp = C.xp_of(x)
     I = x.shape[-1] if b is not None else max(x.size, 1)
     x2 = xp.ascontiguousarray(x).reshape(-1, I)
@@ -572,8 +574,9 @@ def _gelu_run(x, b, approximate):
         vec = I % 4 == 0 and _aligned(x2, bb, out2)
         threads = n // 4 if vec else n
         kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
-            ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), out2))
-    return out, GeluCacheC(x2, b, approximate, x.shape)
+            ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), _i(rk),
+                                                out2))
+    return out, GeluCacheC(x2, b, approximate, x.shape, rk)
 
 
 def gelu_forward_c1(x, approximate="none"):
@@ -589,7 +592,7 @@ def gelu_backward_c1(dout, cache):
     from . import gelu as G
     if not isinstance(cache, GeluCacheC):
         return G.gelu_backward_v2(dout, cache)
-    x2, _, approximate, shape = cache
+    x2, _, approximate, shape, rk = cache
     C.dout("gelu", dout, shape, x2.dtype)
     xp = C.xp_of(x2)
     dx = xp.empty(shape, np.float32)
@@ -601,7 +604,7 @@ def gelu_backward_c1(dout, cache):
         vec = I % 4 == 0 and _aligned(d2, x2, dx2)
         threads = n // 4 if vec else n
         kernel("gelu.cu", f"gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
-            ((threads + 255) // 256,), (256,), (d2, x2, x2, _i(0), np.int64(n), _i(I), _i(vec), dx2))
+            ((threads + 255) // 256,), (256,), (d2, x2, x2, _i(0), np.int64(n), _i(I), _i(vec), _i(rk), dx2))
     return dx
 
 
@@ -620,7 +623,7 @@ def bias_gelu_backward_c1(dout, cache):
     from . import gelu as G
     if not isinstance(cache, GeluCacheC):
         return G.bias_gelu_backward_v2(dout, cache)
-    x2, b, approximate, shape = cache
+    x2, b, approximate, shape, rk = cache
     C.dout("gelu", dout, shape, x2.dtype)            # the oracle's bias_gelu backward checks as gelu_backward
     xp = C.xp_of(x2)
     R, I = x2.shape
@@ -632,7 +635,7 @@ def bias_gelu_backward_c1(dout, cache):
     db = xp.empty(I, np.float32)
     kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
         ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x2, b, _i(R), _i(I), _i(per),
-                                             dx.reshape(R, I), parts))
+                                             _i(rk), dx.reshape(R, I), parts))
     kernel("gelu.cu", "colsum_final_v1", xp)(((I + 255) // 256,), (256,), (parts, _i(chunks), _i(I), db))
     return dx, db
 

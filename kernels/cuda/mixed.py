@@ -14,20 +14,29 @@ precision="bf16-mixed")` runs:
                       result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
                       column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
                       call, never per use.
-    attention (S1)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed) on
-                      device arrays: scores, P V and the backward's products as batched float32 GEMMs on the
-                      rounded operands (products of two 16-bit numbers are exact in float32), the row max and sum
-                      in float32, P and dS rounded where a tensor core would read them, the keep-mask the next
-                      Philox stream of rng drawn on the device by the dropout version (the oracle's elements).
-                      It materialises the (B, H, T, T) scores: a reference for the flash kernels to come (issue 14
-                      item 4), not one of them.
+    attention (S2)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed):
+                      csrc/mixed.cu's kernels (the heads' R and layout, one warp per score row for the scale,
+                      mask, row max, exp, row sum, R(P) and the Philox keep-mask, the normalisation and R of the
+                      output) around five batched GEMMs on 16-bit operands; P and dS rounded where a tensor core
+                      reads them. It writes the (B, H, T, T) scores to memory: the reference the flash kernels of
+                      issue 14 item 4 will be checked against, not one of them. S1: the same steps as array
+                      operations (any array module: the simulator's NumPy).
+    fused ops (K1)    layernorm, residual_layernorm, dropout_residual_layernorm, gelu, bias_gelu: their CUDA C
+                      versions (layernorm.cu v2, gelu.cu v1) with the rounding inside (rk: every compute-dtype
+                      value rounded as it is loaded, every activation written rounded as it is stored): the
+                      generic rule's arithmetic without its rounding passes. The other fused ops (softmax, dropout,
+                      cross_entropy) and the small ones run the generic rule around their float32 versions.
+    marks             every array these functions write is on the compute grid: refbert.mixed.mark remembers it
+                      (weakly), and the rule's R skips it when it comes back as an input.
 
 Where the arrays are NumPy's (the simulator) or the emulator's, the GEMMs are the array module's matmul on the
 rounded float32 operands (the same products and float32 sums), and the roundings run as above (the emulator runs
-csrc/mixed.cu on CPU threads). Agreement with the spec: the roundings are the spec's bit for bit; the float32 sums
-inside a GEMM, a reduction or exp come in another order or from another library, so a compute-dtype value can
-differ by one ulp where its float32 value sits within float32 noise of a rounding boundary (tests: the simulator
-against the numpy backend's spec; GPU tests and `refbert bench --device cuda --mixed-precision` on a GPU).
+csrc/mixed.cu and the K1 kernels on CPU threads; the simulator runs S1 and the rule). Agreement with the spec: the
+roundings are the spec's bit for bit; the float32 sums inside a GEMM, a reduction or exp come in another order or
+from another library (an FMA where NumPy rounds twice), so a compute-dtype value can differ by one ulp where its
+float32 value sits within float32 noise of a rounding boundary (tests/test_cuda_mixed.py: every op and the whole
+model against the numpy backend's spec, on the emulator, the simulator and a GPU; `refbert bench --device cuda`'s
+mixed section times it).
 """
 import functools
 import math
@@ -507,3 +516,165 @@ def attention_probs_s2(cache):
         keep = _dropout_apply(xp.ones(P.shape, F32), drop) != 0
         P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)
     return round_compute(xp.ascontiguousarray(P), compute)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fused ops with the rounding inside the kernel (K1): the CUDA C version (layernorm.cu v2, gelu.cu v1) with
+# rk = the compute dtype: every compute-dtype value it reads (x, a, dout, and the parameters w, b: R(master)) is
+# rounded as it is loaded, every activation or activation gradient it writes as it is stored; statistics (mean,
+# rstd), the float32 sums inside and the parameter gradients (dw, db: bias_gelu's db sums the float32 du before
+# its rounding) stay float32: the generic rule's arithmetic (refbert.mixed) without its separate rounding passes.
+# Where the CUDA C version does not apply (NumPy arrays: the simulator; a dtype other than float32), the generic
+# rule around the backend's float32 op instead.
+
+class Fused(NamedTuple):
+    """A fused mixed op's cache: how its forward ran ("K1": the kernel rounds; "rule": refbert.mixed's rule around
+    the float32 op), that path's cache, the compute dtype."""
+    how: str
+    cache: Any
+    compute: str
+
+
+@functools.lru_cache(maxsize=None)
+def _rule(name, compute):
+    """refbert.mixed's generic rule around this backend's float32 op `name` (forward or backward)."""
+    from refbert import mixed as MX
+    from . import backend
+    R = MX.rounder(backend, compute)
+    wrap = MX.wrap_forward if name.endswith("_forward") else MX.wrap_backward
+    return wrap(getattr(backend, name), name, compute, R)
+
+
+def _k1_ok(*arrays):
+    from .cuda_c import _c_ok
+    return _c_ok(*arrays) and arrays[0].ndim >= 1
+
+
+def _k1(op, compute):
+    _ran(op, compute, "K1")
+    return int(_kind(compute))
+
+
+def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
+    from .cuda_c import _ln2_forward
+    from .layernorm import _check_ln
+    if not _k1_ok(x, w, b):
+        out, cache = _rule("layernorm_forward", compute)(x, w, b, eps)
+        return out, Fused("rule", cache, compute)
+    _check_ln(x, w, b)
+    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute))
+    return mark(out, compute), Fused("K1", cache, compute)
+
+
+def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
+    from .cuda_c import _ln2_forward
+    from .layernorm import _check_ln
+    if not _k1_ok(x, a, w, b):
+        out, cache = _rule("residual_layernorm_forward", compute)(x, a, w, b, eps)
+        return out, Fused("rule", cache, compute)
+    C.floats("residual_layernorm", x=x, a=a)
+    V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
+    _check_ln(x, w, b)
+    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute))
+    return mark(out, compute), Fused("K1", cache, compute)
+
+
+def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True,
+                                             compute="bfloat16"):
+    from .cuda_c import _ln2_forward
+    from .dropout import draw
+    from .layernorm import _check_ln
+    if not _k1_ok(x, a, w, b):
+        out, cache = _rule("dropout_residual_layernorm_forward", compute)(x, a, w, b, eps, p, rng, train)
+        return out, Fused("rule", cache, compute)
+    C.floats("dropout_residual_layernorm", x=x, a=a)
+    V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
+    C.floats("dropout", x=a)
+    drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
+    _check_ln(x, w, b)
+    out, cache = _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop,
+                              _k1("dropout_residual_layernorm", compute))
+    return mark(out, compute), Fused("K1", cache, compute)
+
+
+def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
+    from .cuda_c import _gelu_run
+    from .gelu import _check_approximate
+    if not _k1_ok(x):
+        out, cache = _rule("gelu_forward", compute)(x, approximate)
+        return out, Fused("rule", cache, compute)
+    C.floats("gelu", x=x)
+    _check_approximate(approximate)
+    out, cache = _gelu_run(x, None, approximate, _k1("gelu", compute))
+    return mark(out, compute), Fused("K1", cache, compute)
+
+
+def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
+    from .cuda_c import _gelu_run
+    from .gelu import _check_approximate
+    if not _k1_ok(x, b):
+        out, cache = _rule("bias_gelu_forward", compute)(x, b, approximate)
+        return out, Fused("rule", cache, compute)
+    C.floats("bias_gelu", x=x, b=b)
+    V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
+    V.shape("bias_gelu", "b", C.stub(b), (x.shape[-1],), "(I,)")
+    _check_approximate(approximate)
+    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute))
+    return mark(out, compute), Fused("K1", cache, compute)
+
+
+def _fused_cache(op, cache):
+    if not isinstance(cache, Fused):
+        raise ValueError(f"{op}: argument 'cache' expected the cache of the cuda backend's {op}_forward_mixed, "
+                         f"got {type(cache).__name__}")
+    return cache
+
+
+def layernorm_backward_mixed(dout, cache):
+    from .backend import _dev
+    from .cuda_c import _ln2_backward
+    how, inner, compute = _fused_cache("layernorm", cache)
+    if how == "rule":
+        return _rule("layernorm_backward", compute)(dout, inner)
+    dx, _, dw, db = _ln2_backward(_dev(dout), inner)
+    return mark(dx, compute), dw, db
+
+
+def residual_layernorm_backward_mixed(dout, cache):
+    from .backend import _dev
+    from .cuda_c import _ln2_backward
+    how, inner, compute = _fused_cache("residual_layernorm", cache)
+    if how == "rule":
+        return _rule("residual_layernorm_backward", compute)(dout, inner)
+    ds, _, dw, db = _ln2_backward(_dev(dout), inner)
+    ds = mark(ds, compute)
+    return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, as the oracle
+
+
+def dropout_residual_layernorm_backward_mixed(dout, cache):
+    from .backend import _dev
+    from .cuda_c import _ln2_backward
+    how, inner, compute = _fused_cache("dropout_residual_layernorm", cache)
+    if how == "rule":
+        return _rule("dropout_residual_layernorm_backward", compute)(dout, inner)
+    ds, da, dw, db = _ln2_backward(_dev(dout), inner)
+    return mark(ds, compute), mark(ds.copy() if da is None else da, compute), dw, db
+
+
+def gelu_backward_mixed(dout, cache):
+    from .backend import _dev
+    from .cuda_c import gelu_backward_c1
+    how, inner, compute = _fused_cache("gelu", cache)
+    if how == "rule":
+        return _rule("gelu_backward", compute)(dout, inner)
+    return mark(gelu_backward_c1(_dev(dout), inner), compute)
+
+
+def bias_gelu_backward_mixed(dout, cache):
+    from .backend import _dev
+    from .cuda_c import bias_gelu_backward_c1
+    how, inner, compute = _fused_cache("bias_gelu", cache)
+    if how == "rule":
+        return _rule("bias_gelu_backward", compute)(dout, inner)
+    dx, db = bias_gelu_backward_c1(_dev(dout), inner)
+    return mark(dx, compute), db

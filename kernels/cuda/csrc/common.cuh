@@ -66,6 +66,49 @@ __device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16) {
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
+// mixed precision's rounding R (refbert.ops.round_bfloat16 / round_float16; the bit tricks: mixed.cu's header):
+// round_kind(x, 0) to bfloat16, (x, 1) to float16, as float32 on that grid. rnd(x, rk) is what a float32 kernel
+// applies to every compute-dtype value it reads and writes when it runs inside mixed precision: rk = -1 leaves x
+// as it is (plain float32), 0 / 1 rounds.
+// the same functions on the device and on the host (the standalone main's reference)
+#if defined(__CUDA_ARCH__) || defined(CPUSIM)
+#define BITS_F(x) __float_as_uint(x)
+#define F_BITS(u) __uint_as_float(u)
+#define ADD_RN(a, b) __fadd_rn(a, b)
+#else
+static inline u32 host_bits(float x) { u32 u; __builtin_memcpy(&u, &x, 4); return u; }
+static inline float host_float(u32 u) { float x; __builtin_memcpy(&x, &u, 4); return x; }
+#define BITS_F(x) host_bits(x)
+#define F_BITS(u) host_float(u)
+#define ADD_RN(a, b) ((a) + (b))
+#endif
+
+__host__ __device__ __forceinline__ float round_bf16(float x) {
+    const u32 u = BITS_F(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return F_BITS((u & 0x80000000u) | 0x7FC00000u);   // NaN
+    return F_BITS((u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u);
+}
+
+__host__ __device__ __forceinline__ float round_f16(float x) {
+    const u32 u = BITS_F(x), sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return F_BITS(sign | 0x7FC00000u);                                  // NaN
+    if (a < 0x38800000u) {                                                 // |x| < 2^-14: the subnormal halves
+        const float s = ADD_RN(ADD_RN(F_BITS(a), 0.5f), -0.5f);
+        return F_BITS(BITS_F(s) | sign);
+    }
+    u32 r = (u + (0xFFFu + ((u >> 13) & 1u))) & 0xFFFFE000u;
+    if ((r & 0x7FFFFFFFu) >= 0x47800000u) r = sign | 0x7F800000u;          // rounds to 2^16 or more: inf
+    return F_BITS(r);
+}
+
+__host__ __device__ __forceinline__ float round_kind(float x, int kind) {
+    return kind == 0 ? round_bf16(x) : round_f16(x);
+}
+
+__host__ __device__ __forceinline__ float rnd(float x, int rk) { return rk < 0 ? x : round_kind(x, rk); }
+
+
+// ----------------------------------------------------------------------------------------------------------------
 // Philox4x32-10, exactly refbert/philox.py: element e of dropout call (seed, stream) gets word e % 4 of
 //   philox(counter = (lo(e/4), hi(e/4), lo(stream), hi(stream)), key = (lo(seed), hi(seed)))
 // and is kept iff word >= thresh = round(p * 2^32) (thresh == 0: no dropout; thresh = 2^32: drop all).
@@ -127,6 +170,9 @@ __device__ __forceinline__ float block_sum(float v, float* buf) {
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float4 rnd4(float4 v, int rk) {                  // rnd on each of four
+    return rk < 0 ? v : make_float4(rnd(v.x, rk), rnd(v.y, rk), rnd(v.z, rk), rnd(v.w, rk));
+}
 
 __device__ __forceinline__ float4 keep4(u64 e, u64 seed, u64 stream, u64 thresh, float dscale) {
     const uint4 w = philox4x32_10(e >> 2, stream, seed);

@@ -48,19 +48,19 @@ template <int TANH> __device__ __forceinline__ float dgelu_f(float u) {
 // forward: out = gelu(x + b) over n = R * I elements; a thread per 4 (vec) or 1 element
 template <int TANH>
 __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const float* __restrict__ b, int has_b,
-                                         long long n, int I, int vec, float* __restrict__ out) {
+                                         long long n, int I, int vec, int rk, float* __restrict__ out) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const long long e = 4 * t;
         if (e >= n) return;
-        const float4 v = ld4(x + e);
+        const float4 v = rnd4(ld4(x + e), rk);
         const int j = (int)(e % I);
-        const float4 bb = has_b ? ld4(b + j) : make_float4(0.f, 0.f, 0.f, 0.f);
-        st4(out + e, make_float4(gelu_f<TANH>(v.x + bb.x), gelu_f<TANH>(v.y + bb.y), gelu_f<TANH>(v.z + bb.z),
-                                 gelu_f<TANH>(v.w + bb.w)));
+        const float4 bb = has_b ? rnd4(ld4(b + j), rk) : make_float4(0.f, 0.f, 0.f, 0.f);
+        st4(out + e, rnd4(make_float4(gelu_f<TANH>(v.x + bb.x), gelu_f<TANH>(v.y + bb.y), gelu_f<TANH>(v.z + bb.z),
+                                      gelu_f<TANH>(v.w + bb.w)), rk));
     } else {
         if (t >= n) return;
-        out[t] = gelu_f<TANH>(x[t] + (has_b ? b[t % I] : 0.f));
+        out[t] = rnd(gelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
     }
 }
 
@@ -68,19 +68,19 @@ __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const floa
 template <int TANH>
 __device__ __forceinline__ void gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
                                          const float* __restrict__ b, int has_b, long long n, int I, int vec,
-                                         float* __restrict__ dx) {
+                                         int rk, float* __restrict__ dx) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const long long e = 4 * t;
         if (e >= n) return;
-        const float4 v = ld4(x + e), g = ld4(dout + e);
+        const float4 v = rnd4(ld4(x + e), rk), g = rnd4(ld4(dout + e), rk);
         const int j = (int)(e % I);
-        const float4 bb = has_b ? ld4(b + j) : make_float4(0.f, 0.f, 0.f, 0.f);
-        st4(dx + e, make_float4(g.x * dgelu_f<TANH>(v.x + bb.x), g.y * dgelu_f<TANH>(v.y + bb.y),
-                                g.z * dgelu_f<TANH>(v.z + bb.z), g.w * dgelu_f<TANH>(v.w + bb.w)));
+        const float4 bb = has_b ? rnd4(ld4(b + j), rk) : make_float4(0.f, 0.f, 0.f, 0.f);
+        st4(dx + e, rnd4(make_float4(g.x * dgelu_f<TANH>(v.x + bb.x), g.y * dgelu_f<TANH>(v.y + bb.y),
+                                     g.z * dgelu_f<TANH>(v.z + bb.z), g.w * dgelu_f<TANH>(v.w + bb.w)), rk));
     } else {
         if (t >= n) return;
-        dx[t] = dout[t] * dgelu_f<TANH>(x[t] + (has_b ? b[t % I] : 0.f));
+        dx[t] = rnd(rnd(dout[t], rk) * dgelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
     }
 }
 
@@ -88,17 +88,17 @@ __device__ __forceinline__ void gelu_bwd(const float* __restrict__ dout, const f
 // [chunk * per, ...): dx[r, j] = dout[r, j] gelu'(x[r, j] + b[j]), parts[chunk, j] = the sum of those
 template <int TANH>
 __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
-                                              const float* __restrict__ b, int R, int I, int per,
+                                              const float* __restrict__ b, int R, int I, int per, int rk,
                                               float* __restrict__ dx, float* __restrict__ parts) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (j >= I) return;
-    const float bj = b[j];
+    const float bj = rnd(b[j], rk);
     float s = 0.f;
     const int r1 = min(R, (chunk + 1) * per);
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * I + j;
-        const float d = dout[e] * dgelu_f<TANH>(x[e] + bj);
-        dx[e] = d;
+        const float d = rnd(dout[e], rk) * dgelu_f<TANH>(rnd(x[e], rk) + bj);
+        dx[e] = rnd(d, rk);                                          // (the sum for db: d before rounding)
         s += d;
     }
     parts[(size_t)chunk * I + j] = s;
@@ -107,18 +107,18 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
 #define GELU_KERNELS(NAME, TANH)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gelu_fwd_v1_##NAME(                                        \
         const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int vec,       \
-        float* __restrict__ out) {                                                                              \
-        gelu_fwd<TANH>(x, b, has_b, n, I, vec, out);                                                            \
+        int rk, float* __restrict__ out) {                                                                      \
+        gelu_fwd<TANH>(x, b, has_b, n, I, vec, rk, out);                                                        \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
-        long long n, int I, int vec, float* __restrict__ dx) {                                                  \
-        gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, dx);                                                       \
+        long long n, int I, int vec, int rk, float* __restrict__ dx) {                                          \
+        gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, rk, dx);                                                   \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) bias_gelu_bwd_v1_##NAME(                                   \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int R, int I, \
-        int per, float* __restrict__ dx, float* __restrict__ parts) {                                           \
-        bias_gelu_bwd<TANH>(dout, x, b, R, I, per, dx, parts);                                                  \
+        int per, int rk, float* __restrict__ dx, float* __restrict__ parts) {                                   \
+        bias_gelu_bwd<TANH>(dout, x, b, R, I, per, rk, dx, parts);                                              \
     }
 GELU_KERNELS(erf, 0)
 GELU_KERNELS(tanh, 1)
@@ -175,23 +175,23 @@ int main() {
             const int grid = (int)((threads + 255) / 256);
             printf("gelu v1 %s R=%d I=%d\n", tanh_ ? "tanh" : "erf", R, I);
             // erfcf / expf within 2 ulp, the float32 chain of the tanh form: a few ulp of O(1) values
-            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, dout_);
+            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out.data(), "bias_gelu out", n, 1e-6f, 2e-5f);
-            LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, ddx, parts);
+            LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts);
             LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(ddx, dx.data(), "bias_gelu dx", n, 1e-6f, 2e-5f);
             validate_result(ddb, db.data(), "bias_gelu db", I, 1e-5f * R, 2e-5f);
-            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, dout_);
-            LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, ddx);
+            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_);
+            LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, -1, ddx);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out_nb.data(), "gelu out", n, 1e-6f, 2e-5f);
             validate_result(ddx, dx_nb.data(), "gelu dx", n, 1e-6f, 2e-5f);
             if (n >= (1 << 20)) {
-                float ms_f = benchmark_kernel(20, [&]() { LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, dout_); });
+                float ms_f = benchmark_kernel(20, [&]() { LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_); });
                 float ms_b = benchmark_kernel(20, [&]() {
-                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, ddx, parts);
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts);
                     LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
                 });
                 printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, 2.0 * n * 4 / ms_f / 1e6,

@@ -194,17 +194,17 @@ extern "C" __global__ void column_sum(const float* __restrict__ parts, int chunk
 
 template <int KIND>
 __device__ __forceinline__ float s1(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
-                                    float dscale) {
-    float v = x[e];
-    if (KIND >= 1) v = v + (KIND == 2 ? a[e] * keep_z(e, seed, stream, thresh, dscale) : a[e]);
+                                    float dscale, int rk) {
+    float v = rnd(x[e], rk);
+    if (KIND >= 1) v = v + (KIND == 2 ? rnd(a[e], rk) * keep_z(e, seed, stream, thresh, dscale) : rnd(a[e], rk));
     return v;
 }
 template <int KIND>
 __device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
-                                     float dscale) {                 // elements e .. e + 3, e % 4 == 0
-    float4 v = ld4(x + e);
+                                     float dscale, int rk) {         // elements e .. e + 3, e % 4 == 0
+    float4 v = rnd4(ld4(x + e), rk);
     if (KIND >= 1) {
-        float4 u = ld4(a + e);
+        float4 u = rnd4(ld4(a + e), rk);
         if (KIND == 2) {
             const float4 z = keep4(e, seed, stream, thresh, dscale);
             u = make_float4(u.x * z.x, u.y * z.y, u.z * z.z, u.w * z.w);
@@ -215,7 +215,7 @@ __device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u
 }
 
 #define LN2_ARGS const float *__restrict__ x, const float *__restrict__ a, u64 seed, u64 stream, u64 thresh, \
-    float dscale
+    float dscale, int rk
 
 template <int KIND>
 __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
@@ -227,37 +227,38 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
     float s = 0.f;
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
             s += (v.x + v.y) + (v.z + v.w);
         }
     } else {
-        for (int c = lane; c < C; c += 32) s += s1<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+        for (int c = lane; c < C; c += 32) s += s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
     }
     const float m = warp_sum(s) / C;
     float q = 0.f;                                                  // second pass: sum (s - m)^2
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
             const float d0 = v.x - m, d1 = v.y - m, d2 = v.z - m, d3 = v.w - m;
             q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
-            const float d = s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m;
+            const float d = s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m;
             q += d * d;
         }
     }
     const float rs = 1.f / sqrtf(warp_sum(q) / C + eps);
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
-            const float4 ww = ld4(w + c), bb = ld4(b + c);
-            st4(out + row + c, make_float4((v.x - m) * rs * ww.x + bb.x, (v.y - m) * rs * ww.y + bb.y,
-                                           (v.z - m) * rs * ww.z + bb.z, (v.w - m) * rs * ww.w + bb.w));
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            const float4 ww = rnd4(ld4(w + c), rk), bb = rnd4(ld4(b + c), rk);
+            st4(out + row + c, rnd4(make_float4((v.x - m) * rs * ww.x + bb.x, (v.y - m) * rs * ww.y + bb.y,
+                                                (v.z - m) * rs * ww.z + bb.z, (v.w - m) * rs * ww.w + bb.w), rk));
         }
     } else {
         for (int c = lane; c < C; c += 32)
-            out[row + c] = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs * w[c] + b[c];
+            out[row + c] = rnd((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs * rnd(w[c], rk)
+                               + rnd(b[c], rk), rk);
     }
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
 }
@@ -273,8 +274,8 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     float c1 = 0.f, c2 = 0.f;
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
-            const float4 g = ld4(dout + row + c), ww = ld4(w + c);
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
             const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
                         w3 = __fmul_rn(g.w, ww.w);
             c1 += w0 * ((v.x - m) * rs) + w1 * ((v.y - m) * rs) + w2 * ((v.z - m) * rs) + w3 * ((v.w - m) * rs);
@@ -282,8 +283,8 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
         }
     } else {
         for (int c = lane; c < C; c += 32) {
-            const float wd = __fmul_rn(dout[row + c], w[c]);
-            c1 += wd * ((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs);
+            const float wd = __fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk));
+            c1 += wd * ((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs);
             c2 += wd;
         }
     }
@@ -291,24 +292,24 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     c2 = warp_sum(c2) / C;
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale);
-            const float4 g = ld4(dout + row + c), ww = ld4(w + c);
+            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
             const float4 d = make_float4((__fmul_rn(g.x, ww.x) - ((v.x - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.y, ww.y) - ((v.y - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.z, ww.z) - ((v.z - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.w, ww.w) - ((v.w - m) * rs * c1 + c2)) * rs);
-            st4(dx + row + c, d);
+            st4(dx + row + c, rnd4(d, rk));
             if (KIND == 2) {
                 const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                st4(da + row + c, make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w));
+                st4(da + row + c, rnd4(make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w), rk));
             }
         }
     } else {
         for (int c = lane; c < C; c += 32) {
-            const float xh = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale) - m) * rs;
-            const float d = (__fmul_rn(dout[row + c], w[c]) - (xh * c1 + c2)) * rs;
-            dx[row + c] = d;
-            if (KIND == 2) da[row + c] = d * keep_z(row + c, seed, stream, thresh, dscale);
+            const float xh = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs;
+            const float d = (__fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk)) - (xh * c1 + c2)) * rs;
+            dx[row + c] = rnd(d, rk);
+            if (KIND == 2) da[row + c] = rnd(d * keep_z(row + c, seed, stream, thresh, dscale), rk);
         }
     }
 }
@@ -324,8 +325,8 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
     const int r1 = min(R, (chunk + 1) * per);
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * C + c;
-        const float g = dout[e];
-        sw += g * (s1<KIND>(x, a, e, seed, stream, thresh, dscale) - mean[r]) * rstd[r];
+        const float g = rnd(dout[e], rk);
+        sw += g * (s1<KIND>(x, a, e, seed, stream, thresh, dscale, rk) - mean[r]) * rstd[r];
         sb += g;
     }
     dw_part[(size_t)chunk * C + c] = sw;
@@ -336,18 +337,18 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
     extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
         float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
-        ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, w, b, eps, R, C, vec, out, mean, rstd);            \
+        ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, rk, w, b, eps, R, C, vec, out, mean, rstd);            \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v2_##NAME(                                \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
         const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da) { \
-        ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, w, mean, rstd, R, C, vec, dx, da);        \
+        ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, rk, w, mean, rstd, R, C, vec, dx, da);        \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
         const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
         float* __restrict__ db_part) {                                                                          \
-        ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, mean, rstd, R, C, per, dw_part, db_part);  \
+        ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, rk, mean, rstd, R, C, per, dw_part, db_part);  \
     }
 LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)
@@ -430,11 +431,12 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
         auto bdx = kind == 0 ? layernorm_bwd_dx_v2_ln : kind == 1 ? layernorm_bwd_dx_v2_res : layernorm_bwd_dx_v2_drop;
         auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
-        LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, d.w, d.b, eps, R, C, vec, d.out, d.mean,
+        LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, vec, d.out, d.mean,
                d.rstd);
-        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.w, d.mean, d.rstd, R, C, vec, d.dx,
-               d.da);
-        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.mean, d.rstd, R, C, per, d.pw, d.pb);
+        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.mean, d.rstd, R, C, vec,
+               d.dx, d.da);
+        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.mean, d.rstd, R, C, per, d.pw,
+               d.pb);
         LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
     }
     cudaCheck(cudaGetLastError());

@@ -30,41 +30,6 @@ On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM
 */
 #include "common.cuh"
 
-// the same functions on the device and on the host (the standalone main's reference)
-#if defined(__CUDA_ARCH__) || defined(CPUSIM)
-#define BITS_F(x) __float_as_uint(x)
-#define F_BITS(u) __uint_as_float(u)
-#define ADD_RN(a, b) __fadd_rn(a, b)
-#else
-static inline u32 host_bits(float x) { u32 u; memcpy(&u, &x, 4); return u; }
-static inline float host_float(u32 u) { float x; memcpy(&x, &u, 4); return x; }
-#define BITS_F(x) host_bits(x)
-#define F_BITS(u) host_float(u)
-#define ADD_RN(a, b) ((a) + (b))
-#endif
-
-__host__ __device__ __forceinline__ float round_bf16(float x) {
-    const u32 u = BITS_F(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return F_BITS((u & 0x80000000u) | 0x7FC00000u);   // NaN
-    return F_BITS((u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u);
-}
-
-__host__ __device__ __forceinline__ float round_f16(float x) {
-    const u32 u = BITS_F(x), sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return F_BITS(sign | 0x7FC00000u);                                  // NaN
-    if (a < 0x38800000u) {                                                 // |x| < 2^-14: the subnormal halves
-        const float s = ADD_RN(ADD_RN(F_BITS(a), 0.5f), -0.5f);
-        return F_BITS(BITS_F(s) | sign);
-    }
-    u32 r = (u + (0xFFFu + ((u >> 13) & 1u))) & 0xFFFFE000u;
-    if ((r & 0x7FFFFFFFu) >= 0x47800000u) r = sign | 0x7F800000u;          // rounds to 2^16 or more: inf
-    return F_BITS(r);
-}
-
-__host__ __device__ __forceinline__ float round_kind(float x, int kind) {
-    return kind == 0 ? round_bf16(x) : round_f16(x);
-}
-
 // r on the compute grid (r == R(r)) -> its 16-bit storage pattern
 __host__ __device__ __forceinline__ unsigned short bits16(float r, int kind) {
     const u32 u = BITS_F(r);
