@@ -105,15 +105,17 @@ def _desc(x):
 
 
 def _host(a):
-    """A NumPy copy of a (a NumPy array: a.copy())."""
-    if isinstance(a, np.ndarray):
+    """A NumPy copy of a (a NumPy array: a.copy(); an array with .get(), CuPy's or a NumPy subclass standing for
+    device memory as refbert_kernels.cuda.emulate's, by its get())."""
+    if isinstance(a, np.ndarray) and not hasattr(a, "get"):
         return a.copy()
     return np.asarray(a.get() if hasattr(a, "get") else a.copy_to_host())
 
 
 def _copy_like(a, p):
-    """A copy of a (NumPy's or p's library's) in p's library, on p's device."""
-    if isinstance(p, np.ndarray):
+    """A copy of a (NumPy's or p's library's) in p's library, on p's device (p's __array_namespace__: a NumPy
+    subclass standing for device memory, as refbert_kernels.cuda.emulate's, names its own)."""
+    if type(p) is np.ndarray:
         return np.array(a, copy=True)
     ns = getattr(p, "__array_namespace__", None)
     xp = ns() if ns is not None else importlib.import_module(_lib(p))

@@ -251,3 +251,59 @@ _MODEL = """
 def test_whole_model_mixed_equals_the_numpy_spec(mode):
     out = _child(_MODEL, mode)
     assert "MODEL OK bf16-mixed" in out and "MODEL OK fp16-mixed" in out, out
+
+
+# `refbert pretrain --backend cuda --mixed-precision fp16` (the loss scaler on device arrays), stopped after step 2 and
+# resumed, against the numpy backend's uninterrupted run of the same spec: the same steps, learning rates, loss
+# scales and skipped steps (a step whose gradients overflowed logs grad_norm nan: both runs must skip the same ones;
+# here step 3), and losses within 1e-4 relative: the loss is float32 arithmetic on logits that agree with the spec's
+# up to one fp16 ulp (2^-10 relative) in a few elements of rows of 60, so it moves by ~1e-5 at most. Running float32
+# instead of the spec fails both: it skips no step, and by step 4 its losses differ by 3.4e-4 (MLM + NSP) and 3.4e-3
+# (NSP) relative.
+
+def _corpus(d):
+    import random
+    from refbert import cli
+    from refbert.config import BertConfig
+    words = "the cat dog sat ran on a mat big red sun hot day cold night sky blue".split()
+    r = random.Random(0)
+    docs = ["\n".join(" ".join(r.choice(words) for _ in range(r.randint(3, 4))) + "." for _ in range(3))
+            for _ in range(8)]
+    (d / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+    assert cli.main(["vocab", str(d / "corpus.txt"), "--out", str(d / "tok"), "--vocab-size", "60"]) == 0
+    n = len((d / "tok" / "vocab.txt").read_text().splitlines())
+    BertConfig(vocab_size=n, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=8).to_json_file(str(d / "config.json"))
+
+
+def _pretrain_args(d, out, *extra):
+    return ["pretrain", "--corpus", str(d / "corpus.txt"), "--vocab", str(d / "tok" / "vocab.txt"),
+            "--config", str(d / "config.json"), "--max-seq-length", "8", "--batch-size", "2", "--steps", "4",
+            "--lr", "1e-3", "--save-every", "1", "--mixed-precision", "fp16", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("mode", ["emu", "sim", "gpu"])
+def test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec(tmp_path, mode):
+    import csv
+    from refbert import cli
+    _corpus(tmp_path)
+    ref, run = tmp_path / "numpy", tmp_path / "cuda"
+    assert cli.main(_pretrain_args(tmp_path, ref)) == 0
+    for extra in (["--stop-after", "2"], ["--resume"]):
+        out = _child(f"""
+            from refbert import cli
+            rc = cli.main({_pretrain_args(tmp_path, run, "--backend", "cuda", *extra)!r})
+            from refbert_kernels.cuda import backend, versions
+            print("MODE", backend.MODE, "PROBLEMS", versions.problems())
+            sys.exit(rc)
+        """, mode)
+        assert f"MODE {mode} PROBLEMS []" in out, out
+    rows = [list(csv.DictReader(open(p / "log.csv", newline=""))) for p in (run, ref)]
+    assert len(rows[0]) == len(rows[1]) == 4
+    assert [w["grad_norm"] == "nan" for w in rows[1]] == [False, False, True, False]   # fp16 overflows at step 3
+    for g, w in zip(*rows):
+        assert {k: g[k] for k in ("step", "epoch", "lr", "mlm_acc", "nsp_acc", "loss_scale")} == \
+            {k: w[k] for k in ("step", "epoch", "lr", "mlm_acc", "nsp_acc", "loss_scale")}
+        assert (g["grad_norm"] == "nan") == (w["grad_norm"] == "nan"), (g, w)
+        for k in ("loss", "mlm_loss", "nsp_loss"):
+            assert abs(float(g[k]) - float(w[k])) <= 1e-4 * abs(float(w[k])), (k, g, w)

@@ -221,8 +221,10 @@ def to_device(a, dtype=None):
 
 
 def to_host(a):
-    """A NumPy copy of a device array (NumPy arrays and scalars as they are)."""
-    if a is None or isinstance(a, (np.ndarray, np.generic, int, float, bool)):
+    """A NumPy copy of a device array (NumPy arrays and scalars as they are; the emulator's device arrays, NumPy
+    subclasses, copied as CuPy's are)."""
+    if a is None or isinstance(a, (np.generic, int, float, bool)) or (isinstance(a, np.ndarray)
+                                                                      and not C.on_device(a)):
         return a
     if hasattr(a, "get"):
         return a.get()

@@ -157,6 +157,9 @@ class DevArray(np.ndarray):
             return res
         return _wrap(res)
 
+    def __array_namespace__(self, api_version=None):
+        return cupy                                  # as CuPy's arrays name CuPy (refbert.optim copies moments so)
+
     def __getitem__(self, idx):
         items = idx if isinstance(idx, tuple) else (idx,)
         if any(_is_host(i) for i in items):
