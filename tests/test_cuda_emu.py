@@ -74,7 +74,39 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
                 print(f"OK {op} {v.key} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
     """)))
-    assert out.count("OK ") == 13, out                    # every CUDA C version of every op
+    assert out.count("OK ") == 14, out                    # every CUDA C version of every op
+
+
+def test_emu_cross_entropy_c2_split_rows_match_oracle():
+    """cross_entropy C2 with its rows split across 2, 3 and 8 blocks (the emulator's one SM makes the launcher take
+    version 1's kernel by itself): the oracle's loss and dlogits, ignored rows, a large logit, a NaN row made loud.
+    Tolerance 1e-5 relative: float32 sums in another order and CUDA's expf / logf within 2 ulp."""
+    out = cudachild.check(_run(_env("""
+        import numpy as np
+        from refbert import ops
+        from refbert_kernels.cuda import backend as B, cuda_c as K, emulate as E
+        r = np.random.default_rng(0)
+        for N, V in ((5, 2053), (3, 4100), (1, 1031)):
+            z = (r.standard_normal((N, V)) * 4).astype(np.float32)
+            z[0, 7] = 1e4
+            y = r.integers(0, V, N)
+            y[1 % N] = -100 if N > 1 else y[0]
+            ref, rc = ops.cross_entropy_forward(z, y)
+            dref = ops.cross_entropy_backward(np.float32(1.0), rc)
+            for splits in (2, 3, 8):
+                E.COUNTS.reset()
+                loss, cache = K.cross_entropy_forward_c2(B.to_device(z), y, splits=splits)
+                assert "ce_part_v2" in E.COUNTS.launches and "ce_fin_v2" in E.COUNTS.launches, E.COUNTS.launches
+                dz = K.cross_entropy_backward_c1(np.float32(1.0), cache).get()
+                assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (N, V, splits, float(loss), ref)
+                assert np.abs(dz - dref).max() <= 1e-5 * np.abs(dref).max(), (N, V, splits)
+        z = r.standard_normal((4, 2048)).astype(np.float32)
+        z[2, 1500] = np.nan
+        loss, _ = K.cross_entropy_forward_c2(B.to_device(z), np.array([1, 2, 3, 4]), splits=4)
+        assert np.isnan(float(loss))
+        print("C2 OK")
+    """)))
+    assert "C2 OK" in out, out
 
 
 def test_emu_launches_are_checked_as_a_gpu_takes_them():

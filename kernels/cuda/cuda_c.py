@@ -17,8 +17,9 @@ raised by the same checks before any launch; the same dropout elements).
     dropout_residual_layernorm   C2       layernorm.cu v2 (kind drop: Philox in every pass)    f32
     dropout                      C1       dropout.cu v1 (a thread per Philox block, float4)    f32
     gelu, bias_gelu              C1       gelu.cu v1 (fused db partials + colsum_final)        f32
-    cross_entropy                C1       cross_entropy.cu v1 (kept rows found on the device,  f32
-                                          the loss and its count stay there)
+    cross_entropy                C1, C2   cross_entropy.cu v1 (kept rows found on the device,  f32
+                                          the loss and its count stay there), v2 (rows split
+                                          across blocks when few)
     column_sum (bias gradients)  C1       colsum.cu v1 (chunk partials, then a fixed-order sum) f32
     embedding (backward)         C1       embedding.cu v1 (sorted segment sum: deterministic)  f32
 The CUDA C caches are their own NamedTuples (a forward that fell back leaves the Numba version's cache, which its
@@ -656,9 +657,27 @@ class CrossEntropyCacheC(NamedTuple):
 
 
 def cross_entropy_forward_c1(logits, labels, ignore_index=-100):
+    return _ce_forward("C1", logits, labels, ignore_index)
+
+
+def cross_entropy_forward_c2(logits, labels, ignore_index=-100, splits=None):
+    """Version 2: each row split across `splits` blocks (cross_entropy.cu v2) when the rows alone would not fill
+    the GPU; splits None: 4 blocks per SM over the rows, at most one per 1024 columns (1: version 1's kernel)."""
+    return _ce_forward("C2", logits, labels, ignore_index, splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(xp):
+    try:
+        return int(xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["multiProcessorCount"])
+    except Exception:                                 # the emulator's stand-in: one
+        return 1
+
+
+def _ce_forward(version, logits, labels, ignore_index, splits=None):
     from . import cross_entropy as X
     if not _c_ok(logits):
-        return _fallback("cross_entropy", "C1", _why(logits), X.cross_entropy_forward_v2, logits, labels,
+        return _fallback("cross_entropy", version, _why(logits), X.cross_entropy_forward_v2, logits, labels,
                          ignore_index)
     C.floats("cross_entropy", logits=logits)
     V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
@@ -683,8 +702,21 @@ def cross_entropy_forward_c1(logits, labels, ignore_index=-100):
     loss, count = xp.empty((), np.float32), xp.empty(1, np.float32)
     if N:
         vec = Vn % 4 == 0 and _aligned(z2)
-        kernel("cross_entropy.cu", "ce_fwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index),
-                                                                   _i(vec), m, s, term, kept))
+        if version == "C2" and splits is None:
+            splits = min(max(1, -(-4 * _sm_count(xp) // N)), max(1, Vn // 1024))
+        cw = -(-Vn // (splits or 1))
+        cw = -(-cw // 4) * 4                          # whole float4s per chunk
+        sp = -(-Vn // cw) if Vn else 1
+        if version == "C1" or sp <= 1:
+            kernel("cross_entropy.cu", "ce_fwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index),
+                                                                       _i(vec), m, s, term, kept))
+        else:
+            pm, ps = xp.empty((N, sp), np.float32), xp.empty((N, sp), np.float32)
+            kernel("cross_entropy.cu", "ce_part_v2", xp)((N, sp), (256,), (z2, y, _i(Vn), np.int64(ignore_index),
+                                                                          _i(cw), _i(vec), pm, ps))
+            kernel("cross_entropy.cu", "ce_fin_v2", xp)(((N + 255) // 256,), (256,),
+                                                        (z2, y, _i(N), _i(Vn), np.int64(ignore_index), _i(sp), pm,
+                                                         ps, m, s, term, kept))
         kernel("cross_entropy.cu", "ce_loss_v1", xp)((1,), (256,), (term, kept, _i(N), loss.reshape(1), count))
         if C.checks_on(m):                           # a read back: only with REFBERT_CUDA_CHECKS=1
             keep = C.to_host(kept).astype(bool)

@@ -39,7 +39,7 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C1", "2", "1"],
          "residual_layernorm": ["C2", "2", "1"], "dropout_residual_layernorm": ["C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
-         "attention": ["C3", "C1", "3", "2", "1"], "cross_entropy": ["C1", "2", "1"],
+         "attention": ["C3", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -215,6 +215,8 @@ def _build():
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("cross_entropy", "C1", K.cross_entropy_forward_c1, K.cross_entropy_backward_c1, f32,
               "a block per row, online max/sum; kept rows and the loss on the device"),
+             ("cross_entropy", "C2", K.cross_entropy_forward_c2, K.cross_entropy_backward_c1, f32,
+              "C1 with each row split across blocks while the rows alone do not fill the GPU (cross_entropy.cu v2)"),
              ("column_sum", "C1", K.column_sum_c1, None, f32, "chunk partials, then a fixed-order sum (colsum.cu)"),
              ("embedding", "C1", mods["embedding"].embedding_forward_v2 if mods.get("embedding") else None,
               K.embedding_backward_c1, f32, "sorted segment sum, runs of 32 (embedding.cu): deterministic")]

@@ -19,6 +19,11 @@ Versions:
      (float4 when vec: V % 4 == 0 and aligned pointers), merged across lanes by shuffles and across the 8 warps
      in warp order through shared memory (deterministic); a one-block kernel sums the terms in a fixed order;
      the backward a block per row. expf, logf (not __expf): the oracle's float32 tolerance.
+  2  the forward with each row split across `splits` blocks (grid N x splits: a row's chunk of ceil(V / splits)
+     columns each, its online (max, sum) merged in warp order as version 1's), then a thread per row merges the
+     chunks' pairs in chunk order and writes what version 1 writes: for few rows (the MLM rows of a small batch)
+     version 1 runs N blocks on a GPU with over a hundred SMs; the launcher takes splits = 1 (version 1's
+     kernel) once N fills the GPU. Deterministic: every merge in a fixed order.
 
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o cross_entropy cross_entropy.cu && ./cross_entropy
@@ -83,6 +88,73 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restr
         term[r] = (label >= 0 && label < V) ? ls - (zr[label] - m) : NAN;
         kept[r] = 1;
     }
+}
+
+// version 2: ce_part_v2, grid (N, splits): block (r, k) reduces columns [k cw, min(V, (k + 1) cw)) of row r to its
+// online pair (m, s) (m NaN when a NaN was seen); ce_fin_v2, a thread per row, merges the row's pairs in k order
+extern "C" __global__ void __launch_bounds__(256) ce_part_v2(const float* __restrict__ z,
+                                                             const long long* __restrict__ y, int V, long long ignore,
+                                                             int cw, int vec, float* __restrict__ pm,
+                                                             float* __restrict__ ps) {
+    __shared__ float wm[8], ws[8];
+    __shared__ int wnan[8];
+    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
+    if (y[r] == ignore) return;                                     // block-uniform; ce_fin_v2 writes the row
+    const float* zr = z + (size_t)r * V;
+    const int j0 = k * cw, j1 = min(V, j0 + cw);
+    float m = -INFINITY, s = 0.f;
+    bool nan = false;
+    if (vec) {                                                      // cw % 4 == 0 and V % 4 == 0: whole float4s
+        for (int j = j0 + 4 * t; j < j1; j += 1024) {
+            const float4 v = ld4(zr + j);
+            ce_online(v.x, m, s, nan); ce_online(v.y, m, s, nan); ce_online(v.z, m, s, nan); ce_online(v.w, m, s, nan);
+        }
+    } else {
+        for (int j = j0 + t; j < j1; j += 256) ce_online(zr[j], m, s, nan);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ce_merge(m, s, m2, s2);
+    }
+    nan = __any_sync(0xffffffffu, nan);
+    if (lane == 0) { wm[w] = m; ws[w] = s; wnan[w] = nan; }
+    __syncthreads();
+    if (t == 0) {
+        bool bad = false;
+        m = wm[0]; s = ws[0];
+        for (int q = 0; q < 8; q++) {
+            if (q) ce_merge(m, s, wm[q], ws[q]);
+            bad |= wnan[q] != 0;
+        }
+        pm[(size_t)r * splits + k] = bad ? NAN : m;
+        ps[(size_t)r * splits + k] = s;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_fin_v2(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int splits,
+                                                            const float* __restrict__ pm, const float* __restrict__ ps,
+                                                            float* __restrict__ m_out, float* __restrict__ s_out,
+                                                            float* __restrict__ term, int* __restrict__ kept) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= N) return;
+    const long long label = y[r];
+    if (label == ignore) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; return; }
+    float m = -INFINITY, s = 0.f;
+    bool bad = false;
+    for (int k = 0; k < splits; k++) {
+        const float m2 = pm[(size_t)r * splits + k], s2 = ps[(size_t)r * splits + k];
+        if (m2 != m2) bad = true;
+        else ce_merge(m, s, m2, s2);
+    }
+    if (bad) m = NAN;
+    const float ls = logf(s);
+    m_out[r] = m;
+    s_out[r] = ls;
+    term[r] = (label >= 0 && label < V) ? ls - (z[(size_t)r * V + label] - m) : NAN;
+    kept[r] = 1;
 }
 
 // loss = sum(term) / n in a fixed order (thread t sums rows t, t + 256, ...; then a tree), count = n
@@ -150,7 +222,7 @@ int main() {
 #ifdef CPUSIM_SMALL
     const int shapes[][2] = {{1, 1}, {5, 33}, {7, 1028}, {3, 13}};
 #else
-    const int shapes[][2] = {{1, 7}, {37, 52}, {15, 1031}, {6, 600}, {614, 30522}, {4096, 30522}};
+    const int shapes[][2] = {{1, 7}, {37, 52}, {15, 1031}, {6, 600}, {77, 30522}, {614, 30522}, {4096, 30522}};
 #endif
     const long long ignore = -100;
     for (int si = 0; si < (int)(sizeof(shapes) / sizeof(shapes[0])); si++) {
@@ -193,6 +265,30 @@ int main() {
             LAUNCH(ce_fwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, term, kept);
             LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count);
         };
+        float *pm, *ps;
+        cudaCheck(cudaMalloc(&pm, (size_t)N * 8 * 4)); cudaCheck(cudaMalloc(&ps, (size_t)N * 8 * 4));
+        for (int splits : {2, 3, 8}) {                                 // version 2: the same m, s, term and loss
+            const int cw = ((V + splits - 1) / splits + 3) / 4 * 4;
+            const int sp = (V + cw - 1) / cw;
+            LAUNCH(ce_part_v2, dim3(N, sp), 256, dz_, dy, V, ignore, cw, vec, pm, ps);
+            LAUNCH(ce_fin_v2, (N + 255) / 256, 256, dz_, dy, N, V, ignore, sp, pm, ps, m, s, term, kept);
+            LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count);
+            cudaCheck(cudaDeviceSynchronize());
+            printf("cross_entropy v2 N=%d V=%d splits=%d\n", N, V, sp);
+            validate_result(loss, &loss_ref, "loss", 1, 1e-6f, 1e-5f);
+            validate_result(count, &count_ref, "count", 1, 1e-30f, 0.f);
+            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 1, dl[0], ddz);   // its m, s
+            cudaCheck(cudaDeviceSynchronize());
+            validate_result(ddz, dz.data(), "dz from its m, s", n, 1e-7f, 1e-5f);
+            if (n >= (1 << 20) && N <= 1024) {
+                float ms2 = benchmark_kernel(20, [&]() {
+                    LAUNCH(ce_part_v2, dim3(N, sp), 256, dz_, dy, V, ignore, cw, vec, pm, ps);
+                    LAUNCH(ce_fin_v2, (N + 255) / 256, 256, dz_, dy, N, V, ignore, sp, pm, ps, m, s, term, kept);
+                    LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count); });
+                printf("  forward v2 %.4f ms %.0f GB/s\n", ms2, n * 4.0 / ms2 / 1e6);
+            }
+        }
+        cudaFree(pm); cudaFree(ps);
         printf("cross_entropy v1 N=%d V=%d kept=%d\n", N, V, kept_n);
         fwd();
         for (int on_dev = 0; on_dev < 2; on_dev++) {
