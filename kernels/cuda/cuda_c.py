@@ -12,9 +12,10 @@ raised by the same checks before any launch; the same dropout elements).
                                  C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
                                           forward and backward, dynamic shared memory)
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
-    layernorm                    C1, C2   layernorm.cu v1, v2 (kind ln)                        f32
-    residual_layernorm           C2       layernorm.cu v2 (kind res)                           f32
-    dropout_residual_layernorm   C2       layernorm.cu v2 (kind drop: Philox in every pass)    f32
+    layernorm                    C1-C3    layernorm.cu v1, v2, v3 (kind ln)                    f32
+    residual_layernorm           C2, C3   layernorm.cu v2, v3 (kind res)                       f32
+    dropout_residual_layernorm   C2, C3   layernorm.cu v2 (kind drop: Philox in every pass),   f32
+                                          v3 (the forward's row in registers: one pass)
     dropout                      C1       dropout.cu v1 (a thread per Philox block, float4)    f32
     gelu, bias_gelu              C1       gelu.cu v1 (fused db partials + colsum_final)        f32
     cross_entropy                C1, C2   cross_entropy.cu v1 (kept rows found on the device,  f32
@@ -405,7 +406,9 @@ class LayerNormCacheC2(NamedTuple):
     rk: int = -1        # mixed precision's rounding inside the kernels: -1 none, 0 bfloat16, 1 float16 (csrc rnd)
 
 
-def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1):
+def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2):
+    """Version 2's forward (layernorm.cu v2), or version 3's (v3: the row in registers) where it applies: the
+    float4 path and C <= 1024. Either leaves version 2's cache (the backward is version 2's)."""
     xp = C.xp_of(x)
     Cc = x.shape[-1]
     x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
@@ -418,9 +421,10 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1):
     if R and Cc:
         out2 = out.reshape(R, Cc)
         vec = Cc % 4 == 0 and _aligned(x2, a2, w, b, out2)
-        kernel("layernorm.cu", f"layernorm_fwd_v2_{kind}", xp)(
+        v3 = version == 3 and vec and Cc <= 1024
+        kernel("layernorm.cu", f"layernorm_fwd_v{3 if v3 else 2}_{kind}", xp)(
             ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), _i(rk), w, b,
-                                      _f(eps), _i(R), _i(Cc), _i(vec), out2, mean, rstd))
+                                      _f(eps), _i(R), _i(Cc), _i(-(-Cc // 128) if v3 else vec), out2, mean, rstd))
     return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 
@@ -454,11 +458,20 @@ def _ln2_backward(dout, cache):
 
 
 def layernorm_forward_c2(x, w, b, eps=1e-12):
+    return _layernorm_c(2, x, w, b, eps)
+
+
+def layernorm_forward_c3(x, w, b, eps=1e-12):
+    """Version 3: version 2 with the forward's row in registers (layernorm.cu v3); version 2's backward."""
+    return _layernorm_c(3, x, w, b, eps)
+
+
+def _layernorm_c(version, x, w, b, eps):
     from . import layernorm as L
     if not (_c_ok(x, w, b) and x.ndim >= 1):
-        return _fallback("layernorm", "C2", _why(x, w, b), L.layernorm_forward_v2, x, w, b, eps)
+        return _fallback("layernorm", f"C{version}", _why(x, w, b), L.layernorm_forward_v2, x, w, b, eps)
     L._check_ln(x, w, b)
-    return _ln2_forward("ln", x, None, w, b, eps, None)
+    return _ln2_forward("ln", x, None, w, b, eps, None, version=version)
 
 
 def layernorm_backward_c2(dout, cache):
@@ -470,14 +483,22 @@ def layernorm_backward_c2(dout, cache):
 
 
 def residual_layernorm_forward_c2(x, a, w, b, eps=1e-12):
+    return _residual_layernorm_c(2, x, a, w, b, eps)
+
+
+def residual_layernorm_forward_c3(x, a, w, b, eps=1e-12):
+    return _residual_layernorm_c(3, x, a, w, b, eps)
+
+
+def _residual_layernorm_c(version, x, a, w, b, eps):
     from . import layernorm as L
     if not (_c_ok(x, a, w, b) and x.ndim >= 1):
-        return _fallback("residual_layernorm", "C2", _why(x, a, w, b), L.residual_layernorm_forward_v2,
+        return _fallback("residual_layernorm", f"C{version}", _why(x, a, w, b), L.residual_layernorm_forward_v2,
                          x, a, w, b, eps)
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     L._check_ln(x, w, b)
-    return _ln2_forward("res", x, a, w, b, eps, None)
+    return _ln2_forward("res", x, a, w, b, eps, None, version=version)
 
 
 def residual_layernorm_backward_c2(dout, cache):
@@ -489,17 +510,25 @@ def residual_layernorm_backward_c2(dout, cache):
 
 
 def dropout_residual_layernorm_forward_c2(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_layernorm_c(2, x, a, w, b, eps, p, rng, train)
+
+
+def dropout_residual_layernorm_forward_c3(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
+    return _dropout_residual_layernorm_c(3, x, a, w, b, eps, p, rng, train)
+
+
+def _dropout_residual_layernorm_c(version, x, a, w, b, eps, p, rng, train):
     from . import layernorm as L
     from .dropout import draw
     if not (_c_ok(x, a, w, b) and x.ndim >= 1):
-        return _fallback("dropout_residual_layernorm", "C2", _why(x, a, w, b),
+        return _fallback("dropout_residual_layernorm", f"C{version}", _why(x, a, w, b),
                          L.dropout_residual_layernorm_forward_v2, x, a, w, b, eps, p, rng, train)
     C.floats("dropout_residual_layernorm", x=x, a=a)
     V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     C.floats("dropout", x=a)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
     L._check_ln(x, w, b)
-    return _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop)
+    return _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop, version=version)
 
 
 def dropout_residual_layernorm_backward_c2(dout, cache):

@@ -36,8 +36,8 @@ from . import _common as C
 OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu", "bias_gelu",
        "attention", "cross_entropy", "column_sum", "embedding")
 # the built-in preference per op (CUDA C first, then Numba from the highest number down)
-ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C1", "2", "1"],
-         "residual_layernorm": ["C2", "2", "1"], "dropout_residual_layernorm": ["C2", "2", "1"],
+ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C3", "C2", "C1", "2", "1"],
+         "residual_layernorm": ["C3", "C2", "2", "1"], "dropout_residual_layernorm": ["C3", "C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
          "attention": ["C3", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
@@ -205,6 +205,13 @@ def _build():
              ("dropout_residual_layernorm", "C2", K.dropout_residual_layernorm_forward_c2,
               K.dropout_residual_layernorm_backward_c2, f32, "s = x + a * keep / (1 - p), Philox in every pass "
               "(layernorm.cu v2)"),
+             ("layernorm", "C3", K.layernorm_forward_c3, K.layernorm_backward_c2, f32, "C2 with the forward's row "
+              "in registers (layernorm.cu v3; C <= 1024)"),
+             ("residual_layernorm", "C3", K.residual_layernorm_forward_c3, K.residual_layernorm_backward_c2, f32,
+              "C2 with the forward's row in registers: x, a read once (layernorm.cu v3)"),
+             ("dropout_residual_layernorm", "C3", K.dropout_residual_layernorm_forward_c3,
+              K.dropout_residual_layernorm_backward_c2, f32, "C2 with the forward's row in registers: x, a read "
+              "and Philox drawn once (layernorm.cu v3)"),
              ("dropout", "C1", K.dropout_forward_c1, K.dropout_backward_c1, f32, "a thread per Philox block, float4"),
              ("gelu", "C1", K.gelu_forward_c1, K.gelu_backward_c1, f32, "elementwise, float4 (gelu.cu v1)"),
              ("bias_gelu", "C1", K.bias_gelu_forward_c1, K.bias_gelu_backward_c1, f32, "fused backward with db "

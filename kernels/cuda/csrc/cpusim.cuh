@@ -54,6 +54,7 @@
 #else
 #define __launch_bounds__(...)
 #endif
+#define __maxnreg__(n)                      // a register cap (ptxas): nothing on CPU threads
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 {

@@ -24,6 +24,9 @@ Versions:
      float4 path); dx and da written by one kernel; the partials recompute s; dw and db summed by one launch
      (column_sum2). The Numba version 2's arithmetic (kernels/cuda/layernorm.py), a warp per row instead of a
      block. `vec` (a launch argument) selects the float4 path: C % 4 == 0 and every pointer 16-byte aligned.
+  3  the forward of version 2 with the row in registers (nv = ceil(C / 128) float4 per lane, C <= 1024 on the
+     float4 path): x and a read once and the keep factors drawn once instead of in each of three passes; the same
+     sums in the same order, so the same bits as version 2; its backward is version 2's
 
 Build and run standalone (validates every version against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o layernorm layernorm.cu && ./layernorm
@@ -354,6 +357,63 @@ LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)
 LN2_KERNELS(drop, 2)
 
+// version 3 forward: version 2's arithmetic, in the same order (the same bits), with the row kept in registers:
+// NV float4 per lane (C <= 128 NV, C % 4 == 0, 16-byte aligned), so x and a are read once and the keep factors
+// drawn once, where version 2 re-reads them (and re-runs Philox) in each of its three passes. 256 threads a block;
+// __maxnreg__(96) instead of __launch_bounds__(256) (which made ptxas keep 64 registers and spill the dropout
+// kind's NV = 8 case): 72 registers, no spills, 3 blocks an SM
+template <int KIND, int NV>
+__device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
+                                          float eps, int R, int C, float* __restrict__ out, float* __restrict__ mean,
+                                          float* __restrict__ rstd) {
+    const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= R) return;                                             // warp-uniform
+    const size_t row = (size_t)r * C;
+    float4 v[NV];
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c = lane * 4 + 128 * i;
+        v[i] = c < C ? s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < C) s += (v[i].x + v[i].y) + (v[i].z + v[i].w);
+    }
+    const float m = warp_sum(s) / C;
+    float q = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        if (lane * 4 + 128 * i < C) {
+            const float d0 = v[i].x - m, d1 = v[i].y - m, d2 = v[i].z - m, d3 = v[i].w - m;
+            q += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+        }
+    }
+    const float rs = 1.f / sqrtf(warp_sum(q) / C + eps);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c = lane * 4 + 128 * i;
+        if (c < C) {
+            const float4 ww = rnd4(ld4(w + c), rk), bb = rnd4(ld4(b + c), rk);
+            st4(out + row + c, rnd4(make_float4((v[i].x - m) * rs * ww.x + bb.x, (v[i].y - m) * rs * ww.y + bb.y,
+                                                (v[i].z - m) * rs * ww.z + bb.z, (v[i].w - m) * rs * ww.w + bb.w), rk));
+        }
+    }
+    if (lane == 0) { mean[r] = m; rstd[r] = rs; }
+}
+
+#define LN3_CASE(KIND, N)                                                                                        \
+    case N: ln_fwd_v3<KIND, N>(x, a, seed, stream, thresh, dscale, rk, w, b, eps, R, C, out, mean, rstd); break;
+#define LN3_KERNEL(NAME, KIND)                                                                                   \
+    extern "C" __global__ void __maxnreg__(96) layernorm_fwd_v3_##NAME(                                         \
+        LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int nv,    \
+        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
+        switch (nv) {                                                                                           \
+            LN3_CASE(KIND, 1) LN3_CASE(KIND, 2) LN3_CASE(KIND, 3) LN3_CASE(KIND, 4)                             \
+            LN3_CASE(KIND, 5) LN3_CASE(KIND, 6) LN3_CASE(KIND, 7) LN3_CASE(KIND, 8)                             \
+        }                                                                                                       \
+    }
+LN3_KERNEL(ln, 0)
+LN3_KERNEL(res, 1)
+LN3_KERNEL(drop, 2)
+
 // dw and db in one launch: out_w[c] = sum_k pw[k, c], out_b[c] = sum_k pb[k, c], in chunk order
 extern "C" __global__ void __launch_bounds__(256) column_sum2(const float* __restrict__ pw,
                                                              const float* __restrict__ pb, int chunks, int C,
@@ -428,11 +488,16 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
         LAUNCH(column_sum, (C + 255) / 256, 256, d.pb, chunks, C, d.db);
     } else {
         auto fwd = kind == 0 ? layernorm_fwd_v2_ln : kind == 1 ? layernorm_fwd_v2_res : layernorm_fwd_v2_drop;
+        auto fwd3 = kind == 0 ? layernorm_fwd_v3_ln : kind == 1 ? layernorm_fwd_v3_res : layernorm_fwd_v3_drop;
         auto bdx = kind == 0 ? layernorm_bwd_dx_v2_ln : kind == 1 ? layernorm_bwd_dx_v2_res : layernorm_bwd_dx_v2_drop;
         auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
-        LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, vec, d.out, d.mean,
-               d.rstd);
+        if (version == 3)
+            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, (C + 127) / 128,
+                   d.out, d.mean, d.rstd);
+        else
+            LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, vec, d.out,
+                   d.mean, d.rstd);
         LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.mean, d.rstd, R, C, vec,
                d.dx, d.da);
         LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.mean, d.rstd, R, C, per, d.pw,
@@ -471,8 +536,9 @@ int main() {
         cudaCheck(cudaMemcpy(d.dout, dout, n * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.w, w, C * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.b, b, C * 4, cudaMemcpyHostToDevice));
-        for (int version = 1; version <= 2; version++)
+        for (int version = 1; version <= 3; version++)
             for (int kind = 0; kind < (version == 1 ? 1 : 3); kind++) {
+                if (version == 3 && ((C & 3) || C > 1024)) continue;      // v3: the float4 path, C <= 1024
                 printf("layernorm v%d kind %s R=%d C=%d\n", version, kind == 0 ? "ln" : kind == 1 ? "res" : "drop",
                        R, C);
                 LnRef ref = layernorm_cpu(kind, x, a, seed, stream, thresh, dscale, w, b, dout, eps, R, C);
