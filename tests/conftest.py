@@ -35,6 +35,12 @@ CI_MAY_SKIP = {
         ("a GPU is present", "the bench without a GPU, on a machine that has one"),
     "test_cuda_train_sim.py::test_gpu_pretrain_cuda_resumed_equals_numpy": (_GPU, "pretrain --backend cuda on a GPU"),
     "test_cuda_nvcc.py::test_cuda_c_matches_oracle": (_GPU, "the CUDA C kernels launched through CuPy on a GPU"),
+    # tests/test_cuda_mixed.py: the [gpu] parameter of each (its [emu] and [sim] ones run in CI)
+    "test_cuda_mixed.py::test_device_rounding_is_the_spec_bit_for_bit": (_GPU, "the rounding kernels on a GPU"),
+    "test_cuda_mixed.py::test_linear_and_attention_equal_the_spec": (_GPU, "cuBLAS's 16-bit GEMMs on a GPU"),
+    "test_cuda_mixed.py::test_whole_model_mixed_equals_the_numpy_spec": (_GPU, "the mixed model on a GPU"),
+    "test_cuda_mixed.py::test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec":
+        (_GPU, "pretrain --mixed-precision fp16 on a GPU"),
     # the dev extra allows transformers >= 4.40; these compare with a Python tokenizer only some versions have
     "test_tokenization.py::test_bert_tokenizer_never_split_as_hf_python":
         ("no Python BERT tokenizer in this transformers", "a transformers without a Python BERT tokenizer"),
