@@ -53,8 +53,11 @@ def compute_dtype(precision, who="precision"):
 
 
 def _is_f32(v):
-    """A float32 array of any array module (NumPy's, or a device array: CuPy's exports __cuda_array_interface__)."""
-    return (isinstance(v, np.ndarray) or hasattr(v, "__cuda_array_interface__")) and v.dtype == np.float32
+    """A float32 array of any array module: NumPy's, or a device array (CuPy's and torch's CUDA tensors export
+    __cuda_array_interface__; torch spells its dtype torch.float32)."""
+    if not (isinstance(v, np.ndarray) or hasattr(v, "__cuda_array_interface__")):
+        return False
+    return str(v.dtype).rsplit(".", 1)[-1] == "float32"
 
 
 def _round_tree(obj, R):
@@ -98,7 +101,6 @@ def rounder(base, compute):
     if callable(own) and own is not oracle.round_compute:
         def R(x):                                         # marked arrays are on the grid already (see mark)
             return x if on_grid(x, compute) else mark(own(x, compute), compute)
-        R.device = True
         return R
     return oracle.ROUND[compute]
 
