@@ -236,7 +236,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
             assert r["ms"] > 0 and r["floor_ms"] > 0 and r["gemm_tflop"] > 0, r
     assert not any(r["impl"] == "FALLBACK" for r in data["rows"]), data["rows"]
     kernels = {r["kernel"] for r in data["launch"]}
-    assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v3_drop",
+    assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v2_drop",
             "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
             "attn_fwd_v1_f32_hs32", "attn_bwd_dq_v1_f32_hs32"} <= kernels, sorted(kernels)
     assert "wrote" in out

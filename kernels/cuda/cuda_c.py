@@ -407,8 +407,9 @@ class LayerNormCacheC2(NamedTuple):
 
 
 def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2):
-    """Version 2's forward (layernorm.cu v2), or version 3's (v3: the row in registers) where it applies: the
-    float4 path and C <= 1024. Either leaves version 2's cache (the backward is version 2's)."""
+    """Version 2's forward (layernorm.cu v2), or version 3's (v3: the row in registers, nv = ceil(C / 128) float4 a
+    lane rounded up to even: the kernel has bodies for 2, 4, 6, 8) where it applies: the float4 path and C <= 1024.
+    Either leaves version 2's cache (the backward is version 2's)."""
     xp = C.xp_of(x)
     Cc = x.shape[-1]
     x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
@@ -424,7 +425,7 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2):
         v3 = version == 3 and vec and Cc <= 1024
         kernel("layernorm.cu", f"layernorm_fwd_v{3 if v3 else 2}_{kind}", xp)(
             ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), _i(rk), w, b,
-                                      _f(eps), _i(R), _i(Cc), _i(-(-Cc // 128) if v3 else vec), out2, mean, rstd))
+                                      _f(eps), _i(R), _i(Cc), _i(2 * -(-Cc // 256) if v3 else vec), out2, mean, rstd))
     return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 

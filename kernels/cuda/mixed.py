@@ -22,7 +22,7 @@ precision="bf16-mixed")` runs:
                       issue 14 item 4 will be checked against, not one of them. S1: the same steps as array
                       operations (any array module: the simulator's NumPy).
     fused ops (K1)    layernorm, residual_layernorm, dropout_residual_layernorm, gelu, bias_gelu: their CUDA C
-                      versions (layernorm.cu v3 forward / v2 backward, gelu.cu v1) with the rounding inside (rk: every compute-dtype
+                      versions (layernorm.cu v2, gelu.cu v1) with the rounding inside (rk: every compute-dtype
                       value rounded as it is loaded, every activation written rounded as it is stored): the
                       generic rule's arithmetic without its rounding passes. The other fused ops (softmax, dropout,
                       cross_entropy) and the small ones run the generic rule around their float32 versions.
@@ -562,7 +562,7 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
         out, cache = _rule("layernorm_forward", compute)(x, w, b, eps)
         return out, Fused("rule", cache, compute)
     _check_ln(x, w, b)
-    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute), version=3)
+    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute))
     return mark(out, compute), Fused("K1", cache, compute)
 
 
@@ -575,7 +575,7 @@ def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     _check_ln(x, w, b)
-    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute), version=3)
+    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute))
     return mark(out, compute), Fused("K1", cache, compute)
 
 
@@ -593,7 +593,7 @@ def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=N
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
     _check_ln(x, w, b)
     out, cache = _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop,
-                              _k1("dropout_residual_layernorm", compute), version=3)
+                              _k1("dropout_residual_layernorm", compute))
     return mark(out, compute), Fused("K1", cache, compute)
 
 

@@ -36,8 +36,8 @@ from . import _common as C
 OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu", "bias_gelu",
        "attention", "cross_entropy", "column_sum", "embedding")
 # the built-in preference per op (CUDA C first, then Numba from the highest number down)
-ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C3", "C2", "C1", "2", "1"],
-         "residual_layernorm": ["C3", "C2", "2", "1"], "dropout_residual_layernorm": ["C3", "C2", "2", "1"],
+ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C3", "C1", "2", "1"],
+         "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C2", "C3", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
          "attention": ["C3", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}

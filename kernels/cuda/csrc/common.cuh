@@ -107,6 +107,15 @@ __host__ __device__ __forceinline__ float round_kind(float x, int kind) {
 
 __host__ __device__ __forceinline__ float rnd(float x, int rk) { return rk < 0 ? x : round_kind(x, rk); }
 
+// A kernel taking rk at run time calls its (force-inlined) body with rk a literal, RKC, in each branch: the body is
+// compiled three times with rk constant, so the float32 one (-1) is the code it was before mixed precision (a
+// run-time rk left in the body tripled its size in branches, and made the dropout kinds of layernorm v2 3.5x
+// slower on an H200)
+#define RK_DISPATCH(...)                                                                                         \
+    if (rk < 0) { constexpr int RKC = -1; __VA_ARGS__; }                                                        \
+    else if (rk == 0) { constexpr int RKC = 0; __VA_ARGS__; }                                                   \
+    else { constexpr int RKC = 1; __VA_ARGS__; }
+
 
 // ----------------------------------------------------------------------------------------------------------------
 // Philox4x32-10, exactly refbert/philox.py: element e of dropout call (seed, stream) gets word e % 4 of

@@ -108,17 +108,17 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
     extern "C" __global__ void __launch_bounds__(256) gelu_fwd_v1_##NAME(                                        \
         const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int vec,       \
         int rk, float* __restrict__ out) {                                                                      \
-        gelu_fwd<TANH>(x, b, has_b, n, I, vec, rk, out);                                                        \
+        RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out))                                            \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
         long long n, int I, int vec, int rk, float* __restrict__ dx) {                                          \
-        gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, rk, dx);                                                   \
+        RK_DISPATCH(gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, RKC, dx))                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) bias_gelu_bwd_v1_##NAME(                                   \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int R, int I, \
         int per, int rk, float* __restrict__ dx, float* __restrict__ parts) {                                   \
-        bias_gelu_bwd<TANH>(dout, x, b, R, I, per, rk, dx, parts);                                              \
+        RK_DISPATCH(bias_gelu_bwd<TANH>(dout, x, b, R, I, per, RKC, dx, parts))                                  \
     }
 GELU_KERNELS(erf, 0)
 GELU_KERNELS(tanh, 1)

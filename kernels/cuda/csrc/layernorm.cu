@@ -24,8 +24,8 @@ Versions:
      float4 path); dx and da written by one kernel; the partials recompute s; dw and db summed by one launch
      (column_sum2). The Numba version 2's arithmetic (kernels/cuda/layernorm.py), a warp per row instead of a
      block. `vec` (a launch argument) selects the float4 path: C % 4 == 0 and every pointer 16-byte aligned.
-  3  the forward of version 2 with the row in registers (nv = ceil(C / 128) float4 per lane, C <= 1024 on the
-     float4 path): x and a read once and the keep factors drawn once instead of in each of three passes; the same
+  3  the forward of version 2 with the row in registers (nv = ceil(C / 128) rounded up to even float4 per lane,
+     C <= 1024 on the float4 path): x and a read once and the keep factors drawn once instead of in each of three passes; the same
      sums in the same order, so the same bits as version 2; its backward is version 2's
 
 Build and run standalone (validates every version against the CPU reference, then times):
@@ -340,18 +340,20 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
     extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
         float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
-        ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, rk, w, b, eps, R, C, vec, out, mean, rstd);            \
+        RK_DISPATCH(ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, vec, out, mean, rstd)) \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v2_##NAME(                                \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
         const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da) { \
-        ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, rk, w, mean, rstd, R, C, vec, dx, da);        \
+        RK_DISPATCH(ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, RKC, w, mean, rstd, R, C, vec, dx,  \
+                                       da))                                                                     \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
         const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
         float* __restrict__ db_part) {                                                                          \
-        ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, rk, mean, rstd, R, C, per, dw_part, db_part);  \
+        RK_DISPATCH(ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, R, C, per, dw_part, \
+                                     db_part))                                                                  \
     }
 LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)
@@ -361,7 +363,9 @@ LN2_KERNELS(drop, 2)
 // NV float4 per lane (C <= 128 NV, C % 4 == 0, 16-byte aligned), so x and a are read once and the keep factors
 // drawn once, where version 2 re-reads them (and re-runs Philox) in each of its three passes. 256 threads a block;
 // __maxnreg__(96) instead of __launch_bounds__(256) (which made ptxas keep 64 registers and spill the dropout
-// kind's NV = 8 case): 72 registers, no spills, 3 blocks an SM
+// kind's NV = 8 case). Its one H200 measurement (before RK_DISPATCH; 61-72 registers): the plain kind 0.0128 ms
+// against version 2's 0.00995 at (2048, 768); with the twelve (nv, rk) bodies it now takes 96 registers. After
+// version 2 in the built-in order until a GPU run shows it faster.
 template <int KIND, int NV>
 __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, float* __restrict__ out, float* __restrict__ mean,
@@ -400,14 +404,14 @@ __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w,
 }
 
 #define LN3_CASE(KIND, N)                                                                                        \
-    case N: ln_fwd_v3<KIND, N>(x, a, seed, stream, thresh, dscale, rk, w, b, eps, R, C, out, mean, rstd); break;
+    case N: RK_DISPATCH(ln_fwd_v3<KIND, N>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, out, mean,  \
+                                           rstd)) break;
 #define LN3_KERNEL(NAME, KIND)                                                                                   \
     extern "C" __global__ void __maxnreg__(96) layernorm_fwd_v3_##NAME(                                         \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int nv,    \
         float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
-        switch (nv) {                                                                                           \
-            LN3_CASE(KIND, 1) LN3_CASE(KIND, 2) LN3_CASE(KIND, 3) LN3_CASE(KIND, 4)                             \
-            LN3_CASE(KIND, 5) LN3_CASE(KIND, 6) LN3_CASE(KIND, 7) LN3_CASE(KIND, 8)                             \
+        switch (nv) {                     /* even nv only: the launcher rounds ceil(C / 128) up (c < C masks) */ \
+            LN3_CASE(KIND, 2) LN3_CASE(KIND, 4) LN3_CASE(KIND, 6) LN3_CASE(KIND, 8)                             \
         }                                                                                                       \
     }
 LN3_KERNEL(ln, 0)
@@ -493,8 +497,8 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
         auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
         if (version == 3)
-            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, (C + 127) / 128,
-                   d.out, d.mean, d.rstd);
+            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C,
+                   ((C + 255) / 256) * 2, d.out, d.mean, d.rstd);
         else
             LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, vec, d.out,
                    d.mean, d.rstd);
