@@ -31,6 +31,7 @@ import pytest
 
 import cudachild
 from test_cuda_emu import _env
+from test_cuda_train_sim import tiny  # noqa: F401  (the fixture: a corpus, its vocabulary, a one-layer config)
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")]
 _run = functools.partial(cudachild.run, timeout=900)
@@ -261,21 +262,6 @@ def test_whole_model_mixed_equals_the_numpy_spec(mode):
 # instead of the spec fails both: it skips no step, and by step 4 its losses differ by 3.4e-4 (MLM + NSP) and 3.4e-3
 # (NSP) relative.
 
-def _corpus(d):
-    import random
-    from refbert import cli
-    from refbert.config import BertConfig
-    words = "the cat dog sat ran on a mat big red sun hot day cold night sky blue".split()
-    r = random.Random(0)
-    docs = ["\n".join(" ".join(r.choice(words) for _ in range(r.randint(3, 4))) + "." for _ in range(3))
-            for _ in range(8)]
-    (d / "corpus.txt").write_text("\n\n".join(docs) + "\n")
-    assert cli.main(["vocab", str(d / "corpus.txt"), "--out", str(d / "tok"), "--vocab-size", "60"]) == 0
-    n = len((d / "tok" / "vocab.txt").read_text().splitlines())
-    BertConfig(vocab_size=n, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-               max_position_embeddings=8).to_json_file(str(d / "config.json"))
-
-
 def _pretrain_args(d, out, *extra):
     return ["pretrain", "--corpus", str(d / "corpus.txt"), "--vocab", str(d / "tok" / "vocab.txt"),
             "--config", str(d / "config.json"), "--max-seq-length", "8", "--batch-size", "2", "--steps", "4",
@@ -283,16 +269,15 @@ def _pretrain_args(d, out, *extra):
 
 
 @pytest.mark.parametrize("mode", ["emu", "gpu"])        # (the simulator's path of each op: the ops test's [sim])
-def test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec(tmp_path, mode):
+def test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec(tiny, mode):
     import csv
     from refbert import cli
-    _corpus(tmp_path)
-    ref, run = tmp_path / "numpy", tmp_path / "cuda"
-    assert cli.main(_pretrain_args(tmp_path, ref)) == 0
+    ref, run = tiny / "numpy", tiny / "cuda"
+    assert cli.main(_pretrain_args(tiny, ref)) == 0
     for extra in (["--stop-after", "2"], ["--resume"]):
         out = _child(f"""
             from refbert import cli
-            rc = cli.main({_pretrain_args(tmp_path, run, "--backend", "cuda", *extra)!r})
+            rc = cli.main({_pretrain_args(tiny, run, "--backend", "cuda", *extra)!r})
             from refbert_kernels.cuda import backend, versions
             print("MODE", backend.MODE, "PROBLEMS", versions.problems())
             sys.exit(rc)

@@ -38,6 +38,7 @@ float32 value sits within float32 noise of a rounding boundary (tests/test_cuda_
 model against the numpy backend's spec, on the emulator, the simulator and a GPU; `refbert bench --device cuda`'s
 mixed section times it).
 """
+import contextlib
 import functools
 import math
 from typing import Any, NamedTuple
@@ -137,6 +138,23 @@ def operand(x, compute, want32=False):
     return (r if want32 else None), bits
 
 
+@contextlib.contextmanager
+def _cublas():
+    """(cublas, CuPy's handle on the current stream, host pointers to float32 1 and 0) for one call with host
+    pointer mode; the handle's pointer mode restored after."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    try:
+        yield cublas, handle, one.ctypes.data, zero.ctypes.data
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
 def gemm(a, b, ta, tb, compute):
     """op(a) @ op(b) (op: transpose when ta / tb), a float32 (M, N) array, from two GEMM operands (operand()):
     on a GPU one cublasGemmEx with 16-bit inputs, CUBLAS_COMPUTE_32F (float32 accumulation, tensor cores) and a
@@ -149,7 +167,6 @@ def gemm(a, b, ta, tb, compute):
     if not _gemm_ex():
         return C.xp_of(a).matmul(A, Bm)
     import cupy
-    from cupy_backends.cuda.libs import cublas
     M, K = A.shape
     N = Bm.shape[1]
     out = cupy.empty((M, N), F32)
@@ -159,17 +176,10 @@ def gemm(a, b, ta, tb, compute):
         out.fill(0)
         return out
     dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    try:
+    with _cublas() as (cublas, handle, one, zero):
         cublas.gemmEx(handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K,
-                      one.ctypes.data, b.data.ptr, dt, b.shape[1], a.data.ptr, dt, a.shape[1],
-                      zero.ctypes.data, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, mode)
+                      one, b.data.ptr, dt, b.shape[1], a.data.ptr, dt, a.shape[1],
+                      zero, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out
 
 
@@ -182,7 +192,6 @@ def gemm_batched(a, b, ta, tb, compute):
     if not _gemm_ex():
         return C.xp_of(a).matmul(A, Bm)
     import cupy
-    from cupy_backends.cuda.libs import cublas
     nb, M, K = A.shape
     N = Bm.shape[2]
     out = cupy.empty((nb, M, N), F32)
@@ -192,18 +201,11 @@ def gemm_batched(a, b, ta, tb, compute):
         out.fill(0)
         return out
     dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    try:
+    with _cublas() as (cublas, handle, one, zero):
         cublas.gemmStridedBatchedEx(
-            handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K, one.ctypes.data,
+            handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K, one,
             b.data.ptr, dt, b.shape[2], b.shape[1] * b.shape[2], a.data.ptr, dt, a.shape[2], a.shape[1] * a.shape[2],
-            zero.ctypes.data, out.data.ptr, CUDA_R_32F, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, mode)
+            zero, out.data.ptr, CUDA_R_32F, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out
 
 

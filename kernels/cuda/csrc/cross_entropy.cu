@@ -42,30 +42,10 @@ __device__ __forceinline__ void ce_merge(float& m, float& s, float m2, float s2)
     m = mn;
 }
 
-extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restrict__ z,
-                                                            const long long* __restrict__ y, int N, int V,
-                                                            long long ignore, int vec, float* __restrict__ m_out,
-                                                            float* __restrict__ s_out, float* __restrict__ term,
-                                                            int* __restrict__ kept) {
-    __shared__ float wm[8], ws[8];
-    __shared__ int wnan[8];
-    const int r = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5;
-    const long long label = y[r];
-    if (label == ignore) {                                         // block-uniform
-        if (t == 0) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; }
-        return;
-    }
-    const float* zr = z + (size_t)r * V;
-    float m = -INFINITY, s = 0.f;
-    bool nan = false;
-    if (vec) {
-        for (int j = 4 * t; j < V; j += 1024) {
-            const float4 v = ld4(zr + j);
-            ce_online(v.x, m, s, nan); ce_online(v.y, m, s, nan); ce_online(v.z, m, s, nan); ce_online(v.w, m, s, nan);
-        }
-    } else {
-        for (int j = t; j < V; j += 256) ce_online(zr[j], m, s, nan);
-    }
+// a block's online pairs merged: lanes by shuffles, then the 8 warps in warp order through shared memory (the same
+// order every run); thread 0 gets the block's (m, s), and the return says whether any thread saw a NaN (there)
+__device__ __forceinline__ bool ce_block_merge(float& m, float& s, bool nan, float* wm, float* ws, int* wnan) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -74,13 +54,49 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restr
     nan = __any_sync(0xffffffffu, nan);
     if (lane == 0) { wm[w] = m; ws[w] = s; wnan[w] = nan; }
     __syncthreads();
+    bool bad = false;
     if (t == 0) {
-        bool bad = false;
         m = wm[0]; s = ws[0];
         for (int k = 0; k < 8; k++) {
             if (k) ce_merge(m, s, wm[k], ws[k]);
             bad |= wnan[k] != 0;
         }
+    }
+    return bad;
+}
+
+// thread t's online pair over columns [j0, j1) of row zr, strided by the block (float4 when vec: j0, j1 % 4 == 0)
+__device__ __forceinline__ void ce_scan(const float* zr, int j0, int j1, int vec, float& m, float& s, bool& nan) {
+    const int t = threadIdx.x;
+    if (vec) {
+        for (int j = j0 + 4 * t; j < j1; j += 1024) {
+            const float4 v = ld4(zr + j);
+            ce_online(v.x, m, s, nan); ce_online(v.y, m, s, nan); ce_online(v.z, m, s, nan); ce_online(v.w, m, s, nan);
+        }
+    } else {
+        for (int j = j0 + t; j < j1; j += 256) ce_online(zr[j], m, s, nan);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int vec, float* __restrict__ m_out,
+                                                            float* __restrict__ s_out, float* __restrict__ term,
+                                                            int* __restrict__ kept) {
+    __shared__ float wm[8], ws[8];
+    __shared__ int wnan[8];
+    const int r = blockIdx.x, t = threadIdx.x;
+    const long long label = y[r];
+    if (label == ignore) {                                         // block-uniform
+        if (t == 0) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; }
+        return;
+    }
+    const float* zr = z + (size_t)r * V;
+    float m = -INFINITY, s = 0.f;
+    bool nan = false;
+    ce_scan(zr, 0, V, vec, m, s, nan);
+    const bool bad = ce_block_merge(m, s, nan, wm, ws, wnan);
+    if (t == 0) {
         if (bad) m = NAN;
         const float ls = logf(s);
         m_out[r] = m;
@@ -98,35 +114,15 @@ extern "C" __global__ void __launch_bounds__(256) ce_part_v2(const float* __rest
                                                              float* __restrict__ ps) {
     __shared__ float wm[8], ws[8];
     __shared__ int wnan[8];
-    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x;
     if (y[r] == ignore) return;                                     // block-uniform; ce_fin_v2 writes the row
     const float* zr = z + (size_t)r * V;
     const int j0 = k * cw, j1 = min(V, j0 + cw);
     float m = -INFINITY, s = 0.f;
     bool nan = false;
-    if (vec) {                                                      // cw % 4 == 0 and V % 4 == 0: whole float4s
-        for (int j = j0 + 4 * t; j < j1; j += 1024) {
-            const float4 v = ld4(zr + j);
-            ce_online(v.x, m, s, nan); ce_online(v.y, m, s, nan); ce_online(v.z, m, s, nan); ce_online(v.w, m, s, nan);
-        }
-    } else {
-        for (int j = j0 + t; j < j1; j += 256) ce_online(zr[j], m, s, nan);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        ce_merge(m, s, m2, s2);
-    }
-    nan = __any_sync(0xffffffffu, nan);
-    if (lane == 0) { wm[w] = m; ws[w] = s; wnan[w] = nan; }
-    __syncthreads();
+    ce_scan(zr, j0, j1, vec, m, s, nan);                           // (vec: cw % 4 == 0 and V % 4 == 0)
+    const bool bad = ce_block_merge(m, s, nan, wm, ws, wnan);
     if (t == 0) {
-        bool bad = false;
-        m = wm[0]; s = ws[0];
-        for (int q = 0; q < 8; q++) {
-            if (q) ce_merge(m, s, wm[q], ws[q]);
-            bad |= wnan[q] != 0;
-        }
         pm[(size_t)r * splits + k] = bad ? NAN : m;
         ps[(size_t)r * splits + k] = s;
     }

@@ -72,19 +72,24 @@ __device__ __forceinline__ void put(float v, long long e, int kind, int as16, fl
     else out32[e] = v;
 }
 
+// row r = (b H + h) T + t of a (B, H, T, ...) array -> b, h, t
+struct BHT { long long b; int h, t; };
+__device__ __forceinline__ BHT bht(long long r, int H, int T) {
+    const long long bh = r / T;
+    return {bh / H, (int)(bh % H), (int)(r % T)};
+}
+// element e = ((b H + h) T + t) hs + c of (B, H, T, hs) -> its offset in (B, T, H hs)
+__device__ __forceinline__ long long btc(long long e, int T, int H, int hs) {
+    const BHT q = bht(e / hs, H, T);
+    return ((q.b * T + q.t) * H + q.h) * hs + (int)(e % hs);
+}
+
 // heads_v1: x (B, T, H hs) float32 -> R(x) as (B, H, T, hs)
 extern "C" __global__ void __launch_bounds__(256) heads_v1(const float* __restrict__ x, long long n, int T, int H,
                                                            int hs, int kind, int as16, float* __restrict__ out32,
                                                            unsigned short* __restrict__ bits) {
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const int c = (int)(e % hs);                              // e = ((b H + h) T + t) hs + c
-        const long long r = e / hs;
-        const int t = (int)(r % T);
-        const long long bh = r / T;
-        const int h = (int)(bh % H);
-        const long long b = bh / H;
-        put(round_kind(x[((b * T + t) * H + h) * hs + c], kind), e, kind, as16, out32, bits);
-    }
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
+        put(round_kind(x[btc(e, T, H, hs)], kind), e, kind, as16, out32, bits);
 }
 
 // merge_v1: y (B, H, T, hs) float32 -> out (B, T, H hs) = R(y f), f = (1 / l[b, h, t]) g with rows (the forward's
@@ -93,14 +98,8 @@ extern "C" __global__ void __launch_bounds__(256) merge_v1(const float* __restri
                                                            int hs, const float* __restrict__ l, int rows, float g,
                                                            int kind, float* __restrict__ out) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const int c = (int)(e % hs);
-        const long long r = e / hs;                               // (b H + h) T + t
-        const int t = (int)(r % T);
-        const long long bh = r / T;
-        const int h = (int)(bh % H);
-        const long long b = bh / H;
-        const float f = rows ? __fmul_rn(1.0f / l[r], g) : g;
-        out[((b * T + t) * H + h) * hs + c] = round_kind(__fmul_rn(y[e], f), kind);
+        const float f = rows ? __fmul_rn(1.0f / l[e / hs], g) : g;    // l's row e / hs = (b H + h) T + t
+        out[btc(e, T, H, hs)] = round_kind(__fmul_rn(y[e], f), kind);
     }
 }
 
@@ -111,10 +110,8 @@ extern "C" __global__ void __launch_bounds__(256) D_v1(const float* __restrict__
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);   // (b H + h) T + t
     const int lane = threadIdx.x & 31;
     if (r >= rows) return;
-    const int t = (int)(r % T);
-    const long long bh = r / T;
-    const int h = (int)(bh % H);
-    const long long b = bh / H, base = ((b * T + t) * H + h) * hs;
+    const BHT q = bht(r, H, T);
+    const long long base = ((q.b * T + q.t) * H + q.h) * hs;
     float acc = 0.f;
     for (int c = lane; c < hs; c += 32) acc += __fmul_rn(round_kind(dout[base + c], kind), O[base + c]);
     acc = warp_sum(acc);
@@ -140,18 +137,16 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_fwd_v1(
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= rows) return;
-    const int i = (int)(r % T);
-    const long long bh = r / T;
-    const int h = (int)(bh % H);
-    const long long b = bh / H;
+    const BHT q = bht(r, H, T);
     const float* row = s + r * T;
     float m = -INFINITY;
     for (int j = lane; j < T; j += 32)
-        m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mask_at(mask, mb, mh, mi, mj, b, h, i, j)));
+        m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mask_at(mask, mb, mh, mi, mj, q.b, q.h, q.t, j)));
     m = warp_max(m);
     float l = 0.f;
     for (int j = lane; j < T; j += 32) {
-        const float pt = expf(__fadd_rn(__fmul_rn(row[j], scale), mask_at(mask, mb, mh, mi, mj, b, h, i, j)) - m);
+        const float pt =
+            expf(__fadd_rn(__fmul_rn(row[j], scale), mask_at(mask, mb, mh, mi, mj, q.b, q.h, q.t, j)) - m);
         l += pt;
         const long long e = r * T + j;
         put(kept(e, seed, stream, thresh) ? round_kind(pt, kind) : 0.f, e, kind, as16, P32, P16);
@@ -171,14 +166,12 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v1(
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= rows) return;
-    const int i = (int)(r % T);
-    const long long bh = r / T;
-    const int h = (int)(bh % H);
-    const long long b = bh / H;
+    const BHT q = bht(r, H, T);
     const float m = m_in[r], l = l_in[r], d = D[r];
     for (int j = lane; j < T; j += 32) {
         const long long e = r * T + j;
-        const float P = expf(__fadd_rn(__fmul_rn(s[e], scale), mask_at(mask, mb, mh, mi, mj, b, h, i, j)) - m) / l;
+        const float P =
+            expf(__fadd_rn(__fmul_rn(s[e], scale), mask_at(mask, mb, mh, mi, mj, q.b, q.h, q.t, j)) - m) / l;
         const bool k = kept(e, seed, stream, thresh);
         put(round_kind(__fmul_rn(P, (k ? dP[e] : 0.f) - d), kind), e, kind, as16, dS32, dS16);
         put(k ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
