@@ -15,21 +15,27 @@
 #               Numba version incl. attention's, every CUDA C version through versions.validate, the whole model
 #               equal to the numpy backend with what ran asserted, training, DLPack)
 #   check       the GPU half of refbert check --device cuda (python -m refbert.precision --device cuda): every CUDA
-#               kernel version against the oracle in fp64 / fp32 / fp16 / bf16, then the precision study
+#               kernel version against the oracle in fp64 / fp32 / fp16 / bf16, then the precision study; beside
+#               it (step "study") the mixed-precision step study: the GPU's float32 / bf16 / fp16 steps against
+#               float64, beside the spec's and HF autocast's (report/precision_step.md)
 #   verify      benchmarks/verify_noise_gpu.py --sizes $VERIFY_SIZES (tiny,mini): `refbert verify` judging torch's
 #               own GPU dumps (float64, float32, float32 with TF32, float16, bfloat16) in units of refbert's noise
+#   train       benchmarks/mixed_train.py --backend cuda --steps $TRAIN_STEPS (300): `refbert pretrain --backend cuda`
+#               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
+#               bf16-mixed within 2% of fp32)
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
 #               16-bit GEMM floor, the launch probe with the step's own arguments, the torch.profiler table
-# mains, tests, check and verify run side by side (they time nothing that is reported; 16 cores; Numba compiles on the
+# mains, tests, check, verify and train run side by side (they time nothing that is reported; 16 cores; Numba compiles on the
 # CPU); bench runs alone after them. A step that fails or times out is recorded and the next one still runs; the
 # exit status is the number of failed steps. What comes back is at most 8 files in $OUT: summary.txt, report.tgz
 # (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_mixed.md, cuda_profile.md,
 # cuda_kernels.md, cuda_order.json and mains.txt.
-# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_BENCH=... (seconds), BENCH_ARGS="...",
-# STEPS="mains tests check verify bench" (a subset). DRY=1: the plumbing on a machine without a GPU (no preflight, the
-# mains on CPU threads through csrc/cpusim.cuh, the GPU tests skip, the bench says SKIPPED).
+# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... (seconds),
+# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train bench" (a subset). DRY=1: the plumbing
+# on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU tests skip,
+# the bench says SKIPPED, train is skipped).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -42,11 +48,13 @@ mkdir -p "$R"
 PY=${PYTHON:-python3}
 T_MAINS=${T_MAINS:-120}
 T_TESTS=${T_TESTS:-150}
-T_CHECK=${T_CHECK:-150}
-T_BENCH=${T_BENCH:-190}                 # preflight (~20 s) + 150 + 190: 6 minutes at worst
+T_CHECK=${T_CHECK:-200}
+T_BENCH=${T_BENCH:-200}                 # preflight (~20 s) + 200 + 200 at worst; ~5.5 minutes as measured
 T_VERIFY=${T_VERIFY:-150}
+T_TRAIN=${T_TRAIN:-150}
+TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify bench"}
+STEPS=${STEPS:-"mains tests check verify train bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -177,8 +185,16 @@ fi
 if wants verify; then   # refbert verify against torch's own GPU dumps (benchmarks/verify_noise_gpu.py; rows as they come)
     step verify "$T_VERIFY" "$PY" benchmarks/verify_noise_gpu.py --out "$R/verify" --sizes "$VERIFY_SIZES" &
 fi
+if wants train && [ -z "${DRY:-}" ]; then    # the demo corpus trained on the GPU in each precision (losses side by side)
+    step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --steps "$TRAIN_STEPS" \
+        --out "$R/mixed_train_cuda.md" &
+fi
 if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU half needs no GPU; CI runs it)
-    step check "$T_CHECK" "$PY" -m refbert.precision --device cuda --json "$R/precision.json" &
+    step check "$T_CHECK" "$PY" -m refbert.precision --device cuda --no-step --json "$R/precision.json" &
+    # its mixed-precision step study (the GPU's float32 / bf16 / fp16 steps against float64 beside the spec's and
+    # HF autocast's), alongside
+    [ -z "${DRY:-}" ] && step study "$T_CHECK" "$PY" -m refbert.precision --device cuda --no-validate --no-ops \
+        --json "$R/precision_step.json" --report "$R/precision_step.md" &
 fi
 wait
 

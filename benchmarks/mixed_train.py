@@ -2,13 +2,16 @@
 bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchmarks/results/mixed_train.md).
 
     python benchmarks/mixed_train.py [--steps 300] [--out benchmarks/results/mixed_train.md]
+    python benchmarks/mixed_train.py --backend cuda --out DIR/mixed_train_cuda.md     (a GPU; benchmarks/gpu_all.sh)
 
 1. Training: the demo's tiny preset, `refbert pretrain --corpus demo/corpus.txt --preset tiny --vocab-size 2000
    --max-seq-length 64 --batch-size 64 --lr 2e-3 --steps 300 --eval-every 100 --mixed-precision no|bf16|fp16`
    (numpy backend, the same seed, so the same data, vocabulary and masks), on demo data made afresh in a
    temporary folder: the held-out MLM and MLM + NSP losses at the last step (eval.csv), the mean training loss of
    the last 50 steps (log.csv), and for fp16 the loss scale at the end and the steps the scaler skipped.
-2. Step time: one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
+   With --backend cuda the same three runs train on the GPU (`--backend cuda`: the CUDA kernels, cuBLAS's 16-bit
+   GEMMs): issue 14's test that bf16-mixed on the GPU ends within 2% of the fp32 run's loss; no step times.
+2. Step time (numpy backend only): one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
    V 2000) at B=4 T=64 on the numpy backend, in each precision: 7 rounds, each running the three precisions once
    in turn (interleaved, so a busy moment of the machine hits all three alike), the median per precision.
 """
@@ -32,18 +35,25 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def train(work, steps):
+def _refbert(args, env):
+    """`refbert ARGS` as `python -m refbert` (the package need not be installed: gpu_all.sh runs from the tree)."""
+    r = subprocess.run([sys.executable, "-m", "refbert", *args], env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"refbert {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def train(work, steps, backend="numpy"):
     """{flag: dict(mlm, total, train_last50, scale, skipped, seconds)} of the three pretraining runs."""
     env = dict(os.environ, TQDM_DISABLE="1")
-    subprocess.run(["refbert", "demo-data", os.path.join(work, "demo")], check=True, env=env, capture_output=True)
+    _refbert(["demo-data", os.path.join(work, "demo")], env)
     out = {}
     for flag, _ in PRECISIONS:
         run = os.path.join(work, f"run-{flag}")
         t = time.perf_counter()
-        subprocess.run(["refbert", "pretrain", "--corpus", os.path.join(work, "demo", "corpus.txt"), "--out", run,
-                        "--preset", "tiny", "--vocab-size", "2000", "--max-seq-length", "64", "--batch-size", "64",
-                        "--lr", "2e-3", "--steps", str(steps), "--eval-every", "100", "--mixed-precision", flag],
-                       check=True, env=env, capture_output=True)
+        _refbert(["pretrain", "--corpus", os.path.join(work, "demo", "corpus.txt"), "--out", run,
+                  "--preset", "tiny", "--vocab-size", "2000", "--max-seq-length", "64", "--batch-size", "64",
+                  "--lr", "2e-3", "--steps", str(steps), "--eval-every", "100", "--mixed-precision", flag,
+                  "--backend", backend], env)
         seconds = time.perf_counter() - t
         ev, log = _rows(os.path.join(run, "eval.csv"))[-1], _rows(os.path.join(run, "log.csv"))
         last = [float(r["loss"]) for r in log[-50:]]
@@ -80,17 +90,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
+    ap.add_argument("--backend", choices=["numpy", "cuda"], default="numpy")
     a = ap.parse_args()
     from refbert.bench import results_header
-    times = step_times()
+    times = step_times() if a.backend == "numpy" else None
     with tempfile.TemporaryDirectory() as work:
-        runs = train(work, a.steps)
+        runs = train(work, a.steps, a.backend)
     f32 = runs["no"]
 
     def rel(v, ref):
         return f"{100 * (v - ref) / ref:+.2f}%"
-    lines = [*results_header("Mixed precision on the CPU: what refbert's spec costs",
-                             f"python benchmarks/mixed_train.py --steps {a.steps}"),
+    where = "on the CPU: what refbert's spec costs" if a.backend == "numpy" else \
+        "on the GPU (--backend cuda): what the kernels' mixed step costs"
+    lines = [*results_header(f"Mixed precision {where}", f"python benchmarks/mixed_train.py --steps {a.steps}"
+                             + ("" if a.backend == "numpy" else " --backend cuda")),
              "Method: the script's docstring.", "",
              f"## Training: the demo's tiny preset, {a.steps} steps", "",
              "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "
@@ -104,10 +117,15 @@ def main():
                      f"{rel(r['train_last50'], f32['train_last50'])} | "
                      f"{scale} | {r['skipped']} | "
                      f"{r['seconds']:.0f} |")
-    lines += ["", "## Step time: BERT mini, B=4 T=64, numpy backend (median of 7 interleaved rounds)", "",
-              "| precision | ms per step | x fp32 |", "|---|---|---|"]
-    for _, p in PRECISIONS:
-        lines.append(f"| {p} | {times[p] * 1e3:.1f} | {times[p] / times['fp32']:.2f} |")
+    if times:
+        lines += ["", "## Step time: BERT mini, B=4 T=64, numpy backend (median of 7 interleaved rounds)", "",
+                  "| precision | ms per step | x fp32 |", "|---|---|---|"]
+        for _, p in PRECISIONS:
+            lines.append(f"| {p} | {times[p] * 1e3:.1f} | {times[p] / times['fp32']:.2f} |")
+    else:
+        bf = 100 * abs(runs["bf16"]["mlm"] - f32["mlm"]) / f32["mlm"]
+        lines += ["", f"bf16-mixed against fp32, held-out MLM loss: {bf:.2f}% (issue 14's bound: 2%): "
+                  f"{'within' if bf <= 2 else 'OUTSIDE'}"]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")

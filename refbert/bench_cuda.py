@@ -765,6 +765,11 @@ def run_step(args, timer):
             print(f"  step {shape} refbert ({decode}): {t * 1e3:.2f} ms, {t / floor:.2f}x its GEMM floor "
                   f"({floor * 1e3:.2f} ms)" + (f", {t * 1e3 / sdpa_ms:.2f}x HF sdpa" if sdpa_ms else "")
                   + f"; {held / 2 ** 20:.0f} MiB held after the forward", flush=True)
+            if decode == "all":
+                row = graph_row(timer, args, ours, dict(x, mlm_decode="all"), base, "refbert cuda fp32 (all)",
+                                floor, sdpa_ms, "vs_sdpa", gemm_tflop=gemm_flops(gemms) / 1e12)
+                rows.append(row)
+                failed |= "ms" not in row
             if si == 0 and decode == "all":              # replayed last (main): a fault there ends the context
                 def probe_step(x=x):
                     ours(**x, mlm_decode="all")
@@ -780,6 +785,37 @@ def run_step(args, timer):
 
 
 MIXED = (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))     # precision, torch.autocast dtype
+
+
+def graph_row(timer, args, ours, x, base, name, floor, peer_ms, peer_key, **extra):
+    """The step of `ours` captured as a CUDA graph (refbert_kernels.cuda.graph.StepGraph): validated against the
+    eager step (check_replay) before it is timed. -> a row (with ms, or a note saying why not)."""
+    cp = _xp()
+    from refbert_kernels.cuda.graph import StepGraph, check_replay
+    impl = f"{name} + CUDA graph"
+    g = None
+    try:
+        ours.train()
+        g = StepGraph(ours)
+        worst, calls = check_replay(ours, g, x)
+        if not worst <= 1e-6:                        # the same kernels on the same arguments: float32 rounding at most
+            raise RuntimeError(f"the replay differs from the eager step by {worst:.2e} of scale")
+        t = timer(lambda: g(**x), repeats=max(3, args.repeats // 2))
+    except Exception as e:
+        print(f"  {base['shape']} {impl}: {_err(e)}", flush=True)
+        return dict(base, impl=impl, note=_err(e))
+    finally:
+        if g is not None:
+            g.close()
+        cp.cuda.Device().synchronize()
+    print(f"  {base['shape']} {impl}: {t * 1e3:.2f} ms" + (f", {t * 1e3 / peer_ms:.2f}x the peer" if peer_ms else "")
+          + (f", {t / floor:.2f}x its GEMM floor" if floor else "") + f" (replay = eager within {worst:.1e})",
+          flush=True)
+    return dict(base, impl=impl, ms=t * 1e3, tokens_per_s=base["B"] * base["T"] / t,
+                floor_ms=floor * 1e3 if floor else None, **{peer_key: t * 1e3 / peer_ms if peer_ms else None},
+                vs_floor=t / floor if floor else None, **extra,
+                note=f"one graph launch a step; replay = eager step within {worst:.1e} of scale, {calls} dropout "
+                     f"calls a step")
 
 
 def time_gemms16(timer, gemms, dtype):
@@ -887,6 +923,10 @@ def run_mixed(args, timer):
             print(f"  mixed {shape} refbert {precision}: {t * 1e3:.2f} ms" +
                   (f", {t * 1e3 / hf_ms:.2f}x HF autocast" if hf_ms else "") +
                   (f", {t / floor:.2f}x its 16-bit GEMM floor ({floor * 1e3:.2f} ms)" if floor else ""), flush=True)
+            row = graph_row(timer, args, ours, dict(x, mlm_decode="all"), base, f"refbert cuda {precision} (all)",
+                            floor, hf_ms, "vs_hf")
+            rows.append(row)
+            failed |= "ms" not in row
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
@@ -989,10 +1029,20 @@ def run_profile(args, models, steps=3):
     runs = {f"refbert cuda fp32 ({d})": (lambda d=d: (ours(**x, mlm_decode=d), ours.backward()))
             for d in ("all", "labelled")}
     precisions = {}
+    graphs = {}
+
+    def graph_step(precision):                      # captured at its first call, under the precision set then
+        from refbert_kernels.cuda.graph import StepGraph
+        if precision not in graphs:
+            graphs[precision] = StepGraph(ours)
+        graphs[precision](**x, mlm_decode="all")
+    runs["refbert cuda fp32 (all) + CUDA graph"] = lambda: graph_step("fp32")
     if "mixed" in (args.only or ["mixed"]):
         for precision, _ in MIXED:
             runs[f"refbert cuda {precision} (all)"] = lambda: (ours(**x, mlm_decode="all"), ours.backward())
             precisions[f"refbert cuda {precision} (all)"] = precision
+        runs["refbert cuda bf16-mixed (all) + CUDA graph"] = lambda: graph_step("bf16-mixed")
+        precisions["refbert cuda bf16-mixed (all) + CUDA graph"] = "bf16-mixed"
     ours.train()
     if "sdpa" in hf:
         tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
@@ -1036,6 +1086,9 @@ def run_profile(args, models, steps=3):
         except Exception as e:
             out[impl] = _err(e, 300)
             print(f"  profile {impl}: {out[impl]}", flush=True)
+        for g in graphs.values():                   # (each graph holds a step's memory)
+            g.close()
+        graphs.clear()
     ours.precision = "fp32"
     return out
 

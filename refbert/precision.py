@@ -463,8 +463,8 @@ def _scaled(step, precision):
         scale /= 2
 
 
-def _torch_step(folder, batch, precision):
-    """HF + PyTorch (sdpa attention, float32 parameters) under torch.autocast("cpu", dtype) on the batch: (loss,
+def _torch_step(folder, batch, precision, device="cpu"):
+    """HF + PyTorch (sdpa attention, float32 parameters) under torch.autocast(device, dtype) on the batch: (loss,
     {name: float64 gradient}, loss scale), the fp16 gradients through a scaled loss (_scaled), or (None, reason,
     None) where this torch cannot run it."""
     try:
@@ -475,26 +475,35 @@ def _torch_step(folder, batch, precision):
     transformers.utils.logging.disable_progress_bar()
     hf = transformers.BertForPreTraining.from_pretrained(folder, attn_implementation="sdpa").float().eval()
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
-    tb = {k: torch.tensor(v) for k, v in batch.items()}
+    try:
+        hf = hf.to(device)
+        tb = {k: torch.tensor(v, device=device) for k, v in batch.items()}
+    except Exception as e:
+        return None, f"torch on {device}: {type(e).__name__}: {str(e)[:80]}", None
 
     def step(scale):
         hf.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out = hf(**tb)
         (out.loss.float() * scale).backward()
-        return float(out.loss.detach()), {k: p.grad.double().numpy() for k, p in hf.named_parameters()
+        return float(out.loss.detach()), {k: p.grad.double().cpu().numpy() for k, p in hf.named_parameters()
                                           if p.grad is not None}
     try:
         return _scaled(step, precision)
     except Exception as e:                                   # e.g. an op without a CPU kernel in that dtype
-        return None, f"torch.autocast('cpu', {dtype}) failed: {type(e).__name__}: {str(e)[:80]}", None
+        return None, f"torch.autocast('{device}', {dtype}) failed: {type(e).__name__}: {str(e)[:80]}", None
 
 
-def model_study(size="small", seed=0, precisions=PRECISIONS, peer=True):
+def model_study(size="small", seed=0, precisions=PRECISIONS, peer=True, backend="numpy"):
     """One BertForPreTraining step (eval: dropout off, so every run sees the same function) on the same weights
     and batch: refbert in float64 (the truth), refbert in float32, refbert's spec in each mixed precision (numpy
     backend; fp16 through a loss scale of 2^16, divided out), and HF + PyTorch under torch.autocast (peer=True).
-    -> dict(config, loss: {run: (value, rel err)}, tensors: [dict(name, shape, scale, errs: {run: rel err})])
+    backend="cuda" adds the GPU: refbert's cuda backend in float32 and each mixed precision (the kernels), and HF
+    under torch.autocast("cuda") instead of "cpu"; `vs_spec` then holds, per cuda mixed run, the worst gradient
+    difference from the spec run of its precision (relative to the tensor's scale), which must come from
+    accumulation order alone (a few u at most, u = half an ulp of 1 in the compute dtype).
+    -> dict(config, loss: {run: (value, rel err)}, tensors: [dict(name, shape, scale, errs: {run: rel err})],
+    notes, scales, vs_spec)
     Each gradient's error is max |g - g64| / scale, scale = its largest |g64| floored at 1% of the model's largest
     gradient (as refbert verify judges a cancelling gradient, e.g. the key bias, exactly 0 in exact arithmetic)."""
     import tempfile
@@ -518,12 +527,28 @@ def model_study(size="small", seed=0, precisions=PRECISIONS, peer=True):
             loss = float(m(**batch).loss)
             return loss, m.backward(scale)
         losses[name], grads[name], scales[name] = _scaled(step, prec)
+    if backend == "cuda":
+        from refbert_kernels.cuda import backend as CB
+        for prec in ("fp32", *precisions):
+            name = f"refbert cuda {'float32' if prec == 'fp32' else prec}"
+            try:
+                m = M.BertForPreTraining(cfg, seed=seed, dtype=np.float32, backend="cuda", precision=prec).eval()
+                for k in m.params:
+                    m.params[k] = CB.to_device(np.asarray(m64.params[k], np.float32))
+
+                def step(scale, m=m):
+                    loss = float(M.to_numpy(m(**batch).loss))
+                    return loss, M.to_numpy(m.backward(scale))
+                losses[name], grads[name], scales[name] = _scaled(step, prec)
+            except Exception as e:
+                notes[name] = f"{type(e).__name__}: {str(e)[:120]}"
     if peer:
         with tempfile.TemporaryDirectory(prefix="refbert-precision-") as d:
             m64.save_pretrained(d)                            # (float64 weights; HF reads them as float32)
             for p in precisions:
-                loss, g, scale = _torch_step(d, batch, p)
-                name = f"HF autocast {p.split('-')[0]}"
+                dev = "cuda" if backend == "cuda" else "cpu"
+                loss, g, scale = _torch_step(d, batch, p, dev)
+                name = f"HF autocast {p.split('-')[0]}" + (" (cuda)" if dev == "cuda" else "")
                 if loss is None:
                     notes[name] = g
                     continue
@@ -535,7 +560,13 @@ def model_study(size="small", seed=0, precisions=PRECISIONS, peer=True):
         tensors.append(dict(name=k, shape=tuple(ref.shape), scale=sc,
                             errs={r: float(np.abs(g[k] - ref).max()) / sc for r, g in grads.items() if k in g}))
     ref_loss = losses["refbert float64"]
-    return dict(size=size, config=dict(preset=s["preset"], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+    vs_spec = {}
+    for p in precisions:
+        gpu, spec = grads.get(f"refbert cuda {p}"), grads.get(f"refbert {p}")
+        if gpu is not None and spec is not None:
+            vs_spec[f"refbert cuda {p}"] = max(float(np.abs(gpu[t["name"]] - spec[t["name"]]).max()) / t["scale"]
+                                               for t in tensors)
+    return dict(size=size, vs_spec=vs_spec, config=dict(preset=s["preset"], layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                                        heads=cfg.num_attention_heads, vocab=cfg.vocab_size, B=s["B"], T=s["T"],
                                        labelled=int((batch["labels"] != -100).sum())),
                 loss={r: (v, abs(v - ref_loss) / abs(ref_loss)) for r, v in losses.items()},
@@ -562,7 +593,8 @@ def format_model_study(d):
             f"ulp of 1 of the run's compute dtype (bfloat16 2^-8, float16 2^-11). fp16 runs: loss scaled as "
             f"GradScaler would (2^16, halved while a gradient overflows), divided out: "
             + ", ".join(f"{r} 2^{int(math.log2(v))}" for r, v in d["scales"].items() if "fp16" in r)
-            + ". HF: transformers' BertForPreTraining (sdpa), float32 parameters, under torch.autocast('cpu').",
+            + ". HF: transformers' BertForPreTraining (sdpa), float32 parameters, under torch.autocast('cpu'), or "
+              "'cuda' where the run's name says so.",
             ""]
     head = textwrap.wrap(head[0], 118) + head[1:]
     for r, why in d["notes"].items():
@@ -577,8 +609,11 @@ def format_model_study(d):
     summary = text_table(("", *runs), rows)
     body = [(t["name"], "x".join(map(str, t["shape"])), *[cell(r, t["errs"][r]) if r in t["errs"] else "—"
                                                           for r in runs]) for t in d["tensors"]]
-    return head + summary.splitlines() + ["", "every gradient:", ""] + text_table(("tensor", "shape", *runs),
-                                                                                   body).splitlines()
+    spec = [f"{r} against the spec run of its precision (refbert {r.split()[-1]}, numpy): worst gradient "
+            f"difference {cell(r, e)} of the tensor's scale (accumulation order alone: a few u at most)"
+            for r, e in d.get("vs_spec", {}).items()]
+    return head + summary.splitlines() + ([""] + spec if spec else []) + ["", "every gradient:", ""] + \
+        text_table(("tensor", "shape", *runs), body).splitlines()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -630,6 +665,8 @@ def add_arguments(p):
                    help="with --device cuda: validate every kernel version against the oracle first (default on a "
                         "GPU; off in the simulator, where tests/test_cuda_sim.py does it)")
     p.add_argument("--no-validate", dest="validate", action="store_false")
+    p.add_argument("--no-ops", dest="op_study", action="store_false",
+                   help="skip the per-op study (the mixed-precision step alone, e.g. beside a kernels-only run)")
     return p
 
 
@@ -660,15 +697,20 @@ def main(args=None):
         failed = sum(not r[3] for r in vrows)
         print(f"{len(vrows) - failed} passed, {failed} failed\n")
         status = 1 if failed else 0
-    rows = study(getattr(args, "dtypes", None), size, device, getattr(args, "ops", None))
-    where = "" if device is None else f"; kernels on {device.device_name()}"
-    lines = [f"precision study ({size} shapes{where})", LEGEND, "", *format_table(rows).splitlines()]
-    print("\n".join(lines))
+    rows, lines = [], []
+    if getattr(args, "op_study", True):
+        rows = study(getattr(args, "dtypes", None), size, device, getattr(args, "ops", None))
+        where = "" if device is None else f"; kernels on {device.device_name()}"
+        lines = [f"precision study ({size} shapes{where})", LEGEND, "", *format_table(rows).splitlines()]
+        print("\n".join(lines))
     step = None
-    if device is None and getattr(args, "step", True):      # the mixed-precision step: the spec against float64
-        step = model_study(size)
-        more = ["", "mixed-precision training step: refbert's spec (refbert.ops, README \"Mixed precision\") and "
-                    "HF + PyTorch autocast against float64", "", *format_model_study(step)]
+    if getattr(args, "step", True) and (device is None or not getattr(device, "SIM", False)):
+        # the mixed-precision step against float64: the spec (CPU), and with a GPU the cuda kernels beside it
+        # (BERT mini on the GPU: the kernels' CUDA C paths at head size 64, and minutes, not hours, of float64)
+        step = model_study(size if device is None else "small", backend="numpy" if device is None else "cuda")
+        more = ["", "mixed-precision training step: refbert's spec (refbert.ops, README \"Mixed precision\")"
+                    + ("" if device is None else ", refbert's cuda kernels") + " and HF + PyTorch autocast against "
+                    "float64", "", *format_model_study(step)]
         print("\n".join(more))
         lines += more
     if getattr(args, "json", None):
@@ -678,7 +720,8 @@ def main(args=None):
                       indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o)
             fh.write("\n")
     if getattr(args, "report", None):
-        write_text(args.report, f"# refbert check --precision ({size})\n\n```\n" + "\n".join(lines) + "\n```\n")
+        what = size if getattr(args, "op_study", True) else f"the mixed-precision step, {step['size'] if step else '-'}"
+        write_text(args.report, f"# refbert check --precision ({what})\n\n```\n" + "\n".join(lines) + "\n```\n")
     return status
 
 

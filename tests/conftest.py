@@ -41,6 +41,9 @@ CI_MAY_SKIP = {
     "test_cuda_mixed.py::test_whole_model_mixed_equals_the_numpy_spec": (_GPU, "the mixed model on a GPU"),
     "test_cuda_mixed.py::test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec":
         (_GPU, "pretrain --mixed-precision fp16 on a GPU"),
+    "test_cuda_graph.py::test_replay_equals_the_eager_step": (_GPU, "a CUDA graph's replay on a GPU"),
+    "test_cuda_graph.py::test_replay_at_bert_base_shapes": (_GPU, "BERT-base's CUDA graph on a GPU"),
+    "test_cuda_mixed.py::test_precision_study_of_the_cuda_mixed_step": (_GPU, "the GPU's mixed step against float64"),
     # the dev extra allows transformers >= 4.40; these compare with a Python tokenizer only some versions have
     "test_tokenization.py::test_bert_tokenizer_never_split_as_hf_python":
         ("no Python BERT tokenizer in this transformers", "a transformers without a Python BERT tokenizer"),

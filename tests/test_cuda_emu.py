@@ -226,11 +226,16 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """
     out = cudachild.check(_run(_env(code)))
     mixed = json.loads((tmp_path / "cuda_mixed.json").read_text())["rows"]
-    assert [r["impl"] for r in mixed] == ["refbert cuda bf16-mixed (all)", "refbert cuda fp16-mixed (all)"], mixed
-    assert all(r["ms"] > 0 and "eval loss" in r["note"] for r in mixed), mixed
+    assert [r["impl"] for r in mixed] == [f"refbert cuda {p}-mixed (all){g}" for p in ("bf16", "fp16")
+                                          for g in ("", " + CUDA graph")], mixed
+    assert all(r["ms"] > 0 and ("eval loss" in r["note"] or "replay = eager step within 0.0e+00" in r["note"])
+               for r in mixed), mixed
     data = json.loads((tmp_path / "cuda_step.json").read_text())
     impls = [r["impl"] for r in data["rows"]]
-    assert "refbert cuda fp32 (all)" in impls and "refbert cuda fp32 (labelled)" in impls, impls
+    assert {"refbert cuda fp32 (all)", "refbert cuda fp32 (labelled)", "refbert cuda fp32 (all) + CUDA graph"} \
+        <= set(impls), impls
+    graph = next(r for r in data["rows"] if r["impl"].endswith("CUDA graph"))
+    assert graph["ms"] > 0 and "replay = eager step within 0.0e+00" in graph["note"], graph
     for r in data["rows"]:
         if r["impl"].startswith("refbert"):
             assert r["ms"] > 0 and r["floor_ms"] > 0 and r["gemm_tflop"] > 0, r

@@ -292,3 +292,33 @@ def test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec(tiny, mode):
         assert (g["grad_norm"] == "nan") == (w["grad_norm"] == "nan"), (g, w)
         for k in ("loss", "mlm_loss", "nsp_loss"):
             assert abs(float(g[k]) - float(w[k])) <= 1e-4 * abs(float(w[k])), (k, g, w)
+
+
+_STUDY = """
+    from refbert import precision as P
+    d = P.model_study("tiny", backend="cuda", peer=False)
+    assert not d["notes"], d["notes"]
+    worst = {r: max(t["errs"][r] for t in d["tensors"]) for r in d["loss"] if r != "refbert float64"}
+    print("WORST", worst, "VS_SPEC", d["vs_spec"])
+    # the GPU's float32 step against float64: float32 rounding (~1e-5 of a tensor's scale, as the numpy backend's)
+    assert worst["refbert cuda float32"] < 1e-5, worst
+    # each GPU mixed step against the spec's run of its precision: accumulation order alone, the whole-model bound
+    # above (2 ulp of the compute dtype at the tensor's scale; ulp(1) = 2^-7 in bfloat16, 2^-10 in float16)
+    ulp = {"bf16-mixed": 2.0 ** -7, "fp16-mixed": 2.0 ** -10}
+    assert set(d["vs_spec"]) == {"refbert cuda bf16-mixed", "refbert cuda fp16-mixed"}, d["vs_spec"]
+    for run, e in d["vs_spec"].items():
+        assert e <= 2 * ulp[run.split()[-1]], (run, e)
+    # and the precision each costs against float64 is the spec's: within those 2 ulp of the spec run's error
+    for p in ulp:
+        assert abs(worst[f"refbert cuda {p}"] - worst[f"refbert {p}"]) <= 2 * ulp[p], worst
+    print("OK")
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_precision_study_of_the_cuda_mixed_step(mode):
+    """refbert check --precision --device cuda's step study (precision.model_study(backend="cuda")): the GPU's
+    float32 and mixed steps against float64 beside the spec's, each mixed one equal to the spec up to accumulation
+    order."""
+    out = _child(_STUDY, mode)
+    assert "OK" in out, out

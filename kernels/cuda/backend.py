@@ -24,8 +24,10 @@ Where the arrays live
                   device array on the same memory (to_torch / from_torch / to_numba below).
 
 What runs where
-    matmuls       cuBLAS through cupy.matmul (linear forward and backward, the tied MLM decoder); fp32 stays fp32
-                  (CuPy uses TF32 only when CUPY_TF32=1 is set, which this backend never does).
+    matmuls       cuBLAS (linear forward and backward, the tied MLM decoder): cublasGemmEx called through ctypes on
+                  CuPy's handle (blas.py: CuPy's own wrappers refuse to run while a CUDA graph is captured), with
+                  CUBLAS_COMPUTE_32F for float32 (no TF32) and 64F for float64; cupy.matmul where that library is
+                  not found (blas.usable() says why).
     fused ops     per op and dtype, the fastest version that validated on this device (refbert_kernels.cuda.versions:
                   CUDA C launched by CuPy first, then the Numba CUDA versions; pinned with REFBERT_CUDA_VERSIONS or
                   versions.pin, ordered by the bench's measurements with REFBERT_CUDA_ORDER): softmax, layernorm /
@@ -65,7 +67,7 @@ import numpy as np
 from refbert import validate as V
 
 from . import _common as C
-from . import versions
+from . import blas, versions
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,21 +124,40 @@ def _on_device(a):
 
 
 _PINNED = []        # (event, pinned memory) of copies in flight: kept alive until the device has read them
+CAPTURE = None      # a list while kernels/cuda/graph.py captures a step: each host-to-device copy of the step
+#                     becomes a slot (device array, the host array it was given), filled before each replay
+REPLAY = None       # a list while the emulator replays a step (graph.py, emulate): ((slot, rule), host array) each
 
 
-def _h2d(a):
-    """A contiguous host array on the device. On a GPU the bytes go through pinned memory with an asynchronous
-    copy: a copy from pageable memory would synchronise the stream (CUDA's rule for pageable transfers) and stop
-    the host from queueing ahead."""
+def _h2d(a, out=None):
+    """A contiguous host array on the device (into `out`, a device array of its shape and dtype, when given). On a
+    GPU the bytes go through pinned memory with an asynchronous copy: a copy from pageable memory would synchronise
+    the stream (CUDA's rule for pageable transfers) and stop the host from queueing ahead. While a step is captured
+    (CAPTURE), nothing is copied: the step reads a slot the replay fills."""
     a = np.ascontiguousarray(a)
+    if CAPTURE is not None and out is None:
+        out = xp.empty(a.shape, a.dtype)
+        CAPTURE.append((out, a.copy()))
+        if MODE != "gpu":                              # the emulator's capture runs the step: give it the values
+            out[...] = xp.asarray(a)
+        return out
+    if REPLAY is not None and out is None:             # the emulator's replay: the next slot, filled by its rule
+        (out, rule), want = REPLAY.pop(0)
+        if out.shape != a.shape or out.dtype != a.dtype or not np.array_equal(want, a):
+            raise RuntimeError(f"StepGraph: slot rule {rule!r} gave other values than the step copies "
+                               f"({want.shape} {want.dtype} vs {a.shape} {a.dtype})")
+        return out
     if MODE != "gpu" or a.nbytes == 0:
-        return xp.asarray(a)
+        if out is None:
+            return xp.asarray(a)
+        out[...] = xp.asarray(a)
+        return out
     while _PINNED and _PINNED[0][0].done:
         _PINNED.pop(0)
     mem = xp.cuda.alloc_pinned_memory(a.nbytes)
     host = np.frombuffer(mem, a.dtype, a.size).reshape(a.shape)
     host[...] = a
-    out = xp.empty(a.shape, a.dtype)
+    out = xp.empty(a.shape, a.dtype) if out is None else out
     stream = xp.cuda.get_current_stream()
     out.set(host, stream=stream)
     ev = xp.cuda.Event()
@@ -168,25 +189,10 @@ def stage(*arrays):
     (a sorted segment sum needs the order, and sorting on the device could synchronise)."""
     if xp is np:
         return arrays
-    host, extra = [], []
-    for a in arrays:
-        if isinstance(a, np.ndarray) and not _on_device(a):
-            a = np.ascontiguousarray(a)
-            host.append(a)
-            if a.dtype.kind in "iu" and a.ndim == 2:
-                flat = a.reshape(-1).astype(np.int64)
-                key = np.sort(flat * flat.size + np.arange(flat.size, dtype=np.int64))
-                extra.append(np.stack([key // flat.size, key % flat.size]))
-    if not host:
+    packed = stage_buffer(*arrays)
+    if packed is None:
         return arrays
-    parts = host + extra
-    offs, total = [], 0
-    for a in parts:
-        offs.append(total)
-        total += -(-a.nbytes // 256) * 256
-    buf = np.zeros(max(total, 1), np.uint8)
-    for a, o in zip(parts, offs):
-        buf[o:o + a.nbytes] = a.view(np.uint8).reshape(-1)
+    buf, host, parts, offs = packed
     dev = _h2d(buf)
     views = [dev[o:o + a.nbytes].view(a.dtype).reshape(a.shape) for a, o in zip(parts, offs)]
     out, k, j = [], 0, len(host)
@@ -202,6 +208,32 @@ def stage(*arrays):
         else:
             out.append(a)
     return tuple(out)
+
+
+def stage_buffer(*arrays):
+    """stage()'s host half: (the packed uint8 buffer, the host arrays, every part packed, their offsets), or None
+    when no argument is a host array. Pure: the same inputs give the same bytes (a captured step's replay packs
+    each new batch with it)."""
+    host, extra = [], []
+    for a in arrays:
+        if isinstance(a, np.ndarray) and not _on_device(a):
+            a = np.ascontiguousarray(a)
+            host.append(a)
+            if a.dtype.kind in "iu" and a.ndim == 2:
+                flat = a.reshape(-1).astype(np.int64)
+                key = np.sort(flat * flat.size + np.arange(flat.size, dtype=np.int64))
+                extra.append(np.stack([key // flat.size, key % flat.size]))
+    if not host:
+        return None
+    parts = host + extra
+    offs, total = [], 0
+    for a in parts:
+        offs.append(total)
+        total += -(-a.nbytes // 256) * 256
+    buf = np.zeros(max(total, 1), np.uint8)
+    for a, o in zip(parts, offs):
+        buf[o:o + a.nbytes] = a.view(np.uint8).reshape(-1)
+    return buf, host, parts, offs
 
 
 def _sorted_of(ids):
@@ -305,7 +337,7 @@ def check_linear(x, w, b):
 def linear_forward(x, w, b=None):
     """out = x @ w.T + b (refbert.ops.linear_forward): one cuBLAS GEMM over all leading positions."""
     check_linear(x, w, b)
-    out = xp.matmul(x.reshape(-1, x.shape[-1]), w.T)
+    out = blas.gemm(xp.ascontiguousarray(x.reshape(-1, x.shape[-1])), xp.ascontiguousarray(w), False, True)
     if b is not None:
         out += b
     return out.reshape(*x.shape[:-1], w.shape[0]), (x, w, b is not None)
@@ -318,10 +350,11 @@ def linear_backward(dout, cache):
     x, w, has_b = cache
     dout = _dev(dout)
     _dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
-    dout2 = dout.reshape(-1, w.shape[0])
-    x2 = x.reshape(-1, x.shape[-1])
-    dx = xp.matmul(dout2, w).reshape(x.shape)
-    dw = xp.matmul(dout2.T, x2)
+    dout2 = xp.ascontiguousarray(dout.reshape(-1, w.shape[0]))
+    x2 = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+    w = xp.ascontiguousarray(w)
+    dx = blas.gemm(dout2, w).reshape(x.shape)
+    dw = blas.gemm(dout2, x2, True, False)
     if not has_b:
         return dx, dw
     return dx, dw, column_sum(dout2)

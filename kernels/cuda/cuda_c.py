@@ -54,13 +54,20 @@ SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", 
 _DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
 F32 = np.dtype(np.float32)
 FELL_BACK = {}          # (op, version) -> why the last call took the Numba version instead
+FELL_BACK_CALLS = {}    # (op, version) -> how many calls did (graph.py: a captured step must make none)
 H2D = None              # the backend's host-to-device copy (pinned, asynchronous on a GPU); None: xp.asarray
+
+
+MODULES = {}        # (csrc file, array module) -> its RawModule, every one compiled so far (graph.py sets a global
+#                     in each: refbert_stream_shift)
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name, xp):
     code = (CSRC / name).read_text()
-    return xp.RawModule(code=code, options=("-std=c++17", "-DNO_MAIN", f"-I{CSRC}"))
+    mod = xp.RawModule(code=code, options=("-std=c++17", "-DNO_MAIN", f"-I{CSRC}"))
+    MODULES[(name, xp)] = mod
+    return mod
 
 
 def module(name, xp=None):
@@ -109,6 +116,7 @@ def _aligned(*arrays):
 
 def _fallback(op, version, why, fn, *args, **kwargs):
     """Run the Numba version instead, recording (and warning once) why: a slow path is never silent."""
+    FELL_BACK_CALLS[(op, version)] = FELL_BACK_CALLS.get((op, version), 0) + 1
     if FELL_BACK.get((op, version)) != why:
         FELL_BACK[(op, version)] = why
         if any(C.on_device(a) for a in args if C.is_array(a)):       # device arrays: it matters (not the simulator)

@@ -403,6 +403,17 @@ class RawModule:
             self._kernels[name] = RawKernel(self.lib, name, params, bound, self.source)
         return self._kernels[name]
 
+    def get_global(self, name):
+        """The module-scope variable `name` (a __constant__ or __device__ one: a plain global of the library): CuPy
+        returns a MemoryPointer to it, this a DevArray of its 8 bytes (uint8) on the library's own memory, so a
+        kernel launched after a write reads the value written."""
+        try:
+            var = ctypes.c_uint64.in_dll(self.lib, name)
+        except ValueError:
+            raise KeyError(f"emulated RawModule {self.source}: no global {name!r}") from None
+        buf = (ctypes.c_uint8 * 8).from_address(ctypes.addressof(var))
+        return np.frombuffer(buf, np.uint8).view(DevArray)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # the cupy namespace

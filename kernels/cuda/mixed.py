@@ -50,7 +50,7 @@ from refbert import validate as V
 from refbert.mixed import mark, on_grid
 
 from . import _common as C
-from . import versions
+from . import blas, versions
 
 KIND = {"bfloat16": 0, "float16": 1}       # csrc/mixed.cu's kind
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14         # cudaDataType
@@ -166,6 +166,8 @@ def gemm(a, b, ta, tb, compute):
     Bm = b.T if tb else b
     if not _gemm_ex():
         return C.xp_of(a).matmul(A, Bm)
+    if blas.usable()[0]:                              # the same cublasGemmEx through ctypes: capturable
+        return blas.gemm(a, b, ta, tb, kind=compute)
     import cupy
     M, K = A.shape
     N = Bm.shape[1]
@@ -191,6 +193,8 @@ def gemm_batched(a, b, ta, tb, compute):
     Bm = b.transpose(0, 2, 1) if tb else b
     if not _gemm_ex():
         return C.xp_of(a).matmul(A, Bm)
+    if blas.usable()[0]:
+        return blas.gemm_batched(a, b, ta, tb, kind=compute)
     import cupy
     nb, M, K = A.shape
     N = Bm.shape[2]

@@ -121,8 +121,17 @@ __host__ __device__ __forceinline__ float rnd(float x, int rk) { return rk < 0 ?
 // Philox4x32-10, exactly refbert/philox.py: element e of dropout call (seed, stream) gets word e % 4 of
 //   philox(counter = (lo(e/4), hi(e/4), lo(stream), hi(stream)), key = (lo(seed), hi(seed)))
 // and is kept iff word >= thresh = round(p * 2^32) (thresh == 0: no dropout; thresh = 2^32: drop all).
+//
+// refbert_stream_shift is added to every stream a kernel is given: 0 always, but while a CUDA graph replays a
+// captured training step (kernels/cuda/graph.py). The graph holds the streams of the step it captured as launch
+// arguments; the replay sets the shift (one 8-byte copy per module) to (the dropout generator's calls now) - (its
+// calls at the capture), so each replay draws the streams an eager step would at that point, and resets it to 0
+// after. In constant memory: the same value for every thread, read through the constant cache, and no kernel can
+// write it, so the compiler may keep it in a register.
+__constant__ u64 refbert_stream_shift;
 
 __device__ __forceinline__ uint4 philox4x32_10(u64 block, u64 stream, u64 seed) {
+    stream += refbert_stream_shift;
     u32 c0 = (u32)block, c1 = (u32)(block >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
     u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
 #pragma unroll

@@ -44,6 +44,7 @@
 
 #define __global__
 #define __device__
+#define __constant__                        // a plain global (emulate.py's get_global finds it)
 #define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict

@@ -1,0 +1,314 @@
+"""One training step (forward + backward) of a cuda-backend model captured once as a CUDA graph and replayed per
+batch. A bf16-mixed BERT-base step is ~1,200 launches; from Python each costs the host more than the GPU spends on
+most of them (the H200 profile: the GPU busy 26 of 53 ms), while a replay is one launch for the whole step.
+
+    step = StepGraph(model)                   # model: a refbert model built with backend="cuda" (fp32 or mixed)
+    loss, grads = step(input_ids=ids, attention_mask=am, labels=labels, next_sentence_label=nsp)
+    optimizer.step(grads)                     # eager, in place: the next replay reads the updated parameters
+
+A replay computes what `out = model(**batch); grads = model.backward(dloss)` computes at that point: the same
+kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compares them on a GPU). How:
+
+  capture   the first call runs the step once eagerly on a side stream (one per process; the warm-up: every kernel
+            compiled, the memory the step needs cached by a memory pool of the graph's own), then captures the same
+            step on that stream (cudaStreamBeginCapture through CuPy). The dropout generator is
+            rewound after both: the capture draws nothing.
+  inputs    every host-to-device copy of the captured step (backend._h2d: the staged ids / types / positions / mask,
+            the labels and the labelled rows) becomes a slot, a device array the graph reads. A replay fills the
+            slots from its batch with the step's own host code (the model's input checks and backend.stage_buffer;
+            the labels' flat values, labelled positions and their labels, as the model moves them). At the capture
+            each slot is matched to the rules that reproduce its bytes from the batch (a copy no rule explains
+            refuses the capture); a batch on which those rules disagree (NSP labels' flat values and their labelled
+            values part when one is -100) is captured anew.
+  dropout   every dropout kernel adds refbert_stream_shift (csrc/common.cuh, one __constant__ per module) to its
+            stream. A replay sets it to the generator's calls now minus its calls at the capture, launches, sets it
+            back to 0, and advances the generator by the step's count: each replay draws the streams an eager step
+            would.
+  params    read where they are: an in-place update is seen by the next replay; a parameter replaced by a new
+            array (model.params[name] = ...) needs a new StepGraph.
+  outputs   the loss, the gradients and model outputs (`step.output`) are the graph's arrays, overwritten by the
+            next replay: copy what you keep (torch.cuda.graphs' rule).
+  shapes    a batch whose slots differ in shape from the captured ones (another B or T, another count of labelled
+            positions), or another dloss (the fp16 loss scale), is captured anew (`step.captures` counts them):
+            the previous graph and all it holds dropped first (close()), as a new StepGraph would start.
+  what      CUDA C kernels launched by CuPy, CuPy's own kernels and cuBLAS (through ctypes, blas.py: CuPy's cuBLAS
+            wrappers refuse to run during a capture). A Numba launch runs on its own stream
+            (not captured) and a read back would break the capture, so the capture refuses unless every versioned
+            op of the step ran a CUDA C version (versions.RAN) and no CUDA C launcher fell back (cuda_c.FELL_BACK).
+
+  checked   the first replay of every capture is compared with the eager step on the same batch at the same
+            dropout position (validate=True, the default: one eager step per capture); a graph that differs by more
+            than REPLAY_TOL of a tensor's scale is dropped with a RuntimeError, never used. Why: on an H100 the
+            graphs of BERT-base steps replay bit for bit (every one the bench captured, fp32 and mixed), but those
+            of a one-layer H128 model on 16 tokens replayed NaN (fp32 with 4 labelled positions, not 3; bf16-mixed
+            always), a fault not found yet (not cuBLAS's workspace, not the capture stream: both ruled out on the
+            GPU; benchmarks/graph_diag.py reproduces it, benchmarks/results/cuda-nvidia-h100/graph_diag.txt).
+
+On the emulator (REFBERT_CUDA_EMULATE=1) there is no graph: StepGraph(model, emulate=True) runs each call eagerly
+through the same slots, shift and rules (the replay's host half, tested in CI); a GPU is needed for the capture.
+"""
+import numpy as np
+
+from . import backend as K
+from . import blas, cuda_c, versions
+
+SHIFT = "refbert_stream_shift"
+
+
+def _slot_rules(model, batch):
+    """{rule name: host array} the step could copy to the device, computed from the batch by the model's own host
+    code: the staged inputs, and for every integer array of the batch its flat values, its labelled positions
+    (!= -100) and the labels there (the MLM head's rows and targets)."""
+    from refbert.model import _check_inputs
+    who = type(model).__name__
+    staged = _check_inputs(who, model.config, model.dtype, batch["input_ids"], batch.get("attention_mask"),
+                           batch.get("token_type_ids"), batch.get("position_ids"))
+    out = {}
+    packed = K.stage_buffer(*staged)
+    if packed is not None:
+        out["stage"] = packed[0]
+    for name, a in batch.items():
+        if name in ("input_ids", "attention_mask", "token_type_ids", "position_ids") or a is None:
+            continue
+        a = np.asarray(a)
+        if a.dtype.kind not in "iu":
+            continue
+        flat = np.ascontiguousarray(a.reshape(-1), np.int64)
+        rows = np.flatnonzero(flat != -100)
+        out[f"{name}"] = flat
+        out[f"{name}: labelled positions"] = rows.astype(np.int64)
+        out[f"{name}: labels there"] = flat[rows]
+    return out
+
+
+_STREAM = []
+
+
+def _capture_stream():
+    """The one side stream every capture of this process runs on. Made once and never destroyed: a stream made
+    anew for each capture can get the address of a destroyed one, and whatever a library cached by that address
+    (cuBLAS's workspace for a stream) would be the dead stream's."""
+    if not _STREAM:
+        _STREAM.append(K.xp.cuda.Stream(non_blocking=True))
+    return _STREAM[0]
+
+
+def _same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+class StepGraph:
+    """forward + backward of `model` as one CUDA graph; see the module docstring. dloss: the backward's dloss
+    (GradScaler's scale for fp16-mixed); emulate: no graph, each call an eager step through the slots, the shift and
+    the rules (the default without a GPU: the emulator's test of the replay's host half); validate: the first replay
+    of each capture is compared with the eager step on the same batch at the same dropout position (`checked`:
+    (worst difference, tensor)), and a graph that differs by more than REPLAY_TOL is dropped with a RuntimeError."""
+
+    def __init__(self, model, dloss=1.0, emulate=None, validate=True):
+        if getattr(model, "backend", None) != "cuda":
+            raise ValueError(f"StepGraph: argument 'model' expected a refbert model built with backend='cuda', got "
+                             f"backend={getattr(model, 'backend', None)!r}")
+        self.model, self.dloss = model, float(dloss)
+        self.emulate = K.MODE != "gpu" if emulate is None else bool(emulate)
+        if not self.emulate and K.MODE != "gpu":
+            raise ValueError(f"StepGraph: argument 'emulate' expected True without a GPU (the backend runs in mode "
+                             f"{K.MODE!r}: no CUDA graph), got False")
+        self.graph = self.slots = self.pool = self.stream = None
+        self.captures, self.replays, self.calls, self.c0 = 0, 0, 0, 0
+        self.output = self.grads = None
+        self.validate, self.checked = bool(validate), None
+
+    # -- the replay's host half --------------------------------------------------------------------------------
+    def _hosts(self, batch):
+        """The slots' host arrays for this batch (each by its rule), or None when a shape or dtype differs from
+        the captured slot's (a new capture)."""
+        rules = _slot_rules(self.model, batch)
+        hosts = []
+        for d, names in self.slots:
+            h = rules.get(names[0])
+            if h is None or h.shape != d.shape or h.dtype != d.dtype or \
+                    any(not _same(rules.get(r), h) for r in names[1:]):     # rules that agreed at the capture
+                return None                                                # and no longer do: capture anew
+            hosts.append(h)
+        return hosts
+
+    def _set_shift(self, shift):
+        """refbert_stream_shift = shift in every CUDA C module compiled so far, in stream order."""
+        for (_, xp), mod in list(cuda_c.MODULES.items()):
+            if xp is not K.xp:
+                continue
+            try:
+                ptr = mod.get_global(SHIFT)
+            except Exception:                       # (a module without common.cuh: no dropout in it)
+                continue
+            dev = ptr if isinstance(ptr, np.ndarray) else K.xp.ndarray((8,), np.uint8, memptr=ptr)
+            K._h2d(np.array([shift], np.uint64).view(np.uint8), out=dev)
+
+    def _step(self, batch):
+        out = self.model(**batch)
+        return out, self.model.backward(self.dloss)
+
+    # -- capture -----------------------------------------------------------------------------------------------
+    def close(self):
+        """Drop the graph and everything it holds (its outputs, slots, memory pool and stream): after the last
+        replay, or before a new capture (which starts from this clean state, as a new StepGraph would)."""
+        if not self.emulate and self.graph is not None:
+            K.xp.cuda.get_current_stream().synchronize()        # (no replay may still be reading what goes)
+        self.graph = self.slots = self.output = self.grads = None
+        pool, self.pool, self.stream = getattr(self, "pool", None), None, None
+        if pool is not None:
+            pool.free_all_blocks()
+
+    def _capture(self, batch):
+        rng = self.model.dropout_rng
+        c0 = rng.calls
+        self.close()
+        ran0, fell0 = dict(versions.RAN), dict(cuda_c.FELL_BACK_CALLS)
+        if self.emulate:                            # an eager step whose copies become the slots
+            K.CAPTURE = []
+            try:
+                out, grads = self._step(batch)
+            finally:
+                found, K.CAPTURE = K.CAPTURE, None
+            graph = None
+        else:
+            xp = K.xp
+            xp.cuda.get_current_stream().synchronize()   # the side stream does not wait for the current one
+            self.pool = xp.cuda.MemoryPool()        # the graph's memory: nothing else allocates from it
+            self.stream = _capture_stream()
+            ok, why = blas.usable()
+            if not ok:
+                raise RuntimeError(f"StepGraph: cannot capture: cuBLAS through ctypes is unavailable ({why}), and "
+                                   f"CuPy's cuBLAS wrappers refuse to run during a capture")
+            with xp.cuda.using_allocator(self.pool.malloc), self.stream:
+                self._step(batch)                   # the warm-up (its results dropped)
+                self.stream.synchronize()
+                rng.calls = c0
+                K.CAPTURE = []
+                self.stream.begin_capture()
+                try:
+                    out, grads = self._step(batch)
+                finally:
+                    graph = self.stream.end_capture()
+                    found, K.CAPTURE = K.CAPTURE, None
+        numba = sorted({f"{op} ({dt}) version {key}" for (op, dt, key), n in versions.RAN.items()
+                        if n > ran0.get((op, dt, key), 0) and str(key).isdigit()})
+        fell = sorted(f"{op} {v} (handed to Numba: {cuda_c.FELL_BACK.get((op, v))})"
+                      for (op, v), n in cuda_c.FELL_BACK_CALLS.items() if n > fell0.get((op, v), 0))
+        if numba or fell:
+            raise RuntimeError(f"StepGraph: the step ran what a CUDA graph cannot capture: {'; '.join(numba + fell)} "
+                               f"(a Numba version launches on its own stream; pin CUDA C versions with "
+                               f"REFBERT_CUDA_VERSIONS)")
+        calls = rng.calls - c0                      # the step's dropout calls
+        rng.calls = c0
+        rules = _slot_rules(self.model, batch)
+        slots = []
+        for d, host in found:
+            hit = [r for r, h in rules.items() if _same(h, host)]
+            if not hit:
+                raise RuntimeError(f"StepGraph: cannot capture: the step copies a host array of shape {host.shape} "
+                                   f"and dtype {host.dtype} to the device and no rule reproduces it from the batch")
+            slots.append((d, hit))
+        self.graph, self.slots, self.c0, self.calls = graph, slots, c0, calls
+        self.output, self.grads = (None, None) if self.emulate else (out, grads)
+        self.captures += 1
+
+    # -- a step ------------------------------------------------------------------------------------------------
+    def __call__(self, dloss=None, **batch):
+        """(loss, grads) of this batch, as model(**batch); model.backward(dloss) would give them now: the captured
+        step replayed (captured first: at the first call, and when a shape or dloss changes)."""
+        if "input_ids" not in batch:
+            raise ValueError("StepGraph: expected the forward's keyword arguments (input_ids=..., labels=...), "
+                             "got no input_ids")
+        if dloss is not None and float(dloss) != self.dloss:
+            self.dloss, self.slots = float(dloss), None
+        hosts = None if self.slots is None else self._hosts(batch)
+        if hosts is None:
+            self._capture(batch)
+            hosts = self._hosts(batch)
+            self.checked = None
+        rng = self.model.dropout_rng
+        now = rng.calls
+        reference = self._eager(batch) if self.validate and self.checked is None else None
+        for (d, _), h in zip(self.slots, hosts):
+            K._h2d(h, out=d)
+        self._set_shift(now - self.c0)
+        try:
+            self._replay(batch, hosts)
+        finally:
+            self._set_shift(0)
+            rng.calls = now + self.calls
+        self.replays += 1
+        if reference is not None:
+            self.checked = _worst(reference, dict(self.grads, loss=self.output["loss"]))
+            if not self.checked[0] <= REPLAY_TOL:
+                worst, name = self.checked
+                self.close()
+                raise RuntimeError(f"StepGraph: the captured step's first replay differs from the eager step by "
+                                   f"{worst:.2e} of the tensor's scale at {name} (bound {REPLAY_TOL:g}; NaN counts "
+                                   f"as a difference): the graph is dropped, run the step eagerly (model(**batch); "
+                                   f"model.backward())")
+        return self.output["loss"], self.grads
+
+    def _eager(self, batch):
+        """The eager step at the dropout position the replay will take, as host copies (the generator rewound)."""
+        rng = self.model.dropout_rng
+        c = rng.calls
+        out = self.model(**batch)
+        ref = dict(self.model.backward(self.dloss), loss=out["loss"])
+        rng.calls = c
+        return {k: np.asarray(K.to_host(v), np.float64) for k, v in ref.items()}
+
+    def _replay(self, batch, hosts):
+        if not self.emulate:
+            self.graph.launch(K.xp.cuda.get_current_stream())
+            return
+        rng = self.model.dropout_rng                # the emulator: the step from the captured position, reading
+        rng.calls = self.c0                         # the slots its copies would have made
+        K.REPLAY = list(zip(self.slots, hosts))
+        try:
+            self.output, self.grads = self._step(batch)
+        finally:
+            left, K.REPLAY = K.REPLAY, None
+        if left:
+            raise RuntimeError(f"StepGraph: the replayed step copied {len(self.slots) - len(left)} of "
+                               f"{len(self.slots)} slots")
+
+
+REPLAY_TOL = 1e-6   # the first replay against the eager step, relative to each tensor's largest |value|: the same
+#                     kernels on the same arguments give the same bits (0 on an H100 at BERT-base shapes); 1e-6 leaves
+#                     room for a cuBLAS algorithm chosen differently (float32 rounding, ~1e-7 per product sum)
+
+
+def _worst(reference, got):
+    """(worst |got - reference| / max |reference| over the tensors, its name); a NaN or inf anywhere: (inf, name)."""
+    worst, where = -1.0, None
+    for k, e in reference.items():
+        g = np.asarray(K.to_host(got[k]), np.float64)
+        if not np.isfinite(g).all():
+            return float("inf"), k
+        d = float(np.abs(g - e).max(initial=0.0)) / max(float(np.abs(e).max(initial=0.0)), 1e-30)
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
+def check_replay(model, step, batch):
+    """Validate a StepGraph before it is timed: the eager step and the replay from the same dropout position on the
+    same batch, compared. -> (worst |replay - eager| over the loss and every gradient, relative to that tensor's
+    largest |eager| value; the dropout calls of the step). The same kernels on the same arguments: 0 expected
+    (cuBLAS gives the same bits for the same shapes on one GPU), anything above float32 rounding is a fault."""
+    rng = model.dropout_rng
+    c = rng.calls
+    out = model(**batch)
+    eager = dict(model.backward(step.dloss), loss=out["loss"])
+    eager = {k: K.to_host(v) for k, v in eager.items()}
+    rng.calls = c
+    loss, grads = step(**batch)
+    got = dict(grads, loss=loss)
+    worst = 0.0
+    for k, e in eager.items():
+        g = np.asarray(K.to_host(got[k]), np.float64)
+        e = np.asarray(e, np.float64)
+        worst = max(worst, float(np.abs(g - e).max(initial=0.0)) / max(float(np.abs(e).max(initial=0.0)), 1e-30))
+    return worst, rng.calls - c
