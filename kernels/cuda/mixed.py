@@ -41,6 +41,7 @@ mixed section times it).
 import contextlib
 import functools
 import math
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -224,6 +225,24 @@ class LinearCache(NamedTuple):
     compute: str
 
 
+_LAST_X = [None]    # (weak reference to the last x a linear read, compute, its GEMM operand)
+
+
+def _shared_operand(x, x2, compute):
+    """operand(x2, compute)[1], made once for consecutive linears that read the same activation x (the query, key
+    and value projections: one rounding pass instead of three). The operand is read-only and ops never change an
+    input in place (refbert.mixed.mark's premise), so the same x gives the same operand."""
+    last = _LAST_X[0]
+    if last is not None and last[0]() is x and last[1] == compute:
+        return last[2]
+    _, x16 = operand(x2, compute)
+    try:
+        _LAST_X[0] = (weakref.ref(x), compute, x16)
+    except TypeError:                                   # (an array type without weak references: no sharing)
+        _LAST_X[0] = None
+    return x16
+
+
 def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     """out = R(x2 @ R(w)^T + R(b)) (the spec's linear) with one tensor-core GEMM; see the module docstring."""
     from .backend import _dev, check_linear
@@ -231,7 +250,7 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     check_linear(x, w, b)
     xp = C.xp_of(w)
     x2 = x.reshape(-1, x.shape[-1])
-    _, x16 = operand(x2, compute)
+    x16 = _shared_operand(x, x2, compute)
     _, w16 = operand(w, compute)
     out = gemm(x16, w16, False, True, compute)                          # (N, C_out) float32
     if b is None:
