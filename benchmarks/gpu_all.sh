@@ -20,6 +20,8 @@
 #               float64, beside the spec's and HF autocast's (report/precision_step.md)
 #   verify      benchmarks/verify_noise_gpu.py --sizes $VERIFY_SIZES (tiny,mini): `refbert verify` judging torch's
 #               own GPU dumps (float64, float32, float32 with TF32, float16, bfloat16) in units of refbert's noise
+#   graphdiag   benchmarks/graph_diag.py: the small model whose CUDA graphs replayed NaN on the H100, replay by
+#               replay, then op by op (--trace: the first op whose replayed output differs from the eager one)
 #   train       benchmarks/mixed_train.py --backend cuda --steps $TRAIN_STEPS (300): `refbert pretrain --backend cuda`
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
 #               bf16-mixed within 2% of fp32)
@@ -27,15 +29,15 @@
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
 #               16-bit GEMM floor, the launch probe with the step's own arguments, the torch.profiler table
-# mains, tests, check, verify and train run side by side (they time nothing that is reported; 16 cores; Numba compiles on the
-# CPU); bench runs alone after them. A step that fails or times out is recorded and the next one still runs; the
+# mains, tests, check, verify, train and graphdiag run side by side (they time nothing that is reported; 16 cores;
+# Numba compiles on the CPU); bench runs alone after them. A step that fails or times out is recorded and the next one still runs; the
 # exit status is the number of failed steps. What comes back is at most 8 files in $OUT: summary.txt, report.tgz
 # (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_mixed.md, cuda_profile.md,
 # cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... (seconds),
-# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train bench" (a subset). DRY=1: the plumbing
-# on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU tests skip,
-# the bench says SKIPPED, train is skipped).
+# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench" (a subset). DRY=1:
+# the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
+# tests skip, the bench says SKIPPED, train and graphdiag are skipped).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -54,7 +56,7 @@ T_VERIFY=${T_VERIFY:-150}
 T_TRAIN=${T_TRAIN:-150}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train bench"}
+STEPS=${STEPS:-"mains tests check verify train graphdiag bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -184,6 +186,10 @@ if wants tests; then
 fi
 if wants verify; then   # refbert verify against torch's own GPU dumps (benchmarks/verify_noise_gpu.py; rows as they come)
     step verify "$T_VERIFY" "$PY" benchmarks/verify_noise_gpu.py --out "$R/verify" --sizes "$VERIFY_SIZES" &
+fi
+if wants graphdiag && [ -z "${DRY:-}" ]; then   # the small model's CUDA graph fault, replay by replay and op by op
+    step graphdiag "$T_TRAIN" bash -c "'$PY' benchmarks/graph_diag.py && '$PY' benchmarks/graph_diag.py --trace \
+        && '$PY' benchmarks/graph_diag.py --trace --labelled 3 --precisions fp32" &
 fi
 if wants train && [ -z "${DRY:-}" ]; then    # the demo corpus trained on the GPU in each precision (losses side by side)
     step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --steps "$TRAIN_STEPS" \

@@ -6,6 +6,11 @@ gradient difference, the captures so far, and the tensors that are not finite on
 
     python benchmarks/graph_diag.py [--hidden 128] [--layers 1] [--precisions fp32 bf16-mixed]
     REFBERT_CUBLAS_WORKSPACE_MB=0 python benchmarks/graph_diag.py      (cuBLAS's own workspace instead of ours)
+    python benchmarks/graph_diag.py --trace [--labelled 4]             (op by op: where a replay first differs)
+
+--trace records every op's outputs (the model's ops wrapped) in an eager step and in the captured step, replays
+the graph once at the eager step's dropout position, and prints each op whose replayed output differs from the
+eager one (the first is the culprit, or the op after the culprit if a cuBLAS call inside it went wrong).
 
 Needs a GPU (on the emulator StepGraph runs its replays eagerly: every row equal).
 """
@@ -51,15 +56,84 @@ def run(precision, hidden, layers, out=print):
     step.close()
 
 
+class Recorder:
+    """The model's ops with every forward's output and every backward's gradients appended to `log` as (op name,
+    [arrays]) (what a captured step's arrays hold after a replay, or an eager step's values)."""
+
+    def __init__(self, ops, log):
+        self._ops, self._log = ops, log
+
+    def __getattr__(self, name):
+        f = getattr(self._ops, name)
+        if not callable(f) or not name.endswith(("_forward", "_backward")):
+            return f
+
+        def wrapped(*args, **kwargs):
+            r = f(*args, **kwargs)
+            outs = r[0] if name.endswith("_forward") else r
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            self._log.append((name, [o for o in outs if hasattr(o, "shape") and hasattr(o, "dtype")]))
+            return r
+        return wrapped
+
+
+def trace(precision, hidden, layers, labelled, out=print):
+    from refbert import BertConfig
+    from refbert.model import BertForPreTraining, to_numpy
+    from refbert_kernels.cuda import graph as G
+    cfg = BertConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                     intermediate_size=64, max_position_embeddings=16)
+    B, T = 2, 8
+    data = np.random.default_rng(0)
+    ids = data.integers(4, 60, (B, T))
+    am = np.ones((B, T), np.int64)
+    am[1, 6:] = 0
+    lab = np.full((B, T), -100)
+    lab.reshape(-1)[data.permutation(B * T)[:labelled]] = data.integers(0, 60, labelled)
+    x = dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=data.integers(0, 2, B))
+    eager = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
+    replayed = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
+    log_e, log_g = [], []
+    eager.ops = Recorder(eager.ops, log_e)
+    eager(**x)
+    eager.backward()
+    step = G.StepGraph(replayed, validate=False)
+    replayed.ops = Recorder(replayed.ops, log_g)
+    step._step = lambda batch: (log_g.clear(), G.StepGraph._step(step, batch))[1]   # keep the capture's arrays
+    step(**x)
+    if len(log_e) != len(log_g):
+        out(f"{precision}: {len(log_e)} ops eager, {len(log_g)} captured: not comparable")
+        return
+    bad = 0
+    for i, ((name, a), (name_g, g)) in enumerate(zip(log_e, log_g)):
+        for j, (ae, ag) in enumerate(zip(a, g)):
+            he, hg = np.asarray(to_numpy(ae), np.float64), np.asarray(to_numpy(ag), np.float64)
+            d = float(np.abs(he - hg).max(initial=0.0))
+            if not np.isfinite(hg).all() or d > 0:
+                out(f"{precision} labelled={labelled}: op {i} {name} output {j} {tuple(ae.shape)} {ae.dtype}: "
+                    f"max |replay - eager| {d:.3e}, replay finite {bool(np.isfinite(hg).all())}, eager finite "
+                    f"{bool(np.isfinite(he).all())}")
+                bad += 1
+        if bad >= 8:
+            break
+    out(f"{precision} labelled={labelled}: {len(log_e)} ops compared, {bad} outputs differ (first 8 shown)")
+    step.close()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
+    ap.add_argument("--trace", action="store_true", help="op by op, one step (see above)")
+    ap.add_argument("--labelled", type=int, default=4, help="with --trace: labelled positions in the batch")
     a = ap.parse_args(argv)
     for p in a.precisions:
         try:
-            run(p, a.hidden, a.layers, out=lambda s: print(s, flush=True))
+            if a.trace:
+                trace(p, a.hidden, a.layers, a.labelled, out=lambda s: print(s, flush=True))
+            else:
+                run(p, a.hidden, a.layers, out=lambda s: print(s, flush=True))
         except Exception as e:
             print(p, "ERROR", type(e).__name__, str(e)[:300], flush=True)
 
