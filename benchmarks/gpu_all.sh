@@ -31,9 +31,9 @@
 #               16-bit GEMM floor, the launch probe with the step's own arguments, the torch.profiler table
 # mains, tests, check, verify, train and graphdiag run side by side (they time nothing that is reported; 16 cores;
 # Numba compiles on the CPU); bench runs alone after them. A step that fails or times out is recorded and the next
-# one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT: summary.txt, report.tgz
-# (every log and result file), and, for reading without unpacking, cuda_step.md, cuda_mixed.md, cuda_profile.md,
-# cuda_kernels.md, cuda_order.json and mains.txt.
+# one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
+# summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
+# cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... (seconds),
 # BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench" (a subset). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
