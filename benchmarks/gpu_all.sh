@@ -188,8 +188,11 @@ if wants verify; then   # refbert verify against torch's own GPU dumps (benchmar
     step verify "$T_VERIFY" "$PY" benchmarks/verify_noise_gpu.py --out "$R/verify" --sizes "$VERIFY_SIZES" &
 fi
 if wants graphdiag && [ -z "${DRY:-}" ]; then   # the small model's CUDA graph fault, replay by replay and op by op
-    step graphdiag "$T_TRAIN" bash -c "'$PY' benchmarks/graph_diag.py && '$PY' benchmarks/graph_diag.py --trace \
-        && '$PY' benchmarks/graph_diag.py --trace --labelled 3 --precisions fp32" &
+    step graphdiag "$T_TRAIN" bash -c "'$PY' benchmarks/graph_diag.py; '$PY' benchmarks/graph_diag.py --trace; \
+        '$PY' benchmarks/graph_diag.py --trace --labelled 3 --precisions fp32; \
+        REFBERT_GRAPH_NO_REUSE=1 '$PY' benchmarks/graph_diag.py; \
+        REFBERT_BLAS_ZERO_OUT=1 '$PY' benchmarks/graph_diag.py; \
+        '$PY' benchmarks/graph_diag.py --poison" &
 fi
 if wants train && [ -z "${DRY:-}" ]; then    # the demo corpus trained on the GPU in each precision (losses side by side)
     step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --steps "$TRAIN_STEPS" \

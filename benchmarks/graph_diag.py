@@ -8,6 +8,13 @@ gradient difference, the captures so far, and the tensors that are not finite on
     REFBERT_CUBLAS_WORKSPACE_MB=0 python benchmarks/graph_diag.py      (cuBLAS's own workspace instead of ours)
     python benchmarks/graph_diag.py --trace [--labelled 4]             (op by op: where a replay first differs)
 
+Diagnostics as environment variables (each changes one thing; gpu_all.sh's step graphdiag runs them in turn):
+    REFBERT_GRAPH_NO_REUSE=1    no memory reused inside the warm-up and the capture (two live arrays sharing the
+                                graph pool's memory would show as a difference that goes away)
+    REFBERT_BLAS_ZERO_OUT=1     every GEMM output zeroed before cuBLAS writes it (a small GEMM reading its output)
+    --poison                    every allocation filled with 0xFF bytes (float32 NaN) as it is made, eager and
+                                captured: a kernel reading memory nothing wrote gives NaN in the eager step too
+
 --trace records every op's outputs (the model's ops wrapped) in an eager step and in the captured step, replays
 the graph once at the eager step's dropout position, and prints each op whose replayed output differs from the
 eager one (the first is the culprit, or the op after the culprit if a cuBLAS call inside it went wrong).
@@ -15,6 +22,7 @@ eager one (the first is the culprit, or the op after the culprit if a cuBLAS cal
 Needs a GPU (on the emulator StepGraph runs its replays eagerly: every row equal).
 """
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -127,7 +135,22 @@ def main(argv=None):
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
     ap.add_argument("--trace", action="store_true", help="op by op, one step (see above)")
     ap.add_argument("--labelled", type=int, default=4, help="with --trace: labelled positions in the batch")
+    ap.add_argument("--poison", action="store_true", help="fill every new allocation with NaN bytes (see above)")
     a = ap.parse_args(argv)
+    if a.poison:
+        import cupy
+        pool = cupy.get_default_memory_pool()
+
+        def poisoned(n):
+            p = pool.malloc(n)
+            if n:
+                cupy.cuda.runtime.memsetAsync(p.ptr, 0xFF, n, cupy.cuda.get_current_stream().ptr)
+            return p
+        cupy.cuda.set_allocator(poisoned)
+        print("allocations poisoned with 0xFF bytes", flush=True)
+    print("REFBERT_GRAPH_NO_REUSE", os.environ.get("REFBERT_GRAPH_NO_REUSE"), "REFBERT_BLAS_ZERO_OUT",
+          os.environ.get("REFBERT_BLAS_ZERO_OUT"), "REFBERT_CUBLAS_WORKSPACE_MB",
+          os.environ.get("REFBERT_CUBLAS_WORKSPACE_MB"), flush=True)
     for p in a.precisions:
         try:
             if a.trace:

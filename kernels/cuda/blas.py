@@ -167,6 +167,14 @@ def usable():
     return _STATE["lib"] is not None, _STATE["why"]
 
 
+def _out(xp, shape, dtype):
+    """A GEMM's output array: uninitialised (beta = 0: cuBLAS never reads it), or zeroed first with
+    REFBERT_BLAS_ZERO_OUT=1 (a diagnostic of benchmarks/graph_diag.py: does a small GEMM read its output?)."""
+    if os.environ.get("REFBERT_BLAS_ZERO_OUT", "0") not in ("", "0"):
+        return xp.zeros(shape, dtype)
+    return xp.empty(shape, dtype)
+
+
 def _gpu(a):
     from . import versions
     return versions.MODE == "gpu" and C.on_device(a)
@@ -185,7 +193,7 @@ def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None):
     M = a.shape[1] if ta else a.shape[0]
     N = b.shape[0] if tb else b.shape[1]
     K = a.shape[0] if ta else a.shape[1]
-    out = xp.empty((M, N), out_dtype)
+    out = _out(xp, (M, N), out_dtype)
     if out.size == 0:
         return out
     if K == 0:
@@ -205,7 +213,7 @@ def gemm_batched(a, b, ta=False, tb=False, out_dtype=None, kind=None):
     M = a.shape[2] if ta else a.shape[1]
     N = b.shape[1] if tb else b.shape[2]
     K = a.shape[1] if ta else a.shape[2]
-    out = xp.empty((a.shape[0], M, N), out_dtype)
+    out = _out(xp, (a.shape[0], M, N), out_dtype)
     if out.size == 0:
         return out
     if K == 0:

@@ -47,6 +47,8 @@ kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compar
 On the emulator (REFBERT_CUDA_EMULATE=1) there is no graph: StepGraph(model, emulate=True) runs each call eagerly
 through the same slots, shift and rules (the replay's host half, tested in CI); a GPU is needed for the capture.
 """
+import os
+
 import numpy as np
 
 from . import backend as K
@@ -154,7 +156,7 @@ class StepGraph:
         replay, or before a new capture (which starts from this clean state, as a new StepGraph would)."""
         if not self.emulate and self.graph is not None:
             K.xp.cuda.get_current_stream().synchronize()        # (no replay may still be reading what goes)
-        self.graph = self.slots = self.output = self.grads = None
+        self.graph = self.slots = self.output = self.grads = self._kept = None
         pool, self.pool, self.stream = getattr(self, "pool", None), None, None
         if pool is not None:
             pool.free_all_blocks()
@@ -180,7 +182,17 @@ class StepGraph:
             if not ok:
                 raise RuntimeError(f"StepGraph: cannot capture: cuBLAS through ctypes is unavailable ({why}), and "
                                    f"CuPy's cuBLAS wrappers refuse to run during a capture")
-            with xp.cuda.using_allocator(self.pool.malloc), self.stream:
+            malloc = self.pool.malloc
+            if os.environ.get("REFBERT_GRAPH_NO_REUSE", "0") not in ("", "0"):
+                # a diagnostic (benchmarks/graph_diag.py): every block of the warm-up and the capture kept until
+                # close(), so no two arrays of the graph ever share memory
+                self._kept = []
+
+                def malloc(n, pool_malloc=self.pool.malloc, kept=self._kept):
+                    p = pool_malloc(n)
+                    kept.append(p)
+                    return p
+            with xp.cuda.using_allocator(malloc), self.stream:
                 self._step(batch)                   # the warm-up (its results dropped)
                 self.stream.synchronize()
                 rng.calls = c0
