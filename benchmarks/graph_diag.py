@@ -28,10 +28,11 @@ import sys
 import numpy as np
 
 
-def run(precision, hidden, layers, out=print):
+def _case(precision, hidden, layers):
+    """(batch(n), the eager model, the model to replay: the same seed): the small model and its batches (B=2,
+    T=8, row 1 padded from position 6, n labelled positions)."""
     from refbert import BertConfig
-    from refbert.model import BertForPreTraining, to_numpy
-    from refbert_kernels.cuda import graph as G
+    from refbert.model import BertForPreTraining
     cfg = BertConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
                      intermediate_size=64, max_position_embeddings=16)
     B, T = 2, 8
@@ -44,8 +45,13 @@ def run(precision, hidden, layers, out=print):
         lab = np.full((B, T), -100)
         lab.reshape(-1)[data.permutation(B * T)[:n]] = data.integers(0, 60, n)
         return dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=data.integers(0, 2, B))
-    eager = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
-    replayed = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
+    return batch, *(BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3) for _ in range(2))
+
+
+def run(precision, hidden, layers, out=print):
+    from refbert.model import to_numpy
+    from refbert_kernels.cuda import graph as G
+    batch, eager, replayed = _case(precision, hidden, layers)
     step = G.StepGraph(replayed, validate=False)
     for i, n in enumerate((3, 3, 4, 4, 3)):
         x = batch(n)
@@ -86,21 +92,10 @@ class Recorder:
 
 
 def trace(precision, hidden, layers, labelled, out=print):
-    from refbert import BertConfig
-    from refbert.model import BertForPreTraining, to_numpy
+    from refbert.model import to_numpy
     from refbert_kernels.cuda import graph as G
-    cfg = BertConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                     intermediate_size=64, max_position_embeddings=16)
-    B, T = 2, 8
-    data = np.random.default_rng(0)
-    ids = data.integers(4, 60, (B, T))
-    am = np.ones((B, T), np.int64)
-    am[1, 6:] = 0
-    lab = np.full((B, T), -100)
-    lab.reshape(-1)[data.permutation(B * T)[:labelled]] = data.integers(0, 60, labelled)
-    x = dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=data.integers(0, 2, B))
-    eager = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
-    replayed = BertForPreTraining(cfg, backend="cuda", precision=precision, seed=3)
+    batch, eager, replayed = _case(precision, hidden, layers)
+    x = batch(labelled)
     log_e, log_g = [], []
     eager.ops = Recorder(eager.ops, log_e)
     eager(**x)

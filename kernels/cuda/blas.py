@@ -18,7 +18,8 @@ columns and rows of C.
 The library is the libcublas CuPy loaded (found in /proc/self/maps); its workspace is a buffer of ours
 (WORKSPACE_MB). At the first call a self-check compares a
 small GEMM of every transposition with cupy.matmul; if the library is not found or the check fails, `usable()`
-says why, the GEMMs go through CuPy's wrappers instead (eager steps unchanged) and a graph capture refuses.
+says why, the GEMMs go through CuPy (cupy.matmul, or CuPy's wrapper of the same cuBLAS call for 16-bit operands:
+eager steps unchanged) and a graph capture refuses.
 """
 import ctypes
 import ctypes.util
@@ -69,8 +70,8 @@ def _find():
     lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
     lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll,
                                                i, i, i]
-    for fn in ("cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGetPointerMode_v2", "cublasSetPointerMode_v2", "cublasGemmEx",
-               "cublasGemmStridedBatchedEx"):
+    for fn in ("cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGetPointerMode_v2", "cublasSetPointerMode_v2",
+               "cublasGemmEx", "cublasGemmStridedBatchedEx"):
         getattr(lib, fn).restype = i
     return lib
 
@@ -80,10 +81,25 @@ def _check(status, what):
         raise RuntimeError(f"cuBLAS {what} returned status {status}")
 
 
+_WRAPPERS = {"cublasGemmEx": "gemmEx", "cublasGemmStridedBatchedEx": "gemmStridedBatchedEx"}
+
+
 def _call(fn, *args):
-    """fn(handle, *args) on CuPy's handle and current stream, host pointer mode (restored after)."""
+    """fn(handle, *args) on CuPy's handle and current stream, host pointer mode (restored after): through ctypes,
+    or, where usable() found no library, through CuPy's own wrapper of the same function (the same arguments;
+    eager only: it refuses to run during a capture)."""
     import cupy
     lib = _STATE["lib"]
+    if lib is None:
+        from cupy_backends.cuda.libs import cublas
+        h = cupy.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(h)
+        cublas.setPointerMode(h, CUBLAS_POINTER_MODE_HOST)
+        try:
+            getattr(cublas, _WRAPPERS[fn])(h, *(a.value if isinstance(a, ctypes.c_void_p) else a for a in args))
+        finally:
+            cublas.setPointerMode(h, mode)
+        return
     handle = ctypes.c_void_p(cupy.cuda.device.get_cublas_handle())
     _check(lib.cublasSetStream_v2(handle, ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)), "setStream")
     ws = _STATE.get("workspace")
@@ -180,43 +196,34 @@ def _gpu(a):
     return versions.MODE == "gpu" and C.on_device(a)
 
 
-def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None):
-    """op(a) @ op(b) as a new (M, N) array of out_dtype (default: a's dtype; float32 for 16-bit bits). a, b:
-    C-contiguous 2-D arrays. Off a GPU, or where usable() is False: the array module's matmul (16-bit bits are
-    then not accepted: the mixed path passes float32 operands there)."""
+def _product(a, b, ta, tb, out_dtype, kind, raw):
+    """gemm() and gemm_batched(): op(a) @ op(b) over the last two axes (a leading batch axis or none)."""
     xp = C.xp_of(a)
-    if not (_gpu(a) and usable()[0]):
+    if not _gpu(a) or (kind is None and not usable()[0]):
         if kind is not None:
-            raise ValueError("gemm: 16-bit operands need the ctypes cuBLAS path (a GPU)")
-        return xp.matmul(a.T if ta else a, b.T if tb else b)
+            raise ValueError("gemm: 16-bit operands need cuBLAS (a GPU)")
+        return xp.matmul(xp.swapaxes(a, -1, -2) if ta else a, xp.swapaxes(b, -1, -2) if tb else b)
+    usable()                                   # (16-bit operands without the ctypes library: CuPy's wrapper)
     out_dtype = np.dtype(out_dtype or (np.float32 if kind else a.dtype))
-    M = a.shape[1] if ta else a.shape[0]
-    N = b.shape[0] if tb else b.shape[1]
-    K = a.shape[0] if ta else a.shape[1]
-    out = _out(xp, (M, N), out_dtype)
+    M, K = (a.shape[-1], a.shape[-2]) if ta else a.shape[-2:]
+    N = b.shape[-2] if tb else b.shape[-1]
+    out = _out(xp, (*a.shape[:-2], M, N), out_dtype)
     if out.size == 0:
         return out
     if K == 0:
         out.fill(0)
         return out
-    return _raw_gemm(a, b, ta, tb, out, kind)
+    return raw(a, b, ta, tb, out, kind)
+
+
+def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None):
+    """op(a) @ op(b) as a new (M, N) array of out_dtype (default: a's dtype; float32 for 16-bit bits). a, b:
+    C-contiguous 2-D arrays. Off a GPU: the array module's matmul (16-bit bits are then not accepted: the mixed
+    path passes float32 operands there); on a GPU where usable() is False: cupy.matmul for float32 / float64,
+    CuPy's cublasGemmEx wrapper for 16-bit bits."""
+    return _product(a, b, ta, tb, out_dtype, kind, _raw_gemm)
 
 
 def gemm_batched(a, b, ta=False, tb=False, out_dtype=None, kind=None):
     """op(a[i]) @ op(b[i]) for every i, a new (nb, M, N) array; a, b: C-contiguous 3-D arrays. As gemm()."""
-    xp = C.xp_of(a)
-    if not (_gpu(a) and usable()[0]):
-        if kind is not None:
-            raise ValueError("gemm_batched: 16-bit operands need the ctypes cuBLAS path (a GPU)")
-        return xp.matmul(a.transpose(0, 2, 1) if ta else a, b.transpose(0, 2, 1) if tb else b)
-    out_dtype = np.dtype(out_dtype or (np.float32 if kind else a.dtype))
-    M = a.shape[2] if ta else a.shape[1]
-    N = b.shape[1] if tb else b.shape[2]
-    K = a.shape[1] if ta else a.shape[2]
-    out = _out(xp, (a.shape[0], M, N), out_dtype)
-    if out.size == 0:
-        return out
-    if K == 0:
-        out.fill(0)
-        return out
-    return _raw_batched(a, b, ta, tb, out, kind)
+    return _product(a, b, ta, tb, out_dtype, kind, _raw_batched)

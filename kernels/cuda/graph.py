@@ -55,6 +55,7 @@ from . import backend as K
 from . import blas, cuda_c, versions
 
 SHIFT = "refbert_stream_shift"
+_SHIFTS = {}        # (csrc file, array module) -> that module's refbert_stream_shift as 8 device bytes, or None
 
 
 def _slot_rules(model, batch):
@@ -136,15 +137,18 @@ class StepGraph:
 
     def _set_shift(self, shift):
         """refbert_stream_shift = shift in every CUDA C module compiled so far, in stream order."""
-        for (_, xp), mod in list(cuda_c.MODULES.items()):
-            if xp is not K.xp:
+        value = np.array([shift], np.uint64).view(np.uint8)
+        for key, mod in list(cuda_c.MODULES.items()):
+            if key[1] is not K.xp:
                 continue
-            try:
-                ptr = mod.get_global(SHIFT)
-            except Exception:                       # (a module without common.cuh: no dropout in it)
-                continue
-            dev = ptr if isinstance(ptr, np.ndarray) else K.xp.ndarray((8,), np.uint8, memptr=ptr)
-            K._h2d(np.array([shift], np.uint64).view(np.uint8), out=dev)
+            if key not in _SHIFTS:                  # each module's 8 bytes, looked up once per process
+                try:
+                    ptr = mod.get_global(SHIFT)
+                    _SHIFTS[key] = ptr if isinstance(ptr, np.ndarray) else K.xp.ndarray((8,), np.uint8, memptr=ptr)
+                except Exception:                   # (a module without common.cuh: no dropout in it)
+                    _SHIFTS[key] = None
+            if _SHIFTS[key] is not None:
+                K._h2d(value, out=_SHIFTS[key])
 
     def _step(self, batch):
         out = self.model(**batch)
@@ -303,24 +307,3 @@ def _worst(reference, got):
         if d > worst:
             worst, where = d, k
     return worst, where
-
-
-def check_replay(model, step, batch):
-    """Validate a StepGraph before it is timed: the eager step and the replay from the same dropout position on the
-    same batch, compared. -> (worst |replay - eager| over the loss and every gradient, relative to that tensor's
-    largest |eager| value; the dropout calls of the step). The same kernels on the same arguments: 0 expected
-    (cuBLAS gives the same bits for the same shapes on one GPU), anything above float32 rounding is a fault."""
-    rng = model.dropout_rng
-    c = rng.calls
-    out = model(**batch)
-    eager = dict(model.backward(step.dloss), loss=out["loss"])
-    eager = {k: K.to_host(v) for k, v in eager.items()}
-    rng.calls = c
-    loss, grads = step(**batch)
-    got = dict(grads, loss=loss)
-    worst = 0.0
-    for k, e in eager.items():
-        g = np.asarray(K.to_host(got[k]), np.float64)
-        e = np.asarray(e, np.float64)
-        worst = max(worst, float(np.abs(g - e).max(initial=0.0)) / max(float(np.abs(e).max(initial=0.0)), 1e-30))
-    return worst, rng.calls - c

@@ -38,7 +38,6 @@ float32 value sits within float32 noise of a rounding boundary (tests/test_cuda_
 model against the numpy backend's spec, on the emulator, the simulator and a GPU; `refbert bench --device cuda`'s
 mixed section times it).
 """
-import contextlib
 import functools
 import math
 import weakref
@@ -54,10 +53,6 @@ from . import _common as C
 from . import blas, versions
 
 KIND = {"bfloat16": 0, "float16": 1}       # csrc/mixed.cu's kind
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14         # cudaDataType
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_POINTER_MODE_HOST = 0
 F32 = np.dtype(np.float32)
 
 
@@ -139,79 +134,22 @@ def operand(x, compute, want32=False):
     return (r if want32 else None), bits
 
 
-@contextlib.contextmanager
-def _cublas():
-    """(cublas, CuPy's handle on the current stream, host pointers to float32 1 and 0) for one call with host
-    pointer mode; the handle's pointer mode restored after."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    try:
-        yield cublas, handle, one.ctypes.data, zero.ctypes.data
-    finally:
-        cublas.setPointerMode(handle, mode)
-
-
 def gemm(a, b, ta, tb, compute):
     """op(a) @ op(b) (op: transpose when ta / tb), a float32 (M, N) array, from two GEMM operands (operand()):
     on a GPU one cublasGemmEx with 16-bit inputs, CUBLAS_COMPUTE_32F (float32 accumulation, tensor cores) and a
-    float32 result; elsewhere the array module's float32 matmul of the rounded operands.
-
-    Row-major arrays seen by column-major cuBLAS are their transposes: C = op(a) op(b) is computed as
-    C^T = op(b)^T op(a)^T, so cuBLAS's first operand is b (transposed iff tb), its second a (iff ta)."""
-    A = a.T if ta else a
-    Bm = b.T if tb else b
+    float32 result (blas.gemm); elsewhere the array module's float32 matmul of the rounded operands."""
     if not _gemm_ex():
-        return C.xp_of(a).matmul(A, Bm)
-    if blas.usable()[0]:                              # the same cublasGemmEx through ctypes: capturable
-        return blas.gemm(a, b, ta, tb, kind=compute)
-    import cupy
-    M, K = A.shape
-    N = Bm.shape[1]
-    out = cupy.empty((M, N), F32)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        out.fill(0)
-        return out
-    dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
-    with _cublas() as (cublas, handle, one, zero):
-        cublas.gemmEx(handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K,
-                      one, b.data.ptr, dt, b.shape[1], a.data.ptr, dt, a.shape[1],
-                      zero, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    return out
+        return C.xp_of(a).matmul(a.T if ta else a, b.T if tb else b)
+    return blas.gemm(a, b, ta, tb, kind=compute)
 
 
 def gemm_batched(a, b, ta, tb, compute):
     """op(a[i]) @ op(b[i]) for every i of the leading axis (a, b: (N, rows, cols) GEMM operands, contiguous), a
     float32 (N, M, N') array: on a GPU one cublasGemmStridedBatchedEx (16-bit inputs, float32 accumulation and
-    result), elsewhere the array module's batched matmul. The same transposition argument as gemm()."""
-    A = a.transpose(0, 2, 1) if ta else a
-    Bm = b.transpose(0, 2, 1) if tb else b
+    result; blas.gemm_batched), elsewhere the array module's batched matmul."""
     if not _gemm_ex():
-        return C.xp_of(a).matmul(A, Bm)
-    if blas.usable()[0]:
-        return blas.gemm_batched(a, b, ta, tb, kind=compute)
-    import cupy
-    nb, M, K = A.shape
-    N = Bm.shape[2]
-    out = cupy.empty((nb, M, N), F32)
-    if out.size == 0:
-        return out
-    if K == 0:
-        out.fill(0)
-        return out
-    dt = CUDA_R_16BF if compute == "bfloat16" else CUDA_R_16F
-    with _cublas() as (cublas, handle, one, zero):
-        cublas.gemmStridedBatchedEx(
-            handle, CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K, one,
-            b.data.ptr, dt, b.shape[2], b.shape[1] * b.shape[2], a.data.ptr, dt, a.shape[2], a.shape[1] * a.shape[2],
-            zero, out.data.ptr, CUDA_R_32F, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-    return out
+        return C.xp_of(a).matmul(a.transpose(0, 2, 1) if ta else a, b.transpose(0, 2, 1) if tb else b)
+    return blas.gemm_batched(a, b, ta, tb, kind=compute)
 
 
 # ----------------------------------------------------------------------------------------------------------------
