@@ -190,6 +190,7 @@ fi
 if wants graphdiag && [ -z "${DRY:-}" ]; then   # the small model's CUDA graph fault, replay by replay and op by op
     step graphdiag "$T_TRAIN" bash -c "'$PY' benchmarks/graph_diag.py; '$PY' benchmarks/graph_diag.py --trace; \
         '$PY' benchmarks/graph_diag.py --trace --labelled 3 --precisions fp32; \
+        REFBERT_GRAPH_SLOTS_IN_CAPTURE=1 '$PY' benchmarks/graph_diag.py; \
         REFBERT_GRAPH_NO_REUSE=1 '$PY' benchmarks/graph_diag.py; \
         REFBERT_BLAS_ZERO_OUT=1 '$PY' benchmarks/graph_diag.py; \
         '$PY' benchmarks/graph_diag.py --poison" &

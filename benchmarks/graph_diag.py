@@ -8,7 +8,15 @@ gradient difference, the captures so far, and the tensors that are not finite on
     REFBERT_CUBLAS_WORKSPACE_MB=0 python benchmarks/graph_diag.py      (cuBLAS's own workspace instead of ours)
     python benchmarks/graph_diag.py --trace [--labelled 4]             (op by op: where a replay first differs)
 
+The fault's likely cause, fixed since (not yet confirmed on a GPU): the slots (the step's host-to-device copies,
+filled before each replay) were made inside the capture from the graph's pool, so a slot could get a block the step
+had used and freed earlier in the same step; a replay then filled the slot first and the earlier kernel overwrote
+it (the labels, the labelled positions) before it was read. Now the slots are the warm-up's arrays, alive through
+the graph (backend._held_slot), and StepGraph refuses a capture where a slot shares memory with the step's arrays.
+
 Diagnostics as environment variables (each changes one thing; gpu_all.sh's step graphdiag runs them in turn):
+    REFBERT_GRAPH_SLOTS_IN_CAPTURE=1  the slots made inside the capture, as before the fix (the overlaps it makes
+                                are printed instead of refused): the NaN coming back with them confirms the cause
     REFBERT_GRAPH_NO_REUSE=1    no memory reused inside the warm-up and the capture (two live arrays sharing the
                                 graph pool's memory would show as a difference that goes away)
     REFBERT_BLAS_ZERO_OUT=1     every GEMM output zeroed before cuBLAS writes it (a small GEMM reading its output)
@@ -63,7 +71,7 @@ def run(precision, hidden, layers, out=print):
         d = max(float(np.abs(to_numpy(ga[k]) - to_numpy(gb[k])).max()) for k in ga)
         out(f"{precision} step {i} n={n}: eager loss {float(la):.6f}, replay {float(lb):.6f}, worst gradient "
             f"difference {d:.3e}, captures {step.captures}; not finite: eager {len(bad_e)} tensors, replay "
-            f"{len(bad_g)} of {len(gb)} {bad_g[:2]}")
+            f"{len(bad_g)} of {len(gb)} {bad_g[:2]}; slots sharing the step's memory: {step.overlaps}")
         for m in (eager, replayed):
             for p in m.params.values():
                 p *= np.float32(0.999)
@@ -143,9 +151,8 @@ def main(argv=None):
             return p
         cupy.cuda.set_allocator(poisoned)
         print("allocations poisoned with 0xFF bytes", flush=True)
-    print("REFBERT_GRAPH_NO_REUSE", os.environ.get("REFBERT_GRAPH_NO_REUSE"), "REFBERT_BLAS_ZERO_OUT",
-          os.environ.get("REFBERT_BLAS_ZERO_OUT"), "REFBERT_CUBLAS_WORKSPACE_MB",
-          os.environ.get("REFBERT_CUBLAS_WORKSPACE_MB"), flush=True)
+    print(*(f"{v}={os.environ.get(v)}" for v in ("REFBERT_GRAPH_SLOTS_IN_CAPTURE", "REFBERT_GRAPH_NO_REUSE",
+                                                  "REFBERT_BLAS_ZERO_OUT", "REFBERT_CUBLAS_WORKSPACE_MB")), flush=True)
     for p in a.precisions:
         try:
             if a.trace:

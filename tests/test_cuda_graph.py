@@ -7,12 +7,14 @@ in every CUDA C kernel, the generator advanced by the step's count.
 What must hold: a replay is the eager step at the same dropout position on the same parameters, bit for bit (the
 same kernels on the same arguments: the bound is 0, no tolerance), for fp32 and bf16-mixed, over several batches
 with the parameters changed in place between steps (on the H100 of 2026-11-26 the [gpu] parameter of that test
-FAILS: this one-layer model's graphs replay NaN there, fp32 with 4 labelled positions and bf16-mixed always, while
-BERT-base's replay bit for bit; kernels/cuda/graph.py "checked", benchmarks/graph_diag.py; StepGraph's first-replay
+FAILED: this one-layer model's graphs replayed NaN there, fp32 with 4 labelled positions and bf16-mixed always, while
+BERT-base's replayed bit for bit; the likely cause, slots made inside the capture where the step's own arrays could
+share their memory, is fixed and the [gpu] test now also asserts no slot overlaps a block the capture took: not yet
+run on a GPU; kernels/cuda/graph.py "inputs" and "checked", benchmarks/graph_diag.py; StepGraph's first-replay
 check now refuses such a graph); a batch with another count of labelled positions is captured
 anew (and still equal); without the shift the replays repeat the capture's dropout masks, and the comparison
 catches it (the negative control: the test can fail); a step that would run a Numba kernel (not capturable) is
-refused, naming the op.
+refused, naming the op; a step whose capture copies otherwise than its warm-up is refused.
 """
 import pytest
 
@@ -57,6 +59,10 @@ _STEPS = """
             if EMU and i == 1:                               # a replay's traffic: its slots, the shift set and reset
                 E.COUNTS.reset()
             lb, gb = step(**x)
+            if not EMU:                                      # no slot shares memory with any array of the step
+                spans = [(int(d.data.ptr), int(d.nbytes)) for d, _ in step.slots]
+                assert step._allocs and spans
+                assert all(p + n <= q or q + m <= p for p, n in spans for q, m in step._allocs), (spans, step._allocs)
             if EMU and i == 1:
                 mods = sum(1 for (_, xp) in cuda_c.MODULES if xp is K.xp)
                 assert (E.COUNTS.h2d, E.COUNTS.d2h, E.COUNTS.syncs) == (len(step.slots) + 2 * mods, 0, 0), \
@@ -151,7 +157,7 @@ _CHECKED = """
     import numpy as np
     from refbert import BertConfig
     from refbert.model import BertForPreTraining
-    from refbert_kernels.cuda import graph as G
+    from refbert_kernels.cuda import backend as K, graph as G
     cfg = BertConfig(vocab_size=60, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=16)
     ids = np.arange(16).reshape(2, 8) + 4
@@ -176,6 +182,23 @@ _CHECKED = """
     except RuntimeError as e:
         print("ERR", e)
     assert bad.graph is None and bad.slots is None
+    # the capture's copies are handed the warm-up's arrays, in order: a step that copies otherwise the second time
+    # (here: one more array) is refused, naming what differs
+    odd = G.StepGraph(BertForPreTraining(cfg, backend="cuda", seed=0))
+    step_once = odd._step
+    runs = []
+
+    def twice_different(batch):
+        out = step_once(batch)
+        runs.append(1)
+        if len(runs) == 2:
+            K._h2d(np.zeros(3, np.int32))
+        return out
+    odd._step = twice_different
+    try:
+        odd(**x)
+    except RuntimeError as e:
+        print("ERR3", e)
 """
 
 
@@ -184,6 +207,8 @@ def test_first_replay_is_checked_against_the_eager_step():
     assert "CHECKED (0.0," in out, out
     assert "ERR StepGraph: the captured step's first replay differs from the eager step by 1.00e-05 of the " \
            "tensor's scale at bert.pooler.dense.bias" in out, out
+    assert "ERR3 StepGraph: the captured step copies more arrays to the device than its warm-up did (one more of " \
+           "shape (3,), int32)" in out, out
 
 
 def test_refusals_name_what_is_wrong():

@@ -126,17 +126,37 @@ def _on_device(a):
 _PINNED = []        # (event, pinned memory) of copies in flight: kept alive until the device has read them
 CAPTURE = None      # a list while kernels/cuda/graph.py captures a step: each host-to-device copy of the step
 #                     becomes a slot (device array, the host array it was given), filled before each replay
+WARMUP = None       # a list while graph.py warms a capture up: the device array of each host-to-device copy
+HELD = None         # a list during that capture: the warm-up's arrays not yet handed out, in the order they came
 REPLAY = None       # a list while the emulator replays a step (graph.py, emulate): ((slot, rule), host array) each
+
+
+def _held_slot(a):
+    """The capture's slot for host array `a`: the device array the warm-up's copy at the same place made. Why not
+    a new array: a replay fills the slots BEFORE the graph runs, but a copy made inside the capture would take its
+    memory from the graph's pool at that point of the step, possibly a block the step used earlier for something
+    else and freed (stream order makes that safe for a real copy, which runs after; not for a slot filled first).
+    The warm-up's arrays are alive from before the capture to the graph's end: no array of the step shares them."""
+    if not HELD:
+        raise RuntimeError(f"StepGraph: the captured step copies more arrays to the device than its warm-up did "
+                           f"(one more of shape {a.shape}, {a.dtype}): the step is not the same step twice")
+    out = HELD.pop(0)
+    if out.shape != a.shape or out.dtype != a.dtype:
+        raise RuntimeError(f"StepGraph: the captured step copies an array of shape {a.shape} and dtype {a.dtype} to "
+                           f"the device where its warm-up copied {out.shape} {out.dtype}")
+    if os.environ.get("REFBERT_GRAPH_SLOTS_IN_CAPTURE", "0") not in ("", "0"):
+        return xp.empty(a.shape, a.dtype)              # a diagnostic (graph_diag.py): the slot made as it was before
+    return out
 
 
 def _h2d(a, out=None):
     """A contiguous host array on the device (into `out`, a device array of its shape and dtype, when given). On a
     GPU the bytes go through pinned memory with an asynchronous copy: a copy from pageable memory would synchronise
     the stream (CUDA's rule for pageable transfers) and stop the host from queueing ahead. While a step is captured
-    (CAPTURE), nothing is copied: the step reads a slot the replay fills."""
+    (CAPTURE), nothing is copied: the step reads a slot the replay fills (the warm-up's array, _held_slot)."""
     a = np.ascontiguousarray(a)
     if CAPTURE is not None and out is None:
-        out = xp.empty(a.shape, a.dtype)
+        out = _held_slot(a)
         CAPTURE.append((out, a.copy()))
         if MODE != "gpu":                              # the emulator's capture runs the step: give it the values
             out[...] = xp.asarray(a)
@@ -147,6 +167,9 @@ def _h2d(a, out=None):
             raise RuntimeError(f"StepGraph: slot rule {rule!r} gave other values than the step copies "
                                f"({want.shape} {want.dtype} vs {a.shape} {a.dtype})")
         return out
+    if WARMUP is not None and out is None:             # a future slot: a device array of its own
+        out = xp.empty(a.shape, a.dtype)
+        WARMUP.append(out)
     if MODE != "gpu" or a.nbytes == 0:
         if out is None:
             return xp.asarray(a)

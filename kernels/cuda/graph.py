@@ -19,7 +19,11 @@ kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compar
             the labels' flat values, labelled positions and their labels, as the model moves them). At the capture
             each slot is matched to the rules that reproduce its bytes from the batch (a copy no rule explains
             refuses the capture); a batch on which those rules disagree (NSP labels' flat values and their labelled
-            values part when one is -100) is captured anew.
+            values part when one is -100) is captured anew. The slots are the warm-up's arrays (the capture's
+            copies are handed them in order, backend._held_slot), alive from before the capture to the graph's end:
+            a replay writes them BEFORE the graph runs, so no array of the step may share their memory (one made
+            inside the capture could get a block the step used and freed earlier: the earlier kernel would
+            overwrite the slot before its reader ran). The capture refuses a slot that overlaps any block it took.
   dropout   every dropout kernel adds refbert_stream_shift (csrc/common.cuh, one __constant__ per module) to its
             stream. A replay sets it to the generator's calls now minus its calls at the capture, launches, sets it
             back to 0, and advances the generator by the step's count: each replay draws the streams an eager step
@@ -39,10 +43,11 @@ kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compar
   checked   the first replay of every capture is compared with the eager step on the same batch at the same
             dropout position (validate=True, the default: one eager step per capture); a graph that differs by more
             than REPLAY_TOL of a tensor's scale is dropped with a RuntimeError, never used. Why: on an H100 the
-            graphs of BERT-base steps replay bit for bit (every one the bench captured, fp32 and mixed), but those
-            of a one-layer H128 model on 16 tokens replayed NaN (fp32 with 4 labelled positions, not 3; bf16-mixed
-            always), a fault not found yet (not cuBLAS's workspace, not the capture stream: both ruled out on the
-            GPU; benchmarks/graph_diag.py reproduces it, benchmarks/results/cuda-nvidia-h100/graph_diag.txt).
+            graphs of BERT-base steps replayed bit for bit, but those of a one-layer H128 model on 16 tokens
+            replayed NaN (fp32 with 4 labelled positions, not 3; bf16-mixed always: graph_diag.txt in
+            benchmarks/results/cuda-nvidia-h100/). Their slots were then made inside the capture (see inputs): the
+            likely cause, fixed since and not yet confirmed on a GPU (benchmarks/graph_diag.py runs the old way
+            under REFBERT_GRAPH_SLOTS_IN_CAPTURE=1 and prints the overlaps).
 
 On the emulator (REFBERT_CUDA_EMULATE=1) there is no graph: StepGraph(model, emulate=True) runs each call eagerly
 through the same slots, shift and rules (the replay's host half, tested in CI); a GPU is needed for the capture.
@@ -120,6 +125,8 @@ class StepGraph:
         self.captures, self.replays, self.calls, self.c0 = 0, 0, 0, 0
         self.output = self.grads = None
         self.validate, self.checked = bool(validate), None
+        self._allocs, self._found, self._kept = [], None, None
+        self.overlaps = []  # under REFBERT_GRAPH_SLOTS_IN_CAPTURE=1 (a diagnostic): the slots sharing the step's memory
 
     # -- the replay's host half --------------------------------------------------------------------------------
     def _hosts(self, batch):
@@ -160,22 +167,42 @@ class StepGraph:
         replay, or before a new capture (which starts from this clean state, as a new StepGraph would)."""
         if not self.emulate and self.graph is not None:
             K.xp.cuda.get_current_stream().synchronize()        # (no replay may still be reading what goes)
-        self.graph = self.slots = self.output = self.grads = self._kept = None
+        self.graph = self.slots = self.output = self.grads = self._kept = self._found = None
         pool, self.pool, self.stream = getattr(self, "pool", None), None, None
         if pool is not None:
             pool.free_all_blocks()
+
+    def _warm_then_capture(self, batch, c0, begin, end):
+        """The warm-up step (its copies' device arrays kept: the slots, backend._held_slot), the generator rewound,
+        then the step again between begin() and end() (a capture on a GPU), its copies handed the warm-up's arrays
+        and listed in self._found. -> (output, grads) of the second step."""
+        K.WARMUP = []
+        try:
+            self._step(batch)                       # (its results dropped)
+        finally:
+            held, K.WARMUP = K.WARMUP, None
+        self.model.dropout_rng.calls = c0
+        K.CAPTURE, K.HELD = [], list(held)
+        try:
+            begin()
+            try:
+                out, grads = self._step(batch)
+            finally:
+                end()
+            if K.HELD:
+                raise RuntimeError(f"StepGraph: the captured step copied {len(held) - len(K.HELD)} arrays to the "
+                                   f"device where its warm-up copied {len(held)}: the step is not the same step twice")
+        finally:
+            self._found, K.CAPTURE, K.HELD = K.CAPTURE, None, None
+        return out, grads
 
     def _capture(self, batch):
         rng = self.model.dropout_rng
         c0 = rng.calls
         self.close()
         ran0, fell0 = dict(versions.RAN), dict(cuda_c.FELL_BACK_CALLS)
-        if self.emulate:                            # an eager step whose copies become the slots
-            K.CAPTURE = []
-            try:
-                out, grads = self._step(batch)
-            finally:
-                found, K.CAPTURE = K.CAPTURE, None
+        if self.emulate:                            # an eager warm-up, then an eager step whose copies are the slots
+            out, grads = self._warm_then_capture(batch, c0, lambda: None, lambda: None)
             graph = None
         else:
             xp = K.xp
@@ -186,27 +213,31 @@ class StepGraph:
             if not ok:
                 raise RuntimeError(f"StepGraph: cannot capture: cuBLAS through ctypes is unavailable ({why}), and "
                                    f"CuPy's cuBLAS wrappers refuse to run during a capture")
-            malloc = self.pool.malloc
-            if os.environ.get("REFBERT_GRAPH_NO_REUSE", "0") not in ("", "0"):
+            self._allocs = allocs = []              # (pointer, bytes) of every block the capture took (the tests)
+            no_reuse = os.environ.get("REFBERT_GRAPH_NO_REUSE", "0") not in ("", "0")
+            if no_reuse:
                 # a diagnostic (benchmarks/graph_diag.py): every block of the warm-up and the capture kept until
                 # close(), so no two arrays of the graph ever share memory
                 self._kept = []
 
-                def malloc(n, pool_malloc=self.pool.malloc, kept=self._kept):
-                    p = pool_malloc(n)
+            def malloc(n, pool_malloc=self.pool.malloc, kept=self._kept):
+                p = pool_malloc(n)
+                if K.CAPTURE is not None:
+                    allocs.append((int(p.ptr), int(n)))
+                if no_reuse:
                     kept.append(p)
-                    return p
-            with xp.cuda.using_allocator(malloc), self.stream:
-                self._step(batch)                   # the warm-up (its results dropped)
+                return p
+            ended = []
+
+            def begin():
                 self.stream.synchronize()
-                rng.calls = c0
-                K.CAPTURE = []
                 self.stream.begin_capture()
-                try:
-                    out, grads = self._step(batch)
-                finally:
-                    graph = self.stream.end_capture()
-                    found, K.CAPTURE = K.CAPTURE, None
+
+            def end():
+                ended.append(self.stream.end_capture())
+            with xp.cuda.using_allocator(malloc), self.stream:
+                out, grads = self._warm_then_capture(batch, c0, begin, end)
+            graph = ended[0]
         numba = sorted({f"{op} ({dt}) version {key}" for (op, dt, key), n in versions.RAN.items()
                         if n > ran0.get((op, dt, key), 0) and str(key).isdigit()})
         fell = sorted(f"{op} {v} (handed to Numba: {cuda_c.FELL_BACK.get((op, v))})"
@@ -219,12 +250,19 @@ class StepGraph:
         rng.calls = c0
         rules = _slot_rules(self.model, batch)
         slots = []
-        for d, host in found:
+        for d, host in self._found:
             hit = [r for r, h in rules.items() if _same(h, host)]
             if not hit:
                 raise RuntimeError(f"StepGraph: cannot capture: the step copies a host array of shape {host.shape} "
                                    f"and dtype {host.dtype} to the device and no rule reproduces it from the batch")
             slots.append((d, hit))
+            if not self.emulate:                    # (the warm-up's arrays: never given to the step's own arrays)
+                p, n = int(d.data.ptr), int(d.nbytes)
+                if any(p < q + m and q < p + n for q, m in self._allocs):
+                    why = f"slot {hit[0]!r} shares device memory with an array the captured step allocates"
+                    if os.environ.get("REFBERT_GRAPH_SLOTS_IN_CAPTURE", "0") in ("", "0"):
+                        raise RuntimeError(f"StepGraph: cannot capture: {why}")
+                    self.overlaps.append(why)       # the diagnostic's slots, made inside the capture: listed
         self.graph, self.slots, self.c0, self.calls = graph, slots, c0, calls
         self.output, self.grads = (None, None) if self.emulate else (out, grads)
         self.captures += 1
