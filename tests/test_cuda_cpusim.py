@@ -4,6 +4,9 @@ blocks one after another) at its small shapes (-DCPUSIM_SMALL: warp, float4 and 
 kind, dropout, padding, ignored labels), and the main validates every version against its CPU reference, exactly
 as `nvcc -o x file.cu && ./x` does on a GPU. What the kernels compute, with their indexing, reductions, tails and
 barriers, is proven here; speed, coalescing, spills (tests/test_cuda_nvcc.py) and races between blocks are not.
+-DCPUSIM_HALF adds fp16 / bf16 storage and the tensor-core kernels (cpusim.cuh emulates mma.sync m16n8k16 from its
+documented fragment layout and cp.async as a copy): the flash attention's version 2 forward and backward validate
+here in both 16-bit types, against the reference of the same rounded inputs.
 Needs g++ with C++20 (std::barrier); ~20 s on 2 cores.
 """
 import shutil
@@ -17,13 +20,14 @@ import pytest
 CSRC = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
 # what each main prints when every version it validates passed (validate_result exits 1 at the first mismatch)
-DONE = {"attention_forward.cu": "v1 f32 ok", "attention_backward.cu": "v1 dv ok", "softmax.cu": "dx ok"}
+DONE = {"attention_forward.cu": "v2 bf16 ok", "attention_backward.cu": "v2 bf16 dv ok", "softmax.cu": "dx ok"}
 
 
 def _build_and_run(src, tmp):
     exe = Path(tmp) / src.stem
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
-                            f"-I{CSRC}", "-x", "c++", str(src), "-o", str(exe)], capture_output=True, text=True)
+                            "-DCPUSIM_HALF", f"-I{CSRC}", "-x", "c++", str(src), "-o", str(exe)], capture_output=True,
+                           text=True)
     if build.returncode:
         return src.name, build.returncode, "build failed:\n" + build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -50,3 +54,32 @@ def test_cpusim_catches_a_wrong_kernel(tmp_path):
     bad.write_text(src)
     name, rc, out = _build_and_run(bad, tmp_path)
     assert rc != 0 and "mismatch" in out, out
+
+
+@pytest.mark.parametrize("where, old, new", [
+    # the emulated mma reads a B fragment's second register from the wrong rows: the forward's (already proven on
+    # a GPU) validation must fail, or the emulation proves nothing
+    ("cpusim.cuh", "fb[4 + (k >= 8 ? 1 : 0)]", "fb[4 + (k >= 8 ? 0 : 1)]"),
+    # the tensor-core backward's B fragment (Y's rows as B's columns) loads its second register from the wrong
+    # columns: dq and dk go wrong
+    ("attention_backward.cu", "b[1] = *reinterpret_cast<const u32*>(p + 8);\n}",
+     "b[1] = *reinterpret_cast<const u32*>(p);\n}"),
+])
+def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
+    """The tensor-core validation can fail: a fragment read from the wrong place (in the emulation, or in the
+    kernel) fails the main's validation."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
+    for f in CSRC.glob("*"):
+        (tmp_path / f.name).write_text(f.read_text())
+    text = (tmp_path / where).read_text()
+    assert text.count(old) == 1, (where, old)
+    (tmp_path / where).write_text(text.replace(old, new))
+    main = tmp_path / ("attention_forward.cu" if where == "cpusim.cuh" else "attention_backward.cu")
+    exe = tmp_path / "x"
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
+                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(main), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "mismatch" in run.stdout, run.stdout[-3000:]

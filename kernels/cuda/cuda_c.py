@@ -188,6 +188,12 @@ def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, trai
 
 
 def attention_backward(dout, cache):
+    return _attention_backward(dout, cache, 1)
+
+
+def _attention_backward(dout, cache, version):
+    """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size) or 2 (tensor cores:
+    float16, hs = 64, 16-byte aligned rows; otherwise version 1 runs, recorded in FELL_BACK)."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -209,9 +215,27 @@ def attention_backward(dout, cache):
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
-    kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
-    kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
+    if version == 2 and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
+        FELL_BACK[("attention", "C2 backward")] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
+                                                   f"(tensor cores: float16, hs 64): the scalar backward ran")
+        FELL_BACK_CALLS[("attention", "C2 backward")] = FELL_BACK_CALLS.get(("attention", "C2 backward"), 0) + 1
+        warnings.warn(f"refbert cuda: attention C2 took the scalar backward ({FELL_BACK[('attention', 'C2 backward')]})",
+                      RuntimeWarning, stacklevel=3)
+        version = 1
+    if version == 2:
+        kernel("attention_backward.cu", "attn_bwd_dkdv_v2_f16_hs64", xp)(grid, (128,), args + (dk, dv))
+        kernel("attention_backward.cu", "attn_bwd_dq_v2_f16_hs64", xp)(grid, (128,), args + (dq,))
+    else:
+        kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
+        kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
     return dq, dk, dv
+
+
+def attention_backward_c2(dout, cache):
+    """C2's backward: attention_backward.cu version 2 (tensor cores) after C1's tensor-core forward (float16, hs 64):
+    S^T, dP^T, dV, dK per key tile and S, dP, dq per query tile as mma.sync GEMMs; P and dS rounded to float16 where
+    a tensor core reads them."""
+    return _attention_backward(dout, cache, 2)
 
 
 def attention_probs(cache):

@@ -20,9 +20,11 @@ Three parts:
              only as NumPy scalars of the parameter's exact type (CuPy packs a Python int as 8 bytes and a Python
              float as a double: a silent misread on a GPU), grid and block within CUDA's limits and the kernel's
              __launch_bounds__. Then the kernel runs, on the arrays' memory.
-What this cannot show: speed, races between blocks (blocks run one at a time), fp16 / bf16 storage and the
-tensor-core kernels (left out under CPUSIM), NVRTC itself (tests/test_cuda_nvcc.py compiles every file with
-nvcc for sm_90 instead).
+fp16 / bf16 storage and the tensor-core kernels run too (-DCPUSIM_HALF: cpusim.cuh's 16-bit types, mma.sync by
+fragments exchanged across the warp, cp.async as a copy): __half pointers take float16 arrays, __nv_bfloat16 ones
+ml_dtypes.bfloat16 arrays.
+What this cannot show: speed, races between blocks (blocks run one at a time), ldmatrix and other inline assembly,
+NVRTC itself (tests/test_cuda_nvcc.py compiles every file with nvcc for sm_90 instead).
 
 Needs g++ with C++20 (std::barrier). The build cache: $REFBERT_CPUSIM_CACHE, else ~/.cache/refbert/cpusim.
 """
@@ -40,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-std=c++20", "-O1", "-pthread", "-fPIC", "-shared", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_LIB",
-         "-DNO_MAIN", "-w")
+FLAGS = ("-std=c++20", "-O1", "-pthread", "-fPIC", "-shared", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_HALF",
+         "-DCPUSIM_LIB", "-DNO_MAIN", "-w")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,7 +228,12 @@ class DevArray(np.ndarray):
 
 _TYPES = {"float": np.float32, "double": np.float64, "int": np.int32, "long long": np.int64, "u64": np.uint64,
           "unsigned long long": np.uint64, "u32": np.uint32, "unsigned int": np.uint32, "unsigned": np.uint32,
-          "long long int": np.int64, "bool": np.bool_, "unsigned short": np.uint16}
+          "long long int": np.int64, "bool": np.bool_, "unsigned short": np.uint16, "__half": np.float16}
+try:                                                    # bfloat16 storage: ml_dtypes' dtype, where it is installed
+    from ml_dtypes import bfloat16 as _bf16
+    _TYPES["__nv_bfloat16"] = _bf16
+except ImportError:                                     # pragma: no cover  (those kernels are then left out)
+    pass
 _CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, np.int32: ctypes.c_int32,
            np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64, np.uint32: ctypes.c_uint32, np.bool_: ctypes.c_bool}
 
@@ -261,8 +268,8 @@ def signatures(source):
     """{kernel name: (params, launch bound or None)} of csrc/<source>, read off g++'s preprocessed text under
     CPUSIM (macro-made kernels included)."""
     path = CSRC / source
-    res = subprocess.run(["g++", "-std=c++20", "-E", "-P", "-DCPUSIM", "-DCPUSIM_PARSE", "-DNO_MAIN", f"-I{CSRC}",
-                          "-x", "c++", str(path)], capture_output=True, text=True)
+    res = subprocess.run(["g++", "-std=c++20", "-E", "-P", "-DCPUSIM", "-DCPUSIM_HALF", "-DCPUSIM_PARSE", "-DNO_MAIN",
+                          f"-I{CSRC}", "-x", "c++", str(path)], capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"emulate: g++ -E {source} failed:\n{res.stderr[-3000:]}")
     text = " ".join(res.stdout.split())
@@ -270,7 +277,10 @@ def signatures(source):
     for lb, name, params in _DECL.findall(text):
         if name.startswith("cpusim_"):
             continue
-        ps = [Param(p) for p in params.split(",") if p.strip()]
+        try:
+            ps = [Param(p) for p in params.split(",") if p.strip()]
+        except ValueError:                              # a storage type without a NumPy dtype here: left out
+            continue
         out[name] = (ps, int(lb) if lb else None)
     return out
 

@@ -16,9 +16,17 @@ Versions:
        attn_bwd_dkdv_v1:  a block per (b, h, 64-key tile), a thread per key row with k_j, v_j, dk_j, dv_j in
                           registers; 32-row query tiles (q, dout, m, 1/l, D) staged in shared memory
        attn_bwd_dq_v1:    a block per (b, h, 64-query tile), a thread per query row; 32-key K/V tiles in shared
+  2  tensor cores (mma.sync m16n8k16, fp16 / bf16, hs = 64), version 1's two passes on 64 x 64 tiles, 4 warps of
+     16 rows each: attn_bwd_dkdv_v2 (per key tile: S^T = K Q^T, dP^T = V dout^T, dV += (z P)^T dout,
+     dK += dS^T Q) and attn_bwd_dq_v2 (per query tile: S, dP, dq += dS K); the tile's own rows as register
+     fragments, the other side's tiles double-buffered with cp.async; P and dS rounded to 16 bits for the
+     tensor cores (FlashAttention-2's choice), everything else float32. Still no atomics: two passes recompute P.
 
-Build and run standalone (validates against the CPU reference, then times):
+Build and run standalone (validates against the CPU reference, then times; fp16 / bf16: versions 1 and 2 against
+the reference of the same rounded inputs):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_backward attention_backward.cu && ./attention_backward [T]
+On CPU threads, the tensor-core kernels included:
+    g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -DCPUSIM_HALF -x c++ attention_backward.cu
 Compile check only (tests/test_cuda_nvcc.py):  nvcc -arch=sm_90 -std=c++17 -c attention_backward.cu
 */
 #include "common.cuh"
@@ -198,8 +206,252 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
     }
 }
 
+#ifdef HALF_TYPES
+// ----------------------------------------------------------------------------------------------------------------
+// version 2: tensor cores (mma.sync m16n8k16, fp16 / bf16 inputs, fp32 accumulators), hs = 64, the two passes of
+// version 1 with 64 x 64 tiles: a CTA of 4 warps per (b, h, 64-row tile), each warp owning 16 rows; the tile's own
+// rows (k, v for pass 1; q, dout for pass 2) kept as A fragments in registers, the other side's 64-row tiles
+// double-buffered in shared memory with cp.async. Every product is a tensor-core GEMM on 16-bit operands:
+//   pass 1 (per key tile):    S^T = K Q^T, dP^T = V dout^T            (16 keys x 64 queries per warp)
+//                             P^T = exp(scale S^T + mask - m) / l,  dS^T = P^T (z dP^T - D)
+//                             dV += (z P)^T dout,  dK += dS^T q        (z P and dS rounded to 16 bits first)
+//   pass 2 (per query tile):  S = q K^T, dP = dout V^T, P, dS as above, dq += dS K
+// P and dS are rounded to the storage dtype where a tensor core reads them (as FlashAttention-2 does); the
+// statistics, exp, the products' sums and dk / dv / dq stay float32 until the one rounding of the store.
+
+constexpr int TC_LD = 64 + 8;     // shared tile rows padded by 16 bytes: fragment loads without bank conflicts
+
+// 64 rows x 64 columns of (B, T, C) storage from row r0 into a padded shared tile, 16 bytes per cp.async
+// (rows past T zero-filled); 128 threads, 4 chunks each
+template <typename T>
+__device__ __forceinline__ void tc_load_tile(T* dst, const T* src, int r0, int Tn, int C, int tid) {
+#pragma unroll
+    for (int c = tid; c < 64 * 8; c += 128) {
+        const int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
+        const bool ok = row < Tn;
+        cp_async16(dst + r * TC_LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
+    }
+}
+// A fragment (16 x 16, row-major) of a shared tile: rows r0.., columns k0..
+template <typename T>
+__device__ __forceinline__ void tc_frag_a(u32* a, const T* X, int r0, int k0, int g, int t4) {
+    const T* p = X + (r0 + g) * TC_LD + k0 + t4 * 2;
+    a[0] = *reinterpret_cast<const u32*>(p);
+    a[1] = *reinterpret_cast<const u32*>(p + 8 * TC_LD);
+    a[2] = *reinterpret_cast<const u32*>(p + 8);
+    a[3] = *reinterpret_cast<const u32*>(p + 8 * TC_LD + 8);
+}
+// B fragment (16 x 8) with B[k][n] = Y[n0 + n][k0 + k] (Y's rows are B's columns: K for S = q K^T)
+template <typename T>
+__device__ __forceinline__ void tc_frag_b_t(u32* b, const T* Y, int n0, int k0, int g, int t4) {
+    const T* p = Y + (n0 + g) * TC_LD + k0 + t4 * 2;
+    b[0] = *reinterpret_cast<const u32*>(p);
+    b[1] = *reinterpret_cast<const u32*>(p + 8);
+}
+// B fragment (16 x 8) with B[k][n] = Y[k0 + k][n0 + n] (Y's rows are B's rows: V for P V)
+template <typename T>
+__device__ __forceinline__ void tc_frag_b(u32* b, const T* Y, int k0, int n0, int g, int t4) {
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(Y + (k0 + t4 * 2) * TC_LD + n0 + g);
+    b[0] = (u32)p[0] | ((u32)p[TC_LD] << 16);
+    b[1] = (u32)p[8 * TC_LD] | ((u32)p[9 * TC_LD] << 16);
+}
+// acc (16 x 64: 8 n-tiles) = A (16 x 64, as 4 k-steps of register fragments) times Y^T, Y a 64 x 64 shared tile
+template <typename T>
+__device__ __forceinline__ void tc_rows_times_t(float (*acc)[4], const u32 (*a)[4], const T* Y, int g, int t4) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            u32 b[2];
+            tc_frag_b_t(b, Y, n * 8, kk * 16, g, t4);
+            mma16816(acc[n], a[kk], b, T());
+        }
+    }
+}
+// acc (16 x 64) += X (16 x 64 float32 C fragments, rounded to 16 bits as A fragments) times Y (64 x 64 shared)
+template <typename T>
+__device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4], const T* Y, int g, int t4) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const u32 a[4] = {pack2(x[2 * kk][0], x[2 * kk][1], T()), pack2(x[2 * kk][2], x[2 * kk][3], T()),
+                          pack2(x[2 * kk + 1][0], x[2 * kk + 1][1], T()),
+                          pack2(x[2 * kk + 1][2], x[2 * kk + 1][3], T())};
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            u32 b[2];
+            tc_frag_b(b, Y, kk * 16, n * 8, g, t4);
+            mma16816(acc[n], a, b, T());
+        }
+    }
+}
+
+// pass 1: dk, dv per 64-key tile; grid (ceil(T / 64), B * H), block 128
+template <typename T>
+__device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
+    __shared__ __align__(16) T Qs[2][64 * TC_LD];
+    __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
+    __shared__ float Ms[2][64], Ls[2][64], Dsm[2][64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
+    const size_t base = (size_t)b * Tn * C + h * 64;
+    // the key tile's k and v, staged through the second buffers, kept as A fragments
+    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
+    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 ka[4][4], va[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();                                          // the staging buffers are refilled below
+    float dka[8][4], dva[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
+    auto load = [&](int buf, int i0) {
+        tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
+        tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
+        if (tid < 64) {
+            const bool ok = i0 + tid < Tn;
+            Ms[buf][tid] = ok ? m[(size_t)bh * Tn + i0 + tid] : 0.f;
+            Ls[buf][tid] = ok ? linv[(size_t)bh * Tn + i0 + tid] : 0.f;
+            Dsm[buf][tid] = ok ? Dr[(size_t)bh * Tn + i0 + tid] : 0.f;
+        }
+    };
+    load(0, 0);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, i0 = it * 64;
+        if (it + 1 < ntiles) load(cur ^ 1, i0 + 64);          // the next query tile streams in meanwhile
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
+        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // (V dout^T): keys x queries
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
+                float pz = 0.f, ds = 0.f;
+                if (i < Tn && j < Tn) {
+                    const float x = s[n][e] * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
+                    const float p = __expf(x - Ms[cur][ii]) * Ls[cur][ii];
+                    const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                    pz = p * z;
+                    ds = p * (dp[n][e] * z - Dsm[cur][ii]);
+                }
+                s[n][e] = pz;
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += (z P)^T dout
+        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += dS^T q
+        __syncthreads();                                      // this tile's buffers may be refilled next
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (jr[r] >= Tn) continue;
+        T* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
+        T* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            kp[n * 8] = from_f<T>(dka[n][2 * r] * scale);
+            kp[n * 8 + 1] = from_f<T>(dka[n][2 * r + 1] * scale);
+            vp[n * 8] = from_f<T>(dva[n][2 * r]);
+            vp[n * 8 + 1] = from_f<T>(dva[n][2 * r + 1]);
+        }
+    }
+}
+
+// pass 2: dq per 64-query tile; grid (ceil(T / 64), B * H), block 128
+template <typename T>
+__device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
+    __shared__ __align__(16) T Ks[2][64 * TC_LD];
+    __shared__ __align__(16) T Vs[2][64 * TC_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
+    const size_t base = (size_t)b * Tn * C + h * 64;
+    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile's q and dout, staged
+    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[4][4], oa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();
+    const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};   // this thread's two query rows
+    float mi[2], li[2], Di[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const bool ok = ir[r] < Tn;
+        mi[r] = ok ? m[(size_t)bh * Tn + ir[r]] : 0.f;
+        li[r] = ok ? linv[(size_t)bh * Tn + ir[r]] : 0.f;
+        Di[r] = ok ? Dr[(size_t)bh * Tn + ir[r]] : 0.f;
+    }
+    float dqa[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
+    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) {
+            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
+            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
+        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dout V^T
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
+                float ds = 0.f;
+                if (i < Tn && j < Tn) {
+                    const float x = s[n][e] * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
+                    const float p = __expf(x - mi[r]) * li[r];
+                    const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                    ds = p * (dp[n][e] * z - Di[r]);
+                }
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += dS K
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (ir[r] >= Tn) continue;
+        T* qp = dq + base + (size_t)ir[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            qp[n * 8] = from_f<T>(dqa[n][2 * r] * scale);
+            qp[n * 8 + 1] = from_f<T>(dqa[n][2 * r + 1] * scale);
+        }
+    }
+}
+#endif  // HALF_TYPES
+
 // the names cuda_c.py loads: attn_bwd_D_<dtype> (block 256, grid ceil(B*H*T / 8)),
-// attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H))
+// attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H)),
+// attn_bwd_dkdv_v2_<f16|bf16>_hs64, attn_bwd_dq_v2_<f16|bf16>_hs64 (block 128, the same grid)
 #define FWD_CALL q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr
 #define INST_D(T, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
@@ -227,6 +479,15 @@ INST_V1(__half, f16, 128)
 INST_V1(__nv_bfloat16, bf16, 32)
 INST_V1(__nv_bfloat16, bf16, 64)
 INST_V1(__nv_bfloat16, bf16, 128)
+#define INST_V2(T, NAME)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_v2_##NAME##_hs64(BWD_ARGS(T), T* dk, T* dv) { \
+        bwd_dkdv_tc<T>(FWD_CALL, dk, dv);                                                                       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_v2_##NAME##_hs64(BWD_ARGS(T), T* dq) {       \
+        bwd_dq_tc<T>(FWD_CALL, dq);                                                                             \
+    }
+INST_V2(__half, f16)
+INST_V2(__nv_bfloat16, bf16)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -246,12 +507,105 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
     cudaCheck(cudaGetLastError());
 }
 
+#ifdef HALF_TYPES
+// 16-bit storage: version 1 (scalar) or 2 (tensor cores), D by attn_bwd_D_<dtype>
+template <typename T>
+void attention_backward_16(int version, const T* q, const T* k, const T* v, const float* mask, int B, int Tn, int H,
+                           float scale, u64 seed, u64 stream, u64 thresh, float dscale, const float* m,
+                           const float* linv, const T* out, const T* dout, float* Dr, T* dq, T* dk, T* dv);
+#define LAUNCHER16(T, NAME)                                                                                      \
+    template <>                                                                                                 \
+    void attention_backward_16<T>(int version, const T* q, const T* k, const T* v, const float* mask, int B,     \
+                                  int Tn, int H, float scale, u64 seed, u64 stream, u64 thresh, float dscale,    \
+                                  const float* m, const float* linv, const T* out, const T* dout, float* Dr,     \
+                                  T* dq, T* dk, T* dv) {                                                        \
+        LAUNCH(attn_bwd_D_##NAME, (B * H * Tn + 7) / 8, 256, dout, out, B, Tn, H, 64, Dr);                      \
+        dim3 grid((Tn + 63) / 64, B * H);                                                                       \
+        if (version == 1) {                                                                                     \
+            LAUNCH(attn_bwd_dkdv_v1_##NAME##_hs64, grid, 64, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn, \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                          \
+            LAUNCH(attn_bwd_dq_v1_##NAME##_hs64, grid, 64, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,   \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        } else {                                                                                                \
+            LAUNCH(attn_bwd_dkdv_v2_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
+                   Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
+            LAUNCH(attn_bwd_dq_v2_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        }                                                                                                       \
+        cudaCheck(cudaGetLastError());                                                                          \
+    }
+LAUNCHER16(__half, f16)
+LAUNCHER16(__nv_bfloat16, bf16)
+#endif
+
 static float* dev_copy(const float* h, size_t n) {
     float* d;
     cudaCheck(cudaMalloc(&d, n * sizeof(float)));
     if (h) cudaCheck(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
     return d;
 }
+
+#ifdef HALF_TYPES
+// versions 1 and 2 in 16-bit storage against the reference of the same inputs rounded to it (q, k, v, dout, and the
+// forward's out for D): what differs is the kernels' own rounding, P and dS to `bits` significant bits where a
+// tensor core reads them (version 2), and the outputs' one rounding to storage.
+template <typename T, class Ref>
+void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float* q, const float* k, const float* v,
+           const float* dout, const float* mask, float scale, u64 seed, u64 stream, u64 thresh, float dscale,
+           Ref reference) {
+    size_t n = (size_t)B * Tn * H * hs, nr = (size_t)B * H * Tn;
+    auto rounded = [&](const float* x) {
+        std::vector<float> r(n);
+        for (size_t i = 0; i < n; i++) r[i] = (float)(T)x[i];
+        return r;
+    };
+    std::vector<float> q16 = rounded(q), k16 = rounded(k), v16 = rounded(v), do16 = rounded(dout);
+    std::vector<float> m, linv, out, rq, rk, rv;
+    reference(q16.data(), k16.data(), v16.data(), do16.data(), m, linv, out, rq, rk, rv);
+    auto dev16 = [&](const float* x) {
+        std::vector<T> c(n);
+        for (size_t i = 0; i < n; i++) c[i] = (T)x[i];
+        T* d;
+        cudaCheck(cudaMalloc(&d, n * sizeof(T)));
+        cudaCheck(cudaMemcpy(d, c.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+        return d;
+    };
+    T *dq_ = dev16(q16.data()), *dk_ = dev16(k16.data()), *dv_ = dev16(v16.data()), *ddo = dev16(do16.data());
+    T* dout_ = dev16(out.data());
+    float *dmask = dev_copy(mask, (size_t)B * Tn), *dm = dev_copy(m.data(), nr), *dl = dev_copy(linv.data(), nr);
+    float* dD = dev_copy(nullptr, nr);
+    T *gq, *gk, *gv;
+    cudaCheck(cudaMalloc(&gq, n * sizeof(T))); cudaCheck(cudaMalloc(&gk, n * sizeof(T)));
+    cudaCheck(cudaMalloc(&gv, n * sizeof(T)));
+    // the bound: a few units of the storage's rounding (2^-bits relative) on each gradient's scale, the largest
+    // |reference| of the three: P and dS each rounded once per product term, the sums' terms of random sign, the
+    // output rounded once (version 1 rounds only the output: its errors sit well inside)
+    double scale_ref = 0.0;
+    for (size_t i = 0; i < n; i++)
+        scale_ref = std::max({scale_ref, (double)fabsf(rq[i]), (double)fabsf(rk[i]), (double)fabsf(rv[i])});
+    const float u = std::ldexp(1.f, -bits), atol = (float)(4.0 * u * scale_ref), rtol = 2.f * u;
+    for (int version = 1; version <= 2; version++) {
+        auto launch = [&]() {
+            attention_backward_16<T>(version, dq_, dk_, dv_, dmask, B, Tn, H, scale, seed, stream, thresh, dscale,
+                                     dm, dl, dout_, ddo, dD, gq, gk, gv);
+        };
+        launch();
+        cudaCheck(cudaDeviceSynchronize());
+        char label[32];
+        snprintf(label, sizeof label, "v%d %s dq", version, name);
+        validate_result(gq, rq.data(), label, n, atol, rtol);
+        snprintf(label, sizeof label, "v%d %s dk", version, name);
+        validate_result(gk, rk.data(), label, n, atol, rtol);
+        snprintf(label, sizeof label, "v%d %s dv", version, name);
+        validate_result(gv, rv.data(), label, n, atol, rtol);
+        float ms = benchmark_kernel(10, launch);
+        printf("  v%d %s: %.4f ms, %.1f TFLOP/s (2.5 x 4 B H T^2 hs)\n", version, name, ms,
+               2.5 * 4.0 * B * H * (double)Tn * Tn * hs / ms / 1e9);
+    }
+    cudaFree(dq_); cudaFree(dk_); cudaFree(dv_); cudaFree(ddo); cudaFree(dout_); cudaFree(dmask); cudaFree(dm);
+    cudaFree(dl); cudaFree(dD); cudaFree(gq); cudaFree(gk); cudaFree(gv);
+}
+#endif
 
 int main(int argc, char** argv) {
 #ifdef CPUSIM_SMALL
@@ -268,34 +622,41 @@ int main(int argc, char** argv) {
     float* mask = (float*)malloc((size_t)B * Tn * sizeof(float));   // (B, 1, 1, T) padding, one real token in b=1
     for (int b = 0; b < B; b++)
         for (int j = 0; j < Tn; j++) mask[b * Tn + j] = j < (b == B - 1 ? 1 : Tn - 37) ? 0.f : -3.4028235e38f;
-    // forward statistics and out on the CPU (the forward's reference, inlined: m, 1/l per row, out)
-    std::vector<float> m(nr), linv(nr), out(n, 0.f), s(Tn);
+    // the references of one set of inputs: the forward's m, 1/l per row and out, then the backward's dq, dk, dv
     int C = H * hs;
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++)
-            for (int i = 0; i < Tn; i++) {
-                float mx = -INFINITY, l = 0.f;
-                for (int j = 0; j < Tn; j++) {
-                    float a = 0.f;
-                    for (int d = 0; d < hs; d++)
-                        a += q[((size_t)b * Tn + i) * C + h * hs + d] * k[((size_t)b * Tn + j) * C + h * hs + d];
-                    s[j] = a * scale + mask[b * Tn + j];
-                    mx = fmaxf(mx, s[j]);
+    auto reference = [&](const float* q, const float* k, const float* v, const float* dout, std::vector<float>& m,
+                         std::vector<float>& linv, std::vector<float>& out, std::vector<float>& rq,
+                         std::vector<float>& rk, std::vector<float>& rv) {
+        m.assign(nr, 0.f); linv.assign(nr, 0.f); out.assign(n, 0.f); rq.assign(n, 0.f); rk.assign(n, 0.f);
+        rv.assign(n, 0.f);
+        std::vector<float> s(Tn);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < Tn; i++) {
+                    float mx = -INFINITY, l = 0.f;
+                    for (int j = 0; j < Tn; j++) {
+                        float a = 0.f;
+                        for (int d = 0; d < hs; d++)
+                            a += q[((size_t)b * Tn + i) * C + h * hs + d] * k[((size_t)b * Tn + j) * C + h * hs + d];
+                        s[j] = a * scale + mask[b * Tn + j];
+                        mx = fmaxf(mx, s[j]);
+                    }
+                    for (int j = 0; j < Tn; j++) { s[j] = expf(s[j] - mx); l += s[j]; }
+                    for (int j = 0; j < Tn; j++) {
+                        u64 e = (((u64)b * H + h) * Tn + i) * Tn + j;
+                        float pz = s[j] / l * (philox_word_host(e, stream, seed) >= thresh ? dscale : 0.f);
+                        for (int d = 0; d < hs; d++)
+                            out[((size_t)b * Tn + i) * C + h * hs + d] += pz * v[((size_t)b * Tn + j) * C + h * hs + d];
+                    }
+                    m[((size_t)b * H + h) * Tn + i] = mx;
+                    linv[((size_t)b * H + h) * Tn + i] = 1.f / l;
                 }
-                for (int j = 0; j < Tn; j++) { s[j] = expf(s[j] - mx); l += s[j]; }
-                for (int j = 0; j < Tn; j++) {
-                    u64 e = (((u64)b * H + h) * Tn + i) * Tn + j;
-                    float pz = s[j] / l * (philox_word_host(e, stream, seed) >= thresh ? dscale : 0.f);
-                    for (int d = 0; d < hs; d++)
-                        out[((size_t)b * Tn + i) * C + h * hs + d] += pz * v[((size_t)b * Tn + j) * C + h * hs + d];
-                }
-                m[((size_t)b * H + h) * Tn + i] = mx;
-                linv[((size_t)b * H + h) * Tn + i] = 1.f / l;
-            }
-    std::vector<float> rq(n), rk(n), rv(n);
+        attention_backward_cpu(q, k, v, mask, Tn, 0, 0, 1, B, Tn, H, hs, scale, seed, stream, thresh, dscale, dout,
+                               rq.data(), rk.data(), rv.data());
+    };
+    std::vector<float> m, linv, out, rq, rk, rv;
     printf("attention backward B=%d T=%d H=%d hs=%d dropout %.2f: CPU reference...\n", B, Tn, H, hs, p);
-    attention_backward_cpu(q, k, v, mask, Tn, 0, 0, 1, B, Tn, H, hs, scale, seed, stream, thresh, dscale, dout,
-                           rq.data(), rk.data(), rv.data());
+    reference(q, k, v, dout, m, linv, out, rq, rk, rv);
     float *dq_ = dev_copy(q, n), *dk_ = dev_copy(k, n), *dv_ = dev_copy(v, n), *ddo = dev_copy(dout, n);
     float *dmask = dev_copy(mask, (size_t)B * Tn), *dm = dev_copy(m.data(), nr), *dl = dev_copy(linv.data(), nr);
     float *dout_ = dev_copy(out.data(), n), *dD = dev_copy(nullptr, nr);
@@ -312,6 +673,11 @@ int main(int argc, char** argv) {
     validate_result(gv, rv.data(), "v1 dv", n, 1e-4f, 1e-3f);
     float ms = benchmark_kernel(10, launch);
     printf("  v1 f32: %.4f ms, %.1f TFLOP/s (2.5 x 4 B H T^2 hs)\n", ms, 2.5 * 4.0 * B * H * (double)Tn * Tn * hs / ms / 1e9);
+#ifdef HALF_TYPES
+    run16<__half>("f16", 11, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale, reference);
+    run16<__nv_bfloat16>("bf16", 8, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale,
+                         reference);
+#endif
     return 0;
 }
 #endif

@@ -6,7 +6,8 @@
 //   CuPy:        cupy.RawModule(code=..., options=("-I<csrc>", "-DNO_MAIN", "-std=c++17"))  (NVRTC; see cuda_c.py)
 //   cpusim:      g++ -std=c++20 -pthread -ffp-contract=off -DCPUSIM -x c++ file.cu  (CPU threads; cpusim.cuh)
 // Under NVRTC (__CUDACC_RTC__) no host headers exist, so everything host-side sits behind HOST_CODE. Under CPUSIM
-// there is no fp16 / bf16 storage and no inline PTX (tensor cores, cp.async): HALF_TYPES is left undefined.
+// there is no inline PTX: HALF_TYPES (fp16 / bf16 storage, tensor cores, cp.async) is defined only with
+// -DCPUSIM_HALF, where cpusim.cuh emulates them (tests/test_cuda_cpusim.py builds every main both ways).
 #pragma once
 #include "cpusim.cuh"
 
@@ -28,6 +29,8 @@
 #define HALF_TYPES 1
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#elif defined(CPUSIM_HALF)
+#define HALF_TYPES 1                                      // cpusim.cuh's 16-bit types, mma.sync and cp.async
 #endif
 
 #ifndef INFINITY                                          // NVRTC has no <cmath>
@@ -206,6 +209,19 @@ __device__ __forceinline__ float4 keep4(u64 e, u64 seed, u64 stream, u64 thresh,
 //   B 16x8 (k x n):    b0 = B[2t..2t+1][g],  b1 = B[2t+8..2t+9][g]        (each a pair along k)
 //   C 16x8 fp32:       c0, c1 = C[g][2t..2t+1],  c2, c3 = C[g+8][2t..2t+1]
 
+#ifdef CPUSIM
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __half) {
+    cpusim::mma16816<__half>(c, a, b);
+}
+__device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __nv_bfloat16) {
+    cpusim::mma16816<__nv_bfloat16>(c, a, b);
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    cpusim::cp_async16(smem, gmem, src_bytes);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N> __device__ __forceinline__ void cp_async_wait() {}
+#else
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __half) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
@@ -226,6 +242,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif  // CPUSIM
 #endif  // HALF_TYPES
 
 // ----------------------------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@
 //   - float arithmetic is IEEE float32 in program order (-ffp-contract=off: no fused multiply-adds), __expf is expf,
 //     rsqrtf 1/sqrtf: bit differences against a GPU are rounding-level, never structural.
 // What it cannot show: speed, memory coalescing, bank conflicts, register spills, the weak memory model between
-// blocks (blocks never run concurrently here), tensor-core / cp.async inline assembly (those kernels are left out
-// under CPUSIM), fp16 / bf16 storage (left out too).
+// blocks (blocks never run concurrently here), ldmatrix and the other inline assembly; tensor cores (mma.sync),
+// cp.async and fp16 / bf16 storage only under -DCPUSIM_HALF (emulated below: their fragment layouts, not their speed).
 //
 // Host side: cudaMalloc / cudaMemcpy / events shims for the standalone mains, and LAUNCH(kernel, grid, block,
 // args...) which is kernel<<<grid, block>>>(args...) under nvcc and cpusim::launch here (LAUNCH_SMEM with dynamic
@@ -49,7 +49,7 @@
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __shared__ static
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #ifdef CPUSIM_PARSE                 // kernels/cuda/emulate.py reads each kernel's launch bounds off the preprocessed text
 #define __launch_bounds__(...) cpusim_launch_bounds(__VA_ARGS__)
 #else
@@ -259,6 +259,96 @@ inline int __syncthreads_or(int pred) {                            // a block-wi
     __syncthreads();
     return r;
 }
+
+#ifdef CPUSIM_HALF
+// ---- fp16 / bf16 storage, tensor cores and cp.async on CPU threads (-DCPUSIM_HALF; common.cuh's HALF_TYPES) -----
+// __half / __nv_bfloat16: 16 bits of storage, converted with round-to-nearest-even (float16 by the compiler's
+// _Float16, IEEE; bfloat16 by the bit trick of csrc/mixed.cu). mma.sync m16n8k16: every lane posts its A and B
+// fragments to the warp, one barrier, each lane assembles the rows and columns of its C fragment and accumulates
+// them in float32, k ascending (a tensor core sums in its own order: rounding-level differences, never structural).
+// cp.async: a plain 16-byte copy (zero-filled past src_bytes), so commit / wait have nothing to wait for.
+namespace cpusim {
+inline unsigned short f2bf(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);   // NaN: quiet, sign kept
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf2f(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+inline unsigned short f2h(float x) {
+    _Float16 h = (_Float16)x;
+    unsigned short b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+inline float h2f(unsigned short b) {
+    _Float16 h;
+    std::memcpy(&h, &b, 2);
+    return (float)h;
+}
+}  // namespace cpusim
+struct __half {
+    unsigned short x;
+    __half() = default;
+    __half(float f) : x(cpusim::f2h(f)) {}
+    operator float() const { return cpusim::h2f(x); }
+};
+struct __nv_bfloat16 {
+    unsigned short x;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) : x(cpusim::f2bf(f)) {}
+    operator float() const { return cpusim::bf2f(x); }
+};
+struct __half2 { __half x, y; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline float __half2float(__half h) { return (float)h; }
+inline float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+inline __half __float2half_rn(float f) { return __half(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__half(a), __half(b)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{__nv_bfloat16(a), __nv_bfloat16(b)}; }
+
+namespace cpusim {
+struct MmaWarp { unsigned frag[2][32][6]; int phase[32]; };
+inline MmaWarp& mma_warp() {                                     // one per warp of the running block
+    static std::vector<MmaWarp> all;
+    static std::mutex mu;
+    const int w = ltid / 32;
+    std::lock_guard<std::mutex> lock(mu);
+    if ((int)all.size() < (int)block->warps.size()) all.resize(block->warps.size());
+    return all[w];
+}
+template <class T> inline float frag_value(unsigned reg, int hi) {
+    const unsigned short b = (unsigned short)(hi ? reg >> 16 : reg & 0xFFFFu);
+    return std::is_same<T, __half>::value ? h2f(b) : bf2f(b);
+}
+template <class T> inline void mma16816(float* c, const unsigned* a, const unsigned* b) {
+    MmaWarp& m = mma_warp();
+    const int lane = ltid % 32, ph = m.phase[lane];
+    m.phase[lane] ^= 1;
+    std::memcpy(m.frag[ph][lane], a, 16);
+    std::memcpy(m.frag[ph][lane] + 4, b, 8);
+    warp().bar.arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    for (int r = 0; r < 2; r++)
+        for (int cc = 0; cc < 2; cc++) {
+            const int row = g + 8 * r, col = 2 * t + cc;
+            float acc = 0.f;
+            for (int k = 0; k < 16; k++) {             // A[row][k] and B[k][col] from the lanes holding them
+                const unsigned* fa = m.frag[ph][4 * (row & 7) + ((k & 7) >> 1)];
+                const unsigned* fb = m.frag[ph][4 * col + ((k & 7) >> 1)];
+                const float av = frag_value<T>(fa[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k & 1);
+                const float bv = frag_value<T>(fb[4 + (k >= 8 ? 1 : 0)], k & 1);
+                acc += av * bv;
+            }
+            c[2 * r + cc] += acc;
+        }
+}
+inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    std::memset(smem, 0, 16);
+    std::memcpy(smem, gmem, (size_t)std::min(src_bytes, 16));
+}
+}  // namespace cpusim
+#endif  // CPUSIM_HALF
 
 #define LAUNCH(k, grid, block, ...) cpusim::launch(k, dim3(grid), dim3(block), __VA_ARGS__)
 #define LAUNCH_SMEM(k, grid, block, smem, ...) cpusim::launch_smem(k, dim3(grid), dim3(block), smem, __VA_ARGS__)
