@@ -76,21 +76,32 @@ _ROUND = """
         want = ops.round_compute(x, compute)
         got = H(M.round_compute(B.to_device(x), compute))
         assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), compute
-        d = B.to_device(x)
-        bits, r32 = xp.empty(x.shape, np.uint16), xp.empty(x.shape, np.float32)
-        M._launch("round16_v1", x.size, (d, np.int64(x.size), np.int32(kind), np.int32(1), r32, bits), xp)
-        ref16 = want.astype(bfloat16) if compute == "bfloat16" else want.astype(np.float16)
-        b = H(bits)
-        finite = ~np.isnan(want)
-        assert np.array_equal(b[finite], ref16.view(np.uint16)[finite]), compute
-        nan_exp = 0x7F80 if compute == "bfloat16" else 0x7C00
-        assert ((b[~finite] & nan_exp) == nan_exp).all() and ((b[~finite] & ~np.uint16(nan_exp | 0x8000)) != 0).all()
-        assert np.array_equal(H(r32).view(np.uint32), want.view(np.uint32)), compute
-        y = B.to_device(rand.reshape(60, 50).copy())
-        bias = B.to_device(rand[:50].copy())
-        M._launch("bias_round_v1", 60 * 256, (y, bias, np.int64(60), np.int32(50), np.int32(kind)), xp)
-        ref = ops.round_compute(rand.reshape(60, 50) + ops.round_compute(rand[:50], compute), compute)
-        assert np.array_equal(H(y).view(np.uint32), ref.view(np.uint32)), compute
+        # each version of each kernel on its own (version 2: four elements a thread, n a multiple of 4)
+        for v, n in ((1, x.size), (2, x.size - x.size % 4)):
+            xs, w = x[:n], want[:n]
+            d = B.to_device(xs)
+            bits, r32 = xp.empty(xs.shape, np.uint16), xp.empty(xs.shape, np.float32)
+            M._launch(f"round16_v{v}", n if v == 1 else n // 4,
+                      (d, np.int64(n), np.int32(kind), np.int32(1), r32, bits), xp)
+            ref16 = w.astype(bfloat16) if compute == "bfloat16" else w.astype(np.float16)
+            b = H(bits)
+            finite = ~np.isnan(w)
+            assert np.array_equal(b[finite], ref16.view(np.uint16)[finite]), (compute, v)
+            nan_exp = 0x7F80 if compute == "bfloat16" else 0x7C00
+            assert ((b[~finite] & nan_exp) == nan_exp).all() and \
+                ((b[~finite] & ~np.uint16(nan_exp | 0x8000)) != 0).all(), (compute, v)
+            assert np.array_equal(H(r32).view(np.uint32), w.view(np.uint32)), (compute, v)
+            out = xp.empty(xs.shape, np.float32)
+            M._launch(f"round_v{v}", n if v == 1 else n // 4, (d, np.int64(n), np.int32(kind), out), xp)
+            assert np.array_equal(H(out).view(np.uint32), w.view(np.uint32)), (compute, v)
+            cols = 50 if v == 1 else 48                        # (60 x cols of the 3000 random values)
+            y = B.to_device(rand[:60 * cols].reshape(60, cols).copy())
+            bias = B.to_device(rand[:cols].copy())
+            M._launch(f"bias_round_v{v}", 60 * 256 if v == 1 else 60 * cols // 4,
+                      (y, bias, np.int64(60), np.int32(cols), np.int32(kind)), xp)
+            ref = ops.round_compute(rand[:60 * cols].reshape(60, cols) + ops.round_compute(rand[:cols], compute),
+                                    compute)
+            assert np.array_equal(H(y).view(np.uint32), ref.view(np.uint32)), (compute, v)
         print("ROUND OK", compute)
 """
 

@@ -3,14 +3,15 @@ GEMMs. refbert.mixed calls these in place of its generic rule (a function `<name
 16-bit op; `round_compute` its rounding of device arrays), so `BertForPreTraining(cfg, backend="cuda",
 precision="bf16-mixed")` runs:
 
-    round_compute     R on device arrays: csrc/mixed.cu round_v1, bit for bit refbert.ops.round_bfloat16 /
+    round_compute     R on device arrays: csrc/mixed.cu round_v2 (float4; round_v1 where n % 4 or the alignment
+                      forbids, or under REFBERT_CUDA_ROUND=1), bit for bit refbert.ops.round_bfloat16 /
                       round_float16 (NumPy arrays: those functions themselves). refbert.mixed's rule rounds every
                       fused op's inputs and outputs with it: the fused ops run their float32 versions in between.
-    linear (M1)       out = R(x2 @ R(w)^T + R(b)): x2 and w rounded into 16-bit storage (csrc/mixed.cu round16_v1),
-                      one cuBLAS GEMM with 16-bit inputs, float32 accumulation and a float32 result
-                      (cublasGemmEx, CUBLAS_COMPUTE_32F: tensor cores), then bias_round_v1 adds R(b) and rounds, in
-                      place. Backward: dout rounded into 16-bit storage (and into float32 for the bias), dx =
-                      R(dout2 @ R(w)) (a GEMM, then round_v1), dw = dout2^T @ x2 in float32 (a GEMM with a float32
+    linear (M1)       out = R(x2 @ R(w)^T + R(b)): x2 and w rounded into 16-bit storage (csrc/mixed.cu round16_v2,
+                      v1 where it must), one cuBLAS GEMM with 16-bit inputs, float32 accumulation and a float32
+                      result (cublasGemmEx, CUBLAS_COMPUTE_32F: tensor cores), then bias_round_v2 (v1) adds R(b)
+                      and rounds, in place. Backward: dout rounded into 16-bit storage (and into float32 for the
+                      bias), dx = R(dout2 @ R(w)) (a GEMM, then round_v2), dw = dout2^T @ x2 in float32 (a GEMM with a float32
                       result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
                       column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
                       call, never per use.
@@ -40,6 +41,7 @@ mixed section times it).
 """
 import functools
 import math
+import os
 import weakref
 from typing import Any, NamedTuple
 
@@ -81,6 +83,20 @@ def _launch(name, threads, args, xp):
     _kernel(name, xp)(grid, (256,), args)
 
 
+ROUND_VERSION = os.environ.get("REFBERT_CUDA_ROUND", "2")   # the rounding kernels' version: "1" pins version 1
+#                                                             (A/B runs); version 2 runs where it applies
+
+
+def _rounding(name, n, args, arrays, xp):
+    """csrc/mixed.cu `name`_v2 (four elements a thread, float4) where n is a multiple of 4 and every array 16-byte
+    aligned, else `name`_v1 (a thread per element). -> the version that ran."""
+    if ROUND_VERSION != "1" and n % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays):
+        _launch(f"{name}_v2", n // 4, args, xp)
+        return 2
+    _launch(f"{name}_v1", n, args, xp)
+    return 1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # R on the device
 
@@ -95,7 +111,7 @@ def round_compute(x, compute):
     x = xp.ascontiguousarray(x)
     out = xp.empty(x.shape, F32)
     if x.size:
-        _launch("round_v1", x.size, (x, np.int64(x.size), _kind(compute), out), xp)
+        _rounding("round", x.size, (x, np.int64(x.size), _kind(compute), out), (x, out), xp)
     return out
 
 
@@ -110,7 +126,7 @@ def _round_(y, compute):
         y[...] = ops.round_compute(y, compute)
         return y
     if y.size:
-        _launch("round_v1", y.size, (y, np.int64(y.size), _kind(compute), y), C.xp_of(y))
+        _rounding("round", y.size, (y, np.int64(y.size), _kind(compute), y), (y,), C.xp_of(y))
     return y
 
 
@@ -130,7 +146,8 @@ def operand(x, compute, want32=False):
     bits = xp.empty(x.shape, np.uint16)
     r = xp.empty(x.shape, F32) if want32 else x
     if x.size:
-        _launch("round16_v1", x.size, (x, np.int64(x.size), _kind(compute), np.int32(want32), r, bits), xp)
+        _rounding("round16", x.size, (x, np.int64(x.size), _kind(compute), np.int32(want32), r, bits), (x, r, bits),
+                  xp)
     return (r if want32 else None), bits
 
 
@@ -194,8 +211,12 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     if b is None:
         _round_(out, compute)
     elif C.on_device(out):
-        _launch("bias_round_v1", out.shape[0] * 256, (out, xp.ascontiguousarray(b), np.int64(out.shape[0]),
-                                                      np.int32(out.shape[1]), _kind(compute)), xp)
+        b = xp.ascontiguousarray(b)
+        args = (out, b, np.int64(out.shape[0]), np.int32(out.shape[1]), _kind(compute))
+        if ROUND_VERSION != "1" and out.shape[1] % 4 == 0 and out.data.ptr % 16 == 0 and b.data.ptr % 16 == 0:
+            _launch("bias_round_v2", out.size // 4, args, xp)
+        else:
+            _launch("bias_round_v1", out.shape[0] * 256, args, xp)
     else:
         out = ops.round_compute(out + ops.round_compute(b, compute), compute)
     _ran("linear", compute, "M1")

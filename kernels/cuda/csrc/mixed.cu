@@ -5,7 +5,8 @@ bit for bit refbert.ops.round_bfloat16 / round_float16. Python launchers: kernel
     kind 0: bfloat16 (ulp(1) = 2^-7)        kind 1: float16 (ulp(1) = 2^-10, largest finite 65504)
     R(x)  the float32 on the compute grid nearest to x, ties to even; NaN -> the quiet NaN with its sign
 
-Kernels (v1 each: a thread per element, n elements seen flat, grid-stride; bias_round a block per row):
+Kernels (v1 each: a thread per element, n elements seen flat, grid-stride; bias_round a block per row; v2 each:
+four elements a thread, float4, where n is a multiple of 4 and the arrays 16-byte aligned):
     round_v1        out = R(x)   (out may be x: in place)
     round16_v1      bits = R(x) in 16-bit storage, the tensor-core GEMM's operand; out32 = R(x) too when want32 (else
                     out32 is never written: any float array, x itself). bfloat16: the upper half of R(x)'s float32
@@ -52,6 +53,41 @@ extern "C" __global__ void __launch_bounds__(256) round16_v1(const float* x, lon
         const float r = round_kind(x[e], kind);
         if (want32) out32[e] = r;
         bits[e] = bits16(r, kind);
+    }
+}
+
+// version 2 of each: version 1 on four consecutive elements a thread, a float4 load and store (round16: the four
+// 16-bit patterns as one 8-byte store), grid-stride over n / 4. The launcher's conditions (kernels/cuda/mixed.py):
+// n (bias_round: cols) a multiple of 4 and every array 16-byte aligned; otherwise version 1 runs.
+__device__ __forceinline__ float4 round4(float4 v, int kind) {
+    return make_float4(round_kind(v.x, kind), round_kind(v.y, kind), round_kind(v.z, kind), round_kind(v.w, kind));
+}
+
+extern "C" __global__ void __launch_bounds__(256) round_v2(const float* x, long long n, int kind, float* out) {
+    const long long n4 = n >> 2;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4; e += (long long)gridDim.x * blockDim.x)
+        reinterpret_cast<float4*>(out)[e] = round4(reinterpret_cast<const float4*>(x)[e], kind);
+}
+
+extern "C" __global__ void __launch_bounds__(256) round16_v2(const float* x, long long n, int kind, int want32,
+                                                             float* out32, unsigned short* __restrict__ bits) {
+    const long long n4 = n >> 2;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4; e += (long long)gridDim.x * blockDim.x) {
+        const float4 r = round4(reinterpret_cast<const float4*>(x)[e], kind);
+        if (want32) reinterpret_cast<float4*>(out32)[e] = r;
+        reinterpret_cast<uint2*>(bits)[e] = make_uint2((u32)bits16(r.x, kind) | ((u32)bits16(r.y, kind) << 16),
+                                                       (u32)bits16(r.z, kind) | ((u32)bits16(r.w, kind) << 16));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) bias_round_v2(float* __restrict__ y, const float* __restrict__ b,
+                                                                long long rows, int cols, int kind) {
+    const int c4 = cols >> 2;
+    const long long n4 = rows * c4;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4; e += (long long)gridDim.x * blockDim.x) {
+        const float4 bb = round4(reinterpret_cast<const float4*>(b)[e % c4], kind);
+        const float4 v = reinterpret_cast<const float4*>(y)[e];
+        reinterpret_cast<float4*>(y)[e] = round4(make_float4(v.x + bb.x, v.y + bb.y, v.z + bb.z, v.w + bb.w), kind);
     }
 }
 
@@ -216,19 +252,28 @@ int main() {
     const int grid = (int)std::min<long long>((n + 255) / 256, 65536);
     for (int kind = 0; kind < 2; kind++) {
         for (long long e = 0; e < n; e++) ref[e] = round_kind(x[e], kind);
-        LAUNCH(round16_v1, grid, 256, dx, n, kind, 1, dout, dbits);
-        cudaCheck(cudaDeviceSynchronize());
-        cudaCheck(cudaMemcpy(got.data(), dout, n * 4, cudaMemcpyDeviceToHost));
-        cudaCheck(cudaMemcpy(bits.data(), dbits, n * 2, cudaMemcpyDeviceToHost));
-        long long wrong = 0;
-        for (long long e = 0; e < n; e++)
-            wrong += std::memcmp(&got[e], &ref[e], 4) != 0 || bits[e] != bits16(ref[e], kind);
-        printf("round16_v1 kind %d (%s): %lld of %lld elements differ from the host's bits\n", kind,
-               kind ? "float16" : "bfloat16", wrong, n);
-        bad += (int)wrong;
-        if (n >= (1 << 20)) {
-            float ms = benchmark_kernel(20, [&]() { LAUNCH(round16_v1, grid, 256, dx, n, kind, 1, dout, dbits); });
-            printf("  %.4f ms, %.0f GB/s\n", ms, 10.0 * n / ms / 1e6);
+        const int grid4 = (int)std::min<long long>((n / 4 + 255) / 256, 65536);
+        for (int version = 1; version <= 2; version++) {
+            auto launch = [&]() {
+                if (version == 1) LAUNCH(round16_v1, grid, 256, dx, n, kind, 1, dout, dbits);
+                else LAUNCH(round16_v2, grid4, 256, dx, n, kind, 1, dout, dbits);
+            };
+            cudaCheck(cudaMemset(dout, 0xFF, n * 4));
+            cudaCheck(cudaMemset(dbits, 0xFF, n * 2));
+            launch();
+            cudaCheck(cudaDeviceSynchronize());
+            cudaCheck(cudaMemcpy(got.data(), dout, n * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(bits.data(), dbits, n * 2, cudaMemcpyDeviceToHost));
+            long long wrong = 0;
+            for (long long e = 0; e < n; e++)
+                wrong += std::memcmp(&got[e], &ref[e], 4) != 0 || bits[e] != bits16(ref[e], kind);
+            printf("round16_v%d kind %d (%s): %lld of %lld elements differ from the host's bits\n", version, kind,
+                   kind ? "float16" : "bfloat16", wrong, n);
+            bad += (int)wrong;
+            if (n >= (1 << 20)) {
+                float ms = benchmark_kernel(20, launch);
+                printf("  %.4f ms, %.0f GB/s (4 bytes read, 4 + 2 written an element)\n", ms, 10.0 * n / ms / 1e6);
+            }
         }
     }
     free(x); cudaFree(dx); cudaFree(dout); cudaFree(dbits);
