@@ -87,14 +87,19 @@ ROUND_VERSION = os.environ.get("REFBERT_CUDA_ROUND", "2")   # the rounding kerne
 #                                                             (A/B runs); version 2 runs where it applies
 
 
+def _v2(n, arrays):
+    """A rounding kernel's version 2 applies: not pinned to 1, n (its float4 axis) a multiple of 4, every array
+    16-byte aligned."""
+    return ROUND_VERSION != "1" and n % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def _rounding(name, n, args, arrays, xp):
-    """csrc/mixed.cu `name`_v2 (four elements a thread, float4) where n is a multiple of 4 and every array 16-byte
-    aligned, else `name`_v1 (a thread per element). -> the version that ran."""
-    if ROUND_VERSION != "1" and n % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays):
+    """csrc/mixed.cu `name`_v2 (four elements a thread, float4) where _v2 applies, else `name`_v1 (a thread per
+    element)."""
+    if _v2(n, arrays):
         _launch(f"{name}_v2", n // 4, args, xp)
-        return 2
-    _launch(f"{name}_v1", n, args, xp)
-    return 1
+    else:
+        _launch(f"{name}_v1", n, args, xp)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,7 +218,7 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     elif C.on_device(out):
         b = xp.ascontiguousarray(b)
         args = (out, b, np.int64(out.shape[0]), np.int32(out.shape[1]), _kind(compute))
-        if ROUND_VERSION != "1" and out.shape[1] % 4 == 0 and out.data.ptr % 16 == 0 and b.data.ptr % 16 == 0:
+        if _v2(out.shape[1], (out, b)):
             _launch("bias_round_v2", out.size // 4, args, xp)
         else:
             _launch("bias_round_v1", out.shape[0] * 256, args, xp)
