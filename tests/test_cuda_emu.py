@@ -89,7 +89,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
     assert out.count("OK ") == 19, out
-    assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v2_f16_hs64" in out and "attn_fwd_v2_f16_hs64" in out, out
+    assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)
         assert f"layernorm_fwd_v3_{kind}" in out, out
 

@@ -152,6 +152,16 @@ def _numba():
 
 
 def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    return _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, 2)
+
+
+def attention_forward_c2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    """C2's forward: attention_forward.cu version 3 (C1's tensor-core forward with key tiles of padding skipped: the
+    same bits) for float16 at hs 64; elsewhere as C1."""
+    return _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, 3)
+
+
+def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version):
     A = _numba()
     B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
     hs = Cc // H
@@ -174,7 +184,7 @@ def attention_forward(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, trai
         FELL_BACK[("attention", "C1 tensor cores")] = "q, k or v not 16-byte aligned: the scalar kernel ran"
         warnings.warn("refbert cuda: attention C1 float16 took the scalar kernel (q, k or v not 16-byte aligned)",
                       RuntimeWarning, stacklevel=2)
-    name = f"attn_fwd_v2_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
+    name = f"attn_fwd_v{tc_version}_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), out, m, linv)
     kernel("attention_forward.cu", name, xp)(((T + 63) // 64, B * H), (128 if tc else 64,), args)
@@ -192,8 +202,9 @@ def attention_backward(dout, cache):
 
 
 def _attention_backward(dout, cache, version):
-    """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size) or 2 (tensor cores:
-    float16, hs = 64, 16-byte aligned rows; otherwise version 1 runs, recorded in FELL_BACK)."""
+    """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size) or 3 (tensor cores with
+    padding tiles skipped: float16, hs = 64, 16-byte aligned rows; otherwise version 1 runs, recorded in
+    FELL_BACK)."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -215,16 +226,16 @@ def _attention_backward(dout, cache, version):
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
-    if version == 2 and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
+    if version == 3 and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
         FELL_BACK[("attention", "C2 backward")] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
                                                    f"(tensor cores: float16, hs 64): the scalar backward ran")
         FELL_BACK_CALLS[("attention", "C2 backward")] = FELL_BACK_CALLS.get(("attention", "C2 backward"), 0) + 1
         warnings.warn(f"refbert cuda: attention C2 took the scalar backward ({FELL_BACK[('attention', 'C2 backward')]})",
                       RuntimeWarning, stacklevel=3)
         version = 1
-    if version == 2:
-        kernel("attention_backward.cu", "attn_bwd_dkdv_v2_f16_hs64", xp)(grid, (128,), args + (dk, dv))
-        kernel("attention_backward.cu", "attn_bwd_dq_v2_f16_hs64", xp)(grid, (128,), args + (dq,))
+    if version == 3:
+        kernel("attention_backward.cu", "attn_bwd_dkdv_v3_f16_hs64", xp)(grid, (128,), args + (dk, dv))
+        kernel("attention_backward.cu", "attn_bwd_dq_v3_f16_hs64", xp)(grid, (128,), args + (dq,))
     else:
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
@@ -232,10 +243,10 @@ def _attention_backward(dout, cache, version):
 
 
 def attention_backward_c2(dout, cache):
-    """C2's backward: attention_backward.cu version 2 (tensor cores) after C1's tensor-core forward (float16, hs 64):
+    """C2's backward: attention_backward.cu version 3 (tensor cores, padding tiles skipped) for float16 at hs 64:
     S^T, dP^T, dV, dK per key tile and S, dP, dq per query tile as mma.sync GEMMs; P and dS rounded to float16 where
     a tensor core reads them."""
-    return _attention_backward(dout, cache, 2)
+    return _attention_backward(dout, cache, 3)
 
 
 def attention_probs(cache):

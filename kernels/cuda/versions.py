@@ -218,8 +218,9 @@ def _build():
               "partials, then a fixed-order column sum (gelu.cu v1)"),
              ("attention", "C1", K.attention_forward, K.attention_backward, f16, "scalar flash forward and backward "
               "(fp16 hs 64: tensor-core forward); attention_*.cu"),
-             ("attention", "C2", K.attention_forward, K.attention_backward_c2, ("float16",),
-              "tensor-core flash forward and backward (mma.sync, fp16 hs 64; attention_backward.cu v2)"),
+             ("attention", "C2", K.attention_forward_c2, K.attention_backward_c2, ("float16",),
+              "tensor-core flash forward and backward, padding tiles skipped (mma.sync, fp16 hs 64; "
+              "attention_forward.cu v3, attention_backward.cu v3)"),
              ("attention", "C3", K.attention_forward_c3, K.attention_backward_c3, f32, "register-tiled fp32 flash "
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("cross_entropy", "C1", K.cross_entropy_forward_c1, K.cross_entropy_backward_c1, f32,

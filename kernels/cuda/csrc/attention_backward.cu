@@ -21,6 +21,9 @@ Versions:
      dK += dS^T Q) and attn_bwd_dq_v2 (per query tile: S, dP, dq += dS K); the tile's own rows as register
      fragments, the other side's tiles double-buffered with cp.async; P and dS rounded to 16 bits for the
      tensor cores (FlashAttention-2's choice), everything else float32. Still no atomics: two passes recompute P.
+  3  version 2 with BERT's padding skipped (attention_forward.cu version 3's rule, common.cuh keys_all_padding):
+     under a mask constant along the queries, a key tile of padding meets only rows that have a real key, whose
+     p there is exactly 0, so it is skipped; the same bits as version 2 (the main compares them).
 
 Build and run standalone (validates against the CPU reference, then times; fp16 / bf16: versions 1 and 2 against
 the reference of the same rounded inputs):
@@ -286,8 +289,9 @@ __device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4
     }
 }
 
-// pass 1: dk, dv per 64-key tile; grid (ceil(T / 64), B * H), block 128
-template <typename T>
+// pass 1: dk, dv per 64-key tile; grid (ceil(T / 64), B * H), block 128. SKIP (version 3): a key tile of padding
+// (common.cuh keys_all_padding) skips every query tile whose rows all met a real key in the forward (m > PAD_MIN)
+template <typename T, bool SKIP>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
     __shared__ __align__(16) T Qs[2][64 * TC_LD];
     __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
@@ -314,6 +318,7 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
 #pragma unroll
         for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
     const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
+    const bool keypad = SKIP && mask && si == 0 && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
     auto load = [&](int buf, int i0) {
         tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
         tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
@@ -333,6 +338,11 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
+        if (keypad && !__syncthreads_or(tid < 64 && Ms[cur][tid] <= PAD_MIN)) {   // (keypad: block-uniform)
+            COUNT_SKIP(tid);
+            __syncthreads();
+            continue;
+        }
         float s[8][4], dp[8][4];
         tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
         tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // (V dout^T): keys x queries
@@ -371,8 +381,9 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
     }
 }
 
-// pass 2: dq per 64-query tile; grid (ceil(T / 64), B * H), block 128
-template <typename T>
+// pass 2: dq per 64-query tile; grid (ceil(T / 64), B * H), block 128. SKIP (version 3): when every row of the
+// tile met a real key in the forward (m > PAD_MIN), key tiles of padding are skipped
+template <typename T, bool SKIP>
 __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
     __shared__ __align__(16) T Ks[2][64 * TC_LD];
     __shared__ __align__(16) T Vs[2][64 * TC_LD];
@@ -400,6 +411,7 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
         li[r] = ok ? linv[(size_t)bh * Tn + ir[r]] : 0.f;
         Di[r] = ok ? Dr[(size_t)bh * Tn + ir[r]] : 0.f;
     }
+    const bool rows_real = SKIP && mask && si == 0 && !__syncthreads_or(mi[0] <= PAD_MIN || mi[1] <= PAD_MIN);
     float dqa[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
@@ -416,6 +428,11 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
+        if (rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid)) {   // (rows_real: block-uniform)
+            COUNT_SKIP(tid);
+            __syncthreads();
+            continue;
+        }
         float s[8][4], dp[8][4];
         tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
         tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dout V^T
@@ -451,7 +468,7 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
 
 // the names cuda_c.py loads: attn_bwd_D_<dtype> (block 256, grid ceil(B*H*T / 8)),
 // attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H)),
-// attn_bwd_dkdv_v2_<f16|bf16>_hs64, attn_bwd_dq_v2_<f16|bf16>_hs64 (block 128, the same grid)
+// attn_bwd_dkdv_v<2|3>_<f16|bf16>_hs64, attn_bwd_dq_v<2|3>_<f16|bf16>_hs64 (block 128, the same grid)
 #define FWD_CALL q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr
 #define INST_D(T, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
@@ -479,15 +496,18 @@ INST_V1(__half, f16, 128)
 INST_V1(__nv_bfloat16, bf16, 32)
 INST_V1(__nv_bfloat16, bf16, 64)
 INST_V1(__nv_bfloat16, bf16, 128)
-#define INST_V2(T, NAME)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_v2_##NAME##_hs64(BWD_ARGS(T), T* dk, T* dv) { \
-        bwd_dkdv_tc<T>(FWD_CALL, dk, dv);                                                                       \
+#define INST_TC(T, NAME, V, SKIP)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_v##V##_##NAME##_hs64(BWD_ARGS(T), T* dk,     \
+                                                                                        T* dv) {                \
+        bwd_dkdv_tc<T, SKIP>(FWD_CALL, dk, dv);                                                                 \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_v2_##NAME##_hs64(BWD_ARGS(T), T* dq) {       \
-        bwd_dq_tc<T>(FWD_CALL, dq);                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_v##V##_##NAME##_hs64(BWD_ARGS(T), T* dq) {   \
+        bwd_dq_tc<T, SKIP>(FWD_CALL, dq);                                                                       \
     }
-INST_V2(__half, f16)
-INST_V2(__nv_bfloat16, bf16)
+INST_TC(__half, f16, 2, false)
+INST_TC(__nv_bfloat16, bf16, 2, false)
+INST_TC(__half, f16, 3, true)
+INST_TC(__nv_bfloat16, bf16, 3, true)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -526,10 +546,15 @@ void attention_backward_16(int version, const T* q, const T* k, const T* v, cons
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                          \
             LAUNCH(attn_bwd_dq_v1_##NAME##_hs64, grid, 64, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,   \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
-        } else {                                                                                                \
+        } else if (version == 2) {                                                                              \
             LAUNCH(attn_bwd_dkdv_v2_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v2_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        } else {                                                                                                \
+            LAUNCH(attn_bwd_dkdv_v3_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
+                   Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
+            LAUNCH(attn_bwd_dq_v3_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
         }                                                                                                       \
         cudaCheck(cudaGetLastError());                                                                          \
@@ -584,7 +609,8 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     for (size_t i = 0; i < n; i++)
         scale_ref = std::max({scale_ref, (double)fabsf(rq[i]), (double)fabsf(rk[i]), (double)fabsf(rv[i])});
     const float u = std::ldexp(1.f, -bits), atol = (float)(4.0 * u * scale_ref), rtol = 2.f * u;
-    for (int version = 1; version <= 2; version++) {
+    std::vector<std::vector<T>> got(4);
+    for (int version = 1; version <= 3; version++) {
         auto launch = [&]() {
             attention_backward_16<T>(version, dq_, dk_, dv_, dmask, B, Tn, H, scale, seed, stream, thresh, dscale,
                                      dm, dl, dout_, ddo, dD, gq, gk, gv);
@@ -598,10 +624,18 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
         validate_result(gk, rk.data(), label, n, atol, rtol);
         snprintf(label, sizeof label, "v%d %s dv", version, name);
         validate_result(gv, rv.data(), label, n, atol, rtol);
+        got[version].resize(3 * n);
+        cudaCheck(cudaMemcpy(got[version].data(), gq, n * sizeof(T), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(got[version].data() + n, gk, n * sizeof(T), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(got[version].data() + 2 * n, gv, n * sizeof(T), cudaMemcpyDeviceToHost));
         float ms = benchmark_kernel(10, launch);
         printf("  v%d %s: %.4f ms, %.1f TFLOP/s (2.5 x 4 B H T^2 hs)\n", version, name, ms,
                2.5 * 4.0 * B * H * (double)Tn * Tn * hs / ms / 1e9);
     }
+    // version 3 skips padding tiles: exact zeros skipped, so version 2's bits, or it is wrong
+    const bool same = std::memcmp(got[2].data(), got[3].data(), 3 * n * sizeof(T)) == 0;
+    printf("v3 = v2 bit for bit (%s dq, dk, dv): %s\n", name, same ? "yes" : "NO");
+    if (!same) exit(EXIT_FAILURE);
     cudaFree(dq_); cudaFree(dk_); cudaFree(dv_); cudaFree(ddo); cudaFree(dout_); cudaFree(dmask); cudaFree(dm);
     cudaFree(dl); cudaFree(dD); cudaFree(gq); cudaFree(gk); cudaFree(gv);
 }
@@ -677,6 +711,9 @@ int main(int argc, char** argv) {
     run16<__half>("f16", 11, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale, reference);
     run16<__nv_bfloat16>("bf16", 8, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale,
                          reference);
+#ifdef CPUSIM
+    printf("v3 skipped %lld tiles of padding\n", (long long)cpusim_skipped_tiles.load());
+#endif
 #endif
     return 0;
 }

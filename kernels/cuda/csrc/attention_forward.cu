@@ -20,6 +20,10 @@ Versions:
      mma.sync.m16n8k16 with fp32 accumulators; online softmax on the S fragments (row max / sum over the 4 threads
      of a quad by shuffles); P re-packed from the S accumulators straight into A fragments (no shared memory);
      the padding mask added to S; dropout from Philox on the fragments (one Philox call per pair of elements).
+  3  version 2 with BERT's padding skipped: under a mask constant along the queries (si == 0), a key tile whose 64
+     keys are all padding (mask <= -1e30: finfo(float32).min, -inf) is not computed once every row of the block has
+     met a real key (common.cuh keys_all_padding: exp gives exact zeros there), so the same bits as version 2
+     (the main compares them bit for bit) for less work on padded batches.
 
 Build and run standalone (validates every version against the CPU reference, then times them):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_forward attention_forward.cu && ./attention_forward [T]
@@ -133,7 +137,8 @@ __device__ __forceinline__ void flash_fwd_scalar(FWD_ARGS(T)) {
 
 #ifdef HALF_TYPES   // (not under cpusim: inline PTX and 16-bit storage)
 // version 2: tensor cores (mma.sync m16n8k16), cp.async double-buffered K/V, FlashAttention-2 layout
-template <typename T>
+// version 3 (SKIP): version 2 with key tiles of padding skipped (common.cuh's keys_all_padding: the same bits)
+template <typename T, bool SKIP>
 __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
     constexpr int HS = 64, BQ = 64, BK = 64, LD = HS + 8;    // rows padded by 16 bytes: no bank conflicts on
     __shared__ __align__(16) T Qs[BQ * LD];                   // the fragment loads, rows stay 16-byte aligned
@@ -177,6 +182,13 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
         cp_async_commit();
         cp_async_wait<1>();                                   // everything but the newest group has landed
         __syncthreads();
+        if (SKIP && mask && si == 0 && it > 0 &&                // (block-uniform: every thread votes or none)
+            keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid) &&
+            !__syncthreads_or(mrow[0] <= PAD_MIN || mrow[1] <= PAD_MIN)) {
+            COUNT_SKIP(tid);
+            __syncthreads();
+            continue;
+        }
         if (it == 0) {
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
@@ -305,14 +317,15 @@ INST_V1(__nv_bfloat16, bf16, 32)
 INST_V1(__nv_bfloat16, bf16, 64)
 INST_V1(__nv_bfloat16, bf16, 128)
 
-extern "C" __global__ void __launch_bounds__(128) attn_fwd_v2_f16_hs64(FWD_ARGS(__half)) {
-    flash_fwd_tc<__half>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out, m_out,
-                         linv_out);
-}
-extern "C" __global__ void __launch_bounds__(128) attn_fwd_v2_bf16_hs64(FWD_ARGS(__nv_bfloat16)) {
-    flash_fwd_tc<__nv_bfloat16>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out,
-                                m_out, linv_out);
-}
+#define INST_TC(T, NAME, V, SKIP)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_v##V##_##NAME##_hs64(FWD_ARGS(T)) {             \
+        flash_fwd_tc<T, SKIP>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out, \
+                              m_out, linv_out);                                                                 \
+    }
+INST_TC(__half, f16, 2, false)
+INST_TC(__nv_bfloat16, bf16, 2, false)
+INST_TC(__half, f16, 3, true)
+INST_TC(__nv_bfloat16, bf16, 3, true)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -333,11 +346,20 @@ void attention_forward(int version, const T* q, const T* k, const T* v, const fl
         if (version == 1)                                                                                       \
             LAUNCH(attn_fwd_v1_##NAME##_hs64, grid, 64, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed,    \
                    stream, thresh, dscale, out, m, linv);                                                       \
-        else                                                                                                    \
+        else if (version == 2)                                                                                  \
             LAUNCH_V2_##NAME;                                                                                   \
+        else                                                                                                    \
+            LAUNCH_V3_##NAME;                                                                                   \
         cudaCheck(cudaGetLastError());                                                                          \
     }
 #define LAUNCH_V2_f32 (printf("version 2 has no float32 kernel\n"), exit(1))
+#define LAUNCH_V3_f32 (printf("version 3 has no float32 kernel\n"), exit(1))
+#define LAUNCH_V3_f16                                                                                            \
+    LAUNCH(attn_fwd_v3_f16_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, \
+           dscale, out, m, linv)
+#define LAUNCH_V3_bf16                                                                                           \
+    LAUNCH(attn_fwd_v3_bf16_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream,       \
+           thresh, dscale, out, m, linv)
 #define LAUNCH_V2_f16                                                                                            \
     LAUNCH(attn_fwd_v2_f16_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, \
            dscale, out, m, linv)
@@ -360,10 +382,11 @@ T* to_device(const float* h, size_t n) {
     return d;
 }
 
+// one version: validated against the CPU reference, timed; its out, m and 1/l bits appended to `bits` when given
 template <typename T>
 void run(const char* label, int version, int B, int Tn, int H, int hs, const float* q, const float* k,
          const float* v, const float* mask, float scale, u64 seed, u64 stream, u64 thresh, float dscale,
-         const float* ref_out, float atol, float rtol) {
+         const float* ref_out, float atol, float rtol, std::vector<unsigned char>* bits = nullptr) {
     size_t n = (size_t)B * Tn * H * hs;
     T *dq = to_device<T>(q, n), *dk = to_device<T>(k, n), *dv = to_device<T>(v, n), *dout;
     float *dmask, *dm, *dl;
@@ -379,6 +402,14 @@ void run(const char* label, int version, int B, int Tn, int H, int hs, const flo
     launch();
     cudaCheck(cudaDeviceSynchronize());
     validate_result(dout, ref_out, label, n, atol, rtol);
+    if (bits) {
+        const size_t nr = (size_t)B * H * Tn;
+        bits->resize(n * sizeof(T) + 2 * nr * sizeof(float));
+        cudaCheck(cudaMemcpy(bits->data(), dout, n * sizeof(T), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(bits->data() + n * sizeof(T), dm, nr * sizeof(float), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(bits->data() + n * sizeof(T) + nr * sizeof(float), dl, nr * sizeof(float),
+                             cudaMemcpyDeviceToHost));
+    }
     float ms = benchmark_kernel(20, launch);
     double flops = 4.0 * B * H * (double)Tn * Tn * hs;
     printf("  %s: %.4f ms, %.1f TFLOP/s\n", label, ms, flops / ms / 1e9);
@@ -408,11 +439,23 @@ int main(int argc, char** argv) {
     run<float>("v1 f32", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 1e-5f, 1e-4f);
 #ifdef HALF_TYPES
     run<__half>("v1 f16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
-    run<__half>("v2 f16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
+    std::vector<unsigned char> b2, b3;
+    run<__half>("v2 f16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b2);
+    run<__half>("v3 f16", 3, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b3);
+    int same = b2 == b3;
     run<__nv_bfloat16>("v1 bf16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f);
     run<__nv_bfloat16>("v2 bf16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
-                       3e-2f);
+                       3e-2f, &b2);
+    run<__nv_bfloat16>("v3 bf16", 3, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f, &b3);
+    same &= b2 == b3;
+    // version 3 skips padding tiles: exact zeros skipped, so version 2's bits (out, m, 1/l), or it is wrong
+    printf("v3 = v2 bit for bit (f16, bf16): %s\n", same ? "yes" : "NO");
+#ifdef CPUSIM
+    printf("v3 skipped %lld key tiles of padding\n", (long long)cpusim_skipped_tiles.load());
+#endif
+    if (!same) return 1;
 #endif
     free(q); free(k); free(v); free(mask); free(out); free(m); free(linv);
     return 0;

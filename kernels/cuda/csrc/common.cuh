@@ -161,6 +161,25 @@ __device__ __forceinline__ float keep_z(u64 e, u64 seed, u64 stream, u64 thresh,
 }
 
 // ----------------------------------------------------------------------------------------------------------------
+// attention's padding skip (the tensor-core flash kernels): a key tile whose mask entries are all <= PAD_MIN (HF's
+// float32 padding finfo.min, or -inf) adds exactly nothing to a row whose running max already came from a key above
+// it: exp(x - m) with x <= PAD_MIN + scale q.k and m far above is 0 in float32 (for scores below 1e29 in size), the
+// max does not move. Only for masks constant along the queries (si == 0: BERT's (B, 1, 1, T) padding mask), where a
+// tile's 64 keys decide it. Every thread of the block calls it (a barrier); 64 keys from j0, keys past T padding.
+#define PAD_MIN (-1e30f)
+#ifdef CPUSIM
+inline std::atomic<long long> cpusim_skipped_tiles{0};   // the mains print it: the skip is taken, not only written
+#define COUNT_SKIP(tid) do { if ((tid) == 0) cpusim_skipped_tiles++; } while (0)
+#else
+#define COUNT_SKIP(tid) do {} while (0)
+#endif
+__device__ __forceinline__ bool keys_all_padding(const float* mask, long long base, long long sj, int j0, int Tn,
+                                                 int tid) {
+    const int j = j0 + tid;
+    return !__syncthreads_or(tid < 64 && j < Tn && mask[base + j * sj] > PAD_MIN);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
 // warp reductions (butterfly: every lane gets the result)
 
 __device__ __forceinline__ float warp_sum(float v) {
