@@ -22,7 +22,8 @@
 #               own GPU dumps (float64, float32, float32 with TF32, float16, bfloat16) in units of refbert's noise
 #   graphdiag   benchmarks/graph_diag.py: the small model whose CUDA graphs replayed NaN on the H100, replay by
 #               replay, then op by op (--trace: the first op whose replayed output differs from the eager one)
-#   train       benchmarks/mixed_train.py --backend cuda --steps $TRAIN_STEPS (300): `refbert pretrain --backend cuda`
+#   train       benchmarks/mixed_train.py --backend cuda --cuda-graph --steps $TRAIN_STEPS (300): `refbert pretrain
+#               --backend cuda --cuda-graph` (each step one CUDA graph replay; eager if the graph is refused)
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
 #               bf16-mixed within 2% of fp32)
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
@@ -196,7 +197,7 @@ if wants graphdiag && [ -z "${DRY:-}" ]; then   # the small model's CUDA graph f
         '$PY' benchmarks/graph_diag.py --poison" &
 fi
 if wants train && [ -z "${DRY:-}" ]; then    # the demo corpus trained on the GPU in each precision (losses side by side)
-    step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --steps "$TRAIN_STEPS" \
+    step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --cuda-graph --steps "$TRAIN_STEPS" \
         --out "$R/mixed_train_cuda.md" &
 fi
 if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU half needs no GPU; CI runs it)

@@ -3,6 +3,7 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
 
     python benchmarks/mixed_train.py [--steps 300] [--out benchmarks/results/mixed_train.md]
     python benchmarks/mixed_train.py --backend cuda --out DIR/mixed_train_cuda.md     (a GPU; benchmarks/gpu_all.sh)
+    python benchmarks/mixed_train.py --backend cuda --cuda-graph ...                   (each step one CUDA graph)
 
 1. Training: the demo's tiny preset, `refbert pretrain --corpus demo/corpus.txt --preset tiny --vocab-size 2000
    --max-seq-length 64 --batch-size 64 --lr 2e-3 --steps 300 --eval-every 100 --mixed-precision no|bf16|fp16`
@@ -40,9 +41,10 @@ def _refbert(args, env):
     r = subprocess.run([sys.executable, "-m", "refbert", *args], env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"refbert {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r.stdout + r.stderr
 
 
-def train(work, steps, backend="numpy"):
+def train(work, steps, backend="numpy", graph=False):
     """{flag: dict(mlm, total, train_last50, scale, skipped, seconds)} of the three pretraining runs."""
     env = dict(os.environ, TQDM_DISABLE="1")
     _refbert(["demo-data", os.path.join(work, "demo")], env)
@@ -50,10 +52,10 @@ def train(work, steps, backend="numpy"):
     for flag, _ in PRECISIONS:
         run = os.path.join(work, f"run-{flag}")
         t = time.perf_counter()
-        _refbert(["pretrain", "--corpus", os.path.join(work, "demo", "corpus.txt"), "--out", run,
+        said = _refbert(["pretrain", "--corpus", os.path.join(work, "demo", "corpus.txt"), "--out", run,
                   "--preset", "tiny", "--vocab-size", "2000", "--max-seq-length", "64", "--batch-size", "64",
                   "--lr", "2e-3", "--steps", str(steps), "--eval-every", "100", "--mixed-precision", flag,
-                  "--backend", backend], env)
+                  "--backend", backend] + (["--cuda-graph"] if graph else []), env)
         seconds = time.perf_counter() - t
         ev, log = _rows(os.path.join(run, "eval.csv"))[-1], _rows(os.path.join(run, "log.csv"))
         last = [float(r["loss"]) for r in log[-50:]]
@@ -61,7 +63,9 @@ def train(work, steps, backend="numpy"):
         skipped = sum(1 for r in log if r.get("grad_norm", "") in ("nan", "inf"))
         out[flag] = dict(mlm=float(ev["mlm_loss"]), total=float(ev["mlm_loss"]) + float(ev["nsp_loss"]),
                          train_last50=sum(last) / len(last), scale=scales[-1] if scales else None,
-                         skipped=skipped, seconds=seconds, step=int(ev["step"]))
+                         skipped=skipped, seconds=seconds, step=int(ev["step"]),
+                         graph=" ".join(ln.strip() for ln in said.splitlines()
+                                        if ln.startswith(("CUDA graph:", "--cuda-graph:"))))
         print(flag, out[flag], flush=True)
     return out
 
@@ -91,11 +95,12 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
     ap.add_argument("--backend", choices=["numpy", "cuda"], default="numpy")
+    ap.add_argument("--cuda-graph", action="store_true", help="with --backend cuda: pretrain --cuda-graph")
     a = ap.parse_args()
     from refbert.bench import results_header
     times = step_times() if a.backend == "numpy" else None
     with tempfile.TemporaryDirectory() as work:
-        runs = train(work, a.steps, a.backend)
+        runs = train(work, a.steps, a.backend, a.cuda_graph)
     f32 = runs["no"]
 
     def rel(v, ref):
@@ -103,7 +108,8 @@ def main():
     where = "on the CPU: what refbert's spec costs" if a.backend == "numpy" else \
         "on the GPU (--backend cuda): what the kernels' mixed step costs"
     lines = [*results_header(f"Mixed precision {where}", f"python benchmarks/mixed_train.py --steps {a.steps}"
-                             + ("" if a.backend == "numpy" else " --backend cuda")),
+                             + ("" if a.backend == "numpy" else " --backend cuda")
+                             + (" --cuda-graph" if a.cuda_graph else "")),
              "Method: the script's docstring.", "",
              f"## Training: the demo's tiny preset, {a.steps} steps", "",
              "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "
@@ -117,6 +123,9 @@ def main():
                      f"{rel(r['train_last50'], f32['train_last50'])} | "
                      f"{scale} | {r['skipped']} | "
                      f"{r['seconds']:.0f} |")
+    if a.cuda_graph:
+        lines += ["", "CUDA graphs (pretrain's own report per run): " +
+                  "; ".join(f"{name}: {runs[flag]['graph'] or 'none reported'}" for flag, name in PRECISIONS)]
     if times:
         lines += ["", "## Step time: BERT mini, B=4 T=64, numpy backend (median of 7 interleaved rounds)", "",
                   "| precision | ms per step | x fp32 |", "|---|---|---|"]

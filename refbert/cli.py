@@ -97,6 +97,10 @@ def _pretrain_args(p):
     p.add_argument("--seed", type=int)
     _backend_arg(p, cuda=True)
     _mixed_arg(p, default=argparse.SUPPRESS)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="with --backend cuda: each training step one CUDA graph replay (kernels/cuda/graph.py; "
+                        "the masked positions padded to batch size x --max-predictions so every batch has the "
+                        "same shapes; the first replay of each capture checked against the eager step)")
     for action in p._actions:                       # show the defaults that live in refbert.defaults
         if PRETRAIN.get(action.dest) not in (None, False) and action.dest not in ("backend", "mixed_precision"):
             action.help = f"{action.help + ' ' if action.help else ''}(default {PRETRAIN[action.dest]})"

@@ -312,7 +312,7 @@ def pooler_backward(ctx, dout, cache, grads):
 MLM_DECODE = ("all", "labelled")
 
 
-def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all"):
+def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all", pad_rows=None):
     """The MLM head and its loss. transform(h) = LayerNorm(gelu(h W_t^T + b_t)); logits = transform(h) E^T + bias,
     with E the word embeddings (tied).  h: (B, T, C), labels: (B, T) with -100 where no prediction is asked.
 
@@ -322,11 +322,26 @@ def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all"):
     Either way the loss is CE over the labelled rows only, and the decoder's backward runs on those rows: the
     (B T, V) gradient, zero on every unlabelled row, is never written (with "all", the labelled rows of the
     transform's output are decoded a second time for the loss, ~15% of the decoder's forward).
+    pad_rows=K (the models' mlm_rows): the labelled rows padded to K, so every batch has the same shapes (a CUDA
+    graph's replays: kernels/cuda/graph.py): K - n more rows decoded at position 0 with the label -100, which the
+    cross-entropy ignores (its mean is over the n labelled rows; their gradient is exactly 0), as the original
+    BERT pads to max_predictions_per_seq with weight 0. The returned rows are then K long, -1 where padding.
     Returns (logits, rows, loss or None, cache); rows: the flat indices of the labelled positions (or None).
     """
     o = ctx.ops
     E, bias = P[word_emb_name], P["cls.predictions.bias"]
     rows = None if labels is None else np.flatnonzero(labels.reshape(-1) != -100)   # (n,)
+    targets = None if rows is None else labels.reshape(-1)[rows]
+    shown = rows
+    if rows is not None and pad_rows is not None:
+        n = len(rows)
+        if n > pad_rows:
+            raise ValueError(f"mlm: argument 'labels' expected at most mlm_rows={pad_rows} labelled positions (the "
+                             f"rows padded to a fixed count), got {n}")
+        extra = pad_rows - n
+        rows = np.concatenate([rows, np.zeros(extra, rows.dtype)])               # (K,): padding decodes row 0
+        targets = np.concatenate([targets, np.full(extra, -100, targets.dtype)])  # ... and is ignored by the loss
+        shown = np.concatenate([shown, np.full(extra, -1, shown.dtype)])
     x, c_g = h, None
     if decode == "labelled":
         if rows is None:
@@ -346,8 +361,8 @@ def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all"):
         lk, c_dec = o.linear_forward(tk, E, bias)                     # (n, V) = logits at those rows, decoded again
         # (n/(B T) ~ 15% of the decoder's forward, so that its backward sees only the labelled rows; the cache is
         # the backend's own, opaque to the model: a wrapping backend (trace, mixed, a user's) tags or reshapes it)
-    loss, c_l = o.cross_entropy_forward(lk, labels.reshape(-1)[rows])
-    return logits, rows, loss, (c_g, c_d, c_a, c_ln, c_dec, c_r, c_l, word_emb_name)
+    loss, c_l = o.cross_entropy_forward(lk, targets)
+    return logits, shown, loss, (c_g, c_d, c_a, c_ln, c_dec, c_r, c_l, word_emb_name)
 
 
 def mlm_head_backward(ctx, dloss, cache, grads):
@@ -638,8 +653,12 @@ class BertForPreTraining(_Head):
 
     mlm_decode="labelled" (an attribute, or forward's argument) decodes only the labelled positions, as the original
     BERT does: the same loss and gradients, a fraction of the MLM head's work; the output then has
-    prediction_logits=None and masked_lm_logits (n, V) at masked_lm_positions (n,), flat indices into (B*T)."""
+    prediction_logits=None and masked_lm_logits (n, V) at masked_lm_positions (n,), flat indices into (B*T).
+    mlm_rows=K (an attribute; None: off): the labelled rows padded to K with ignored ones (mlm_head_forward), so
+    every batch has the same shapes, as a CUDA graph needs; with "labelled", masked_lm_logits is then (K, V) and
+    masked_lm_positions K long, -1 at the padding."""
     mlm_decode = "all"
+    mlm_rows = None
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 next_sentence_label=None, output_hidden_states=False, output_attentions=False, mlm_decode=None):
@@ -653,7 +672,7 @@ class BertForPreTraining(_Head):
             self._labels("next_sentence_label", next_sentence_label, (input_ids.shape[0],), 2)
         logits, rows, l_mlm, c_mlm = mlm_head_forward(ctx, P, cfg, enc["last_hidden_state"],
                                                       "bert.embeddings.word_embeddings.weight",
-                                                      labels if have else None, decode)
+                                                      labels if have else None, decode, self.mlm_rows)
         nsp, c_nsp = dense_forward(ctx, P, "cls.seq_relationship", enc["pooler_output"])
         loss = head_backward = None
         if have:
@@ -670,9 +689,11 @@ class BertForPreTraining(_Head):
 
 class BertForMaskedLM(_Head):
     """MLM only (no pooler): logits (B, T, V); loss = CE over positions whose label is not -100.
-    mlm_decode="labelled": as BertForPreTraining (logits=None, masked_lm_logits at masked_lm_positions)."""
+    mlm_decode="labelled": as BertForPreTraining (logits=None, masked_lm_logits at masked_lm_positions); mlm_rows
+    too."""
     pooler = False
     mlm_decode = "all"
+    mlm_rows = None
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_hidden_states=False, output_attentions=False, mlm_decode=None):
@@ -681,7 +702,8 @@ class BertForMaskedLM(_Head):
         if labels is not None:
             self._labels("labels", labels, input_ids.shape, self.config.vocab_size)
         logits, rows, loss, c_mlm = mlm_head_forward(ctx, self.params, self.config, enc["last_hidden_state"],
-                                                     "bert.embeddings.word_embeddings.weight", labels, decode)
+                                                     "bert.embeddings.word_embeddings.weight", labels, decode,
+                                                     self.mlm_rows)
         head_backward = None
         if labels is not None:
             def head_backward(dloss, grads):

@@ -246,7 +246,9 @@ def pretraining_metrics(out, batch):
     if out.prediction_logits is not None:
         logits, targets = out.prediction_logits[kept], labels[kept]             # (n, V), (n,)
     else:
-        logits, targets = out.masked_lm_logits, labels.reshape(-1)[out.masked_lm_positions]
+        pos = out.masked_lm_positions
+        real = pos >= 0                                 # (model.mlm_rows: the rows padded with position -1)
+        logits, targets = out.masked_lm_logits[real], labels.reshape(-1)[pos[real]]
     mlm_loss = float(ops.cross_entropy_forward(logits, targets)[0])
     nsp_loss = float(ops.cross_entropy_forward(out.seq_relationship_logits, nsp)[0])
     mlm_acc = float((logits.argmax(-1) == targets).mean()) if kept.any() else 0.0
@@ -344,6 +346,9 @@ def pretrain(args):
             a = {**PRETRAIN, **given}
             _check_pretrain_args(a, given)
             tokenizer, vocab_tmp = _pretrain_tokenizer(a, BertTokenizer)
+        if a.get("cuda_graph") and a["backend"] != "cuda":
+            raise UserError(f"--cuda-graph: expected --backend cuda (the training step captured as a CUDA graph), "
+                            f"got --backend {a['backend']}")
         docs = read_documents(a["corpus"])
         rng = np.random.default_rng(a["seed"])
         order = rng.permutation(len(docs))
@@ -398,6 +403,7 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
           f"unigram baseline for the MLM loss: {baseline:.3f} nats")
     step, epoch, skip = state["step"], state["epoch"], state["batch"]
     stop = min(total, a["stop_after"]) if a["stop_after"] else total
+    graph = _step_graph(model, a)
     bar = _progress(total, step, "pretrain")
     t0 = time.perf_counter()
     while step < stop:
@@ -407,9 +413,14 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
             if step >= stop:
                 break
             model.train()
-            o = model(**batch)
             lr, scale = sched.lr(step), scaler.get_scale()
-            norm = _update(model, opt, scaler, lr)
+            o = _graph_step(graph, batch, scaler) if graph is not None else None
+            if o is None:
+                graph = None                            # (refused: eager from here on)
+                o = model(**batch)
+                norm = _update(model, opt, scaler, lr)
+            else:
+                norm = _apply(o.pop("grads"), opt, scaler, lr)
             step += 1
             met = pretraining_metrics(o, batch)
             tps = int(batch["attention_mask"].sum() / max(time.perf_counter() - t0, 1e-9))
@@ -437,6 +448,8 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
             continue
         break
     bar.close()
+    if graph is not None:
+        print(f"CUDA graph: {graph.captures} capture(s), {graph.replays} replays")
     if step >= total:
         save_checkpoint(out, "model", model, tokenizer)
         plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
@@ -460,13 +473,47 @@ def _scaler(flag, state=None):
 
 
 def _update(model, opt, scaler, lr):
-    """Backward, unscale, clip to norm 1, AdamW step (skipped with fp16 when a gradient overflowed: the scaler then
-    halves its scale), scaler update. Returns the gradient norm before clipping (NaN for a skipped step)."""
-    grads = model.backward(scaler.get_scale())          # dloss = the loss scale (1 unless fp16)
+    """Backward, then _apply. Returns the gradient norm before clipping (NaN for a skipped step)."""
+    return _apply(model.backward(scaler.get_scale()), opt, scaler, lr)    # dloss = the loss scale (1 unless fp16)
+
+
+def _apply(grads, opt, scaler, lr):
+    """Unscale, clip to norm 1, AdamW step (skipped with fp16 when a gradient overflowed: the scaler then halves its
+    scale), scaler update. Returns the gradient norm before clipping (NaN for a skipped step)."""
     norm = math.nan if scaler.unscale_(grads) else clip_grad_norm(grads, 1.0)
     scaler.step(opt, grads, lr=lr)
     scaler.update()
     return norm
+
+
+def _step_graph(model, a):
+    """--cuda-graph: the run's StepGraph (kernels/cuda/graph.py), the MLM rows padded to batch size x
+    --max-predictions (model.mlm_rows: every batch the same shapes, one capture); None without the flag."""
+    if not a.get("cuda_graph"):
+        return None
+    from refbert_kernels.cuda.graph import StepGraph
+    model.mlm_rows = a["batch_size"] * a["max_predictions"]
+    return StepGraph(model)
+
+
+def _graph_step(graph, batch, scaler):
+    """One step as a replay: the outputs with "grads" added, the masked positions this batch's (the graph's own are
+    the capture's host array), or None when the graph was refused (a warning: the caller goes on eagerly)."""
+    rng = graph.model.dropout_rng
+    calls = rng.calls
+    try:
+        _, grads = graph(dloss=scaler.get_scale(), **batch)
+    except RuntimeError as e:
+        rng.calls = calls                               # the eager step draws the streams this one would have
+        print(f"--cuda-graph: {e}; the steps run eagerly from here on", file=sys.stderr)
+        return None
+    o = type(graph.output)(graph.output)
+    K = graph.model.mlm_rows
+    rows = np.flatnonzero(batch["labels"].reshape(-1) != -100)
+    if o.get("masked_lm_positions") is not None:
+        o["masked_lm_positions"] = np.concatenate([rows, np.full(K - len(rows), -1, rows.dtype)])
+    o["grads"] = grads
+    return o
 
 
 def evaluate_pretraining(model, data, batch_size):

@@ -190,6 +190,37 @@ def test_labelled_decode_gives_the_full_decode_loss_and_gradients(head, train):
     np.testing.assert_allclose(lab.masked_lm_logits, full[name].reshape(-1, cfg.vocab_size)[kept], rtol=1e-12)
 
 
+@pytest.mark.parametrize("head", ["BertForPreTraining", "BertForMaskedLM"])
+@pytest.mark.parametrize("decode", M.MLM_DECODE)
+def test_mlm_rows_padding_gives_the_same_loss_and_gradients(head, decode):
+    """model.mlm_rows = K pads the labelled rows to K (a CUDA graph's fixed shapes): the padded rows decode
+    position 0 with label -100, which the cross-entropy ignores, so the loss and every gradient are the unpadded
+    ones (float64: the same sums, the decoder's GEMM on more rows, ~1e-15 relative); the outputs mark the padding
+    with position -1; more labelled positions than K is refused, naming the argument."""
+    cfg = tiny(head)
+    x = batch(cfg, head)
+    n = int((x["labels"] != -100).sum())
+    runs = {}
+    for rows in (None, n + 3):
+        model = getattr(refbert, head)(cfg, seed=3, dtype=np.float64).train(True)   # dropout on, the same masks
+        model.mlm_decode, model.mlm_rows = decode, rows
+        out = model(**x)
+        runs[rows] = out, model.backward()
+    (plain, g_plain), (padded, g_padded) = runs[None], runs[n + 3]
+    assert float(padded.loss) == pytest.approx(float(plain.loss), rel=1e-12)
+    for k in g_plain:
+        np.testing.assert_allclose(g_padded[k], g_plain[k], rtol=1e-10, atol=1e-13, err_msg=k)
+    if decode == "labelled":
+        np.testing.assert_array_equal(padded.masked_lm_positions[:n], plain.masked_lm_positions)
+        np.testing.assert_array_equal(padded.masked_lm_positions[n:], [-1, -1, -1])
+        assert padded.masked_lm_logits.shape == (n + 3, cfg.vocab_size)
+        np.testing.assert_allclose(padded.masked_lm_logits[:n], plain.masked_lm_logits, rtol=1e-12)
+    model = getattr(refbert, head)(cfg, seed=3, dtype=np.float64)
+    model.mlm_decode, model.mlm_rows = decode, n - 1
+    with pytest.raises(ValueError, match=rf"'labels' expected at most mlm_rows={n - 1} labelled positions .*got {n}"):
+        model(**x)
+
+
 def test_labelled_decode_against_finite_differences():
     cfg = tiny("BertForPreTraining")
     model = refbert.BertForPreTraining(cfg, seed=1, dtype=np.float64)

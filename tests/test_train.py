@@ -279,6 +279,8 @@ def test_argument_errors_come_before_anything_is_written(demo, tmp_path, fails):
         (pretrain_args(demo, y, "--lr", "-1"), "--lr: expected a positive finite learning rate"),
         (pretrain_args(demo, y, "--max-seq-length", "65"), "--max-seq-length: expected at most 64"),
         (pretrain_args(demo, y, "--config", str(cfg300)), "--config: vocab_size 300 does not match"),
+        (pretrain_args(demo, y, "--cuda-graph"), "--cuda-graph: expected --backend cuda (the training step "
+                                                  "captured as a CUDA graph), got --backend numpy"),
         # a vocabulary trained on the corpus first, then refused: it is trained outside --out and removed
         (["pretrain", "--corpus", small, "--config", str(cfg300), "--vocab-size", "400", "--max-seq-length", "32",
           "--out", str(y)], "--config: vocab_size 300 does not match"),

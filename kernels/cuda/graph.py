@@ -33,7 +33,8 @@ kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compar
   outputs   the loss, the gradients and model outputs (`step.output`) are the graph's arrays, overwritten by the
             next replay: copy what you keep (torch.cuda.graphs' rule).
   shapes    a batch whose slots differ in shape from the captured ones (another B or T, another count of labelled
-            positions), or another dloss (the fp16 loss scale), is captured anew (`step.captures` counts them):
+            positions: set model.mlm_rows to pad them to a fixed count, as `refbert pretrain --cuda-graph` does),
+            or another dloss (the fp16 loss scale), is captured anew (`step.captures` counts them):
             the previous graph and all it holds dropped first (close()), as a new StepGraph would start.
   what      CUDA C kernels launched by CuPy, CuPy's own kernels and cuBLAS (through ctypes, blas.py: CuPy's cuBLAS
             wrappers refuse to run during a capture). A Numba launch runs on its own stream
@@ -86,6 +87,11 @@ def _slot_rules(model, batch):
         out[f"{name}"] = flat
         out[f"{name}: labelled positions"] = rows.astype(np.int64)
         out[f"{name}: labels there"] = flat[rows]
+        pad = getattr(model, "mlm_rows", None)
+        if name == "labels" and pad is not None and len(rows) <= pad:   # the MLM rows padded (model.mlm_rows)
+            extra = pad - len(rows)
+            out[f"{name}: labelled positions, padded"] = np.concatenate([rows, np.zeros(extra, np.int64)])
+            out[f"{name}: labels there, padded"] = np.concatenate([flat[rows], np.full(extra, -100, np.int64)])
     return out
 
 
