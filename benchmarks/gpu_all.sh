@@ -26,6 +26,8 @@
 #               --backend cuda --cuda-graph` (each step one CUDA graph replay; eager if the graph is refused)
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
 #               bf16-mixed within 2% of fp32)
+#   s3          the bench's mixed section again under REFBERT_MIXED_ATTENTION=S3 (the attention as csrc/mixed.cu's
+#               tensor-core flash kernels: the spec's roundings, no (B, H, T, T) array), report/bench_s3/
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
@@ -36,7 +38,7 @@
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... (seconds),
-# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench" (a subset). DRY=1:
+# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench s3" (a subset). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, the bench says SKIPPED, train and graphdiag are skipped).
 set -u
@@ -55,9 +57,10 @@ T_CHECK=${T_CHECK:-200}
 T_BENCH=${T_BENCH:-200}                 # preflight (~20 s) + 200 + 200 at worst; ~5.5 minutes as measured
 T_VERIFY=${T_VERIFY:-150}
 T_TRAIN=${T_TRAIN:-150}
+T_S3=${T_S3:-120}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train graphdiag bench"}
+STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -213,6 +216,10 @@ wait
 if wants bench; then
     # shellcheck disable=SC2086
     step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$R/bench" $BENCH_ARGS
+fi
+if wants s3; then       # the mixed step again with the attention as S3's flash kernels (csrc/mixed.cu s3_*)
+    REFBERT_MIXED_ATTENTION=S3 step s3 "$T_S3" "$PY" -m refbert.bench_cuda --out "$R/bench_s3" --repeats 10 \
+        --step 32x128 8x512 --only mixed
 fi
 
 FAILED=$(grep -E "^[a-z]+: rc=" "$SUMMARY" | grep -vc "rc=0,")

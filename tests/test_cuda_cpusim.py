@@ -68,7 +68,7 @@ def test_cpusim_catches_a_wrong_kernel(tmp_path):
     ("cpusim.cuh", "fb[4 + (k >= 8 ? 1 : 0)]", "fb[4 + (k >= 8 ? 0 : 1)]"),
     # the tensor-core backward's B fragment (Y's rows as B's columns) loads its second register from the wrong
     # columns: dq and dk go wrong
-    ("attention_backward.cu", "b[1] = *reinterpret_cast<const u32*>(p + 8);\n}",
+    ("flash_tc.cuh", "b[1] = *reinterpret_cast<const u32*>(p + 8);\n}",
      "b[1] = *reinterpret_cast<const u32*>(p);\n}"),
 ])
 def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):

@@ -265,6 +265,99 @@ def test_whole_model_mixed_equals_the_numpy_spec(mode):
     assert "MODEL OK bf16-mixed" in out and "MODEL OK fp16-mixed" in out, out
 
 
+# S3: the spec's attention as tensor-core flash kernels (csrc/mixed.cu s3_*: mma.sync, on the emulator through
+# cpusim.cuh's emulation). The spec's roundings are the same, the float32 sums' order is not (the tensor cores sum a
+# 16-term chunk, then the next, where NumPy's matmul sums otherwise), so an output can round to the neighbouring
+# compute-dtype value where its float32 value sits near a rounding boundary, and P or dS' can too, moving an output
+# by one such unit of one term. Bound: every output within one compute ulp at its tensor's scale (largest |ref|);
+# observed at most 0.54 of it. And at most 3% of the elements differ at all (observed 1.7% at worst, float16 dk at
+# T = 130): a one-pass flash, rounding exp(s - running max) and rescaling, differs from the spec in ~17% of the
+# forward's outputs at T = 130 (three key tiles), so this bound tells the spec's two-pass forward from it.
+_S3 = """
+    import os
+    import numpy as np
+    from refbert import ops
+    from refbert.philox import DropoutRNG
+    from refbert_kernels.cuda import backend as B, mixed as M, versions as VV
+    H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
+    r = np.random.default_rng(0)
+    for compute in ("bfloat16", "float16"):
+        ulp1 = 2.0 ** (-7 if compute == "bfloat16" else -10)
+        for (Bn, T, Hn, p) in ((2, 37, 2, 0.0), (1, 70, 2, 0.1), (2, 130, 1, 0.2)):   # 1 to 3 key tiles, tails
+            C = Hn * 64
+            q, k, v, dout = (ops.round_compute(r.standard_normal((Bn, T, C)).astype(np.float32), compute)
+                             for _ in range(4))
+            mask = np.zeros((Bn, 1, 1, T), np.float32)
+            mask[-1, ..., T // 2:] = np.finfo(np.float32).min                        # padding, HF style
+            ref, rc = ops.attention_forward_mixed(q, k, v, Hn, mask, p, DropoutRNG(5), True, compute)
+            refs = (ref, *ops.attention_backward_mixed(dout, rc))
+            got, gc = M.attention_forward_s3(*(B.to_device(a) for a in (q, k, v)), Hn, B.to_device(mask), p,
+                                             DropoutRNG(5), True, compute)
+            gots = (got, *M.attention_backward_s3(B.to_device(dout), gc))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), gots, refs):
+                a, b = np.asarray(H(a), np.float64), np.asarray(b, np.float64)
+                assert np.array_equal(ops.round_compute(a.astype(np.float32), compute), a), name  # on the grid
+                err = float(np.abs(a - b).max()) / (ulp1 * float(np.abs(b).max()))
+                frac = float((a != b).mean())
+                assert err <= 1.0 and frac <= 0.03, (compute, T, p, name, err, frac)
+                print("S3", compute, T, p, name, f"{err:.2f} ulp at scale, {frac:.4f} differ", flush=True)
+            # m and l: float32 noise of their own sums
+            assert np.abs(H(gc.m) - rc.m.reshape(-1)).max() <= 1e-5 * (1 + np.abs(rc.m).max())
+            assert (np.abs(H(gc.l) - rc.l.reshape(-1)) / rc.l.reshape(-1)).max() <= 1e-5
+    assert VV.RAN.get(("attention", "bfloat16", "S3")) and VV.RAN.get(("attention", "float16", "S3")), VV.RAN
+    print("S3 OK")
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_attention_s3_flash_equals_the_spec(mode):
+    out = _child(_S3, mode)
+    assert "S3 OK" in out, out
+
+
+_S3_MODEL = """
+    import os
+    os.environ["REFBERT_MIXED_ATTENTION"] = "S3"
+    import numpy as np
+    import refbert
+    from refbert import BertConfig
+    from refbert.model import get_backend, to_numpy
+    from refbert_kernels.cuda import versions as VV
+    B_ = get_backend("cuda")
+    cfg = BertConfig(vocab_size=60, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=16)               # head size 64: S3 applies
+    r = np.random.default_rng(1)
+    ids = r.integers(4, 60, (2, 8))
+    am = np.ones((2, 8), np.int64)
+    am[1, 5:] = 0
+    lab = np.full((2, 8), -100)
+    lab[0, 2], lab[1, 1] = 7, 9
+    x = dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=np.array([0, 1]))
+
+    def run(backend):
+        m = refbert.BertForPreTraining(cfg, seed=4, backend=backend, precision="bf16-mixed").train(True)
+        out = m(**x)
+        return float(out.loss), to_numpy(m.backward())
+
+    lc, gc = run("cuda")
+    ln, gn = run("numpy")
+    assert abs(lc - ln) <= 1e-3 * abs(ln), (lc, ln)
+    worst = max(float(np.abs(np.asarray(gc[k], np.float64) - g).max()) / (2.0 ** -7 * max(float(np.abs(g).max()),
+                                                                                           1e-30))
+                for k, g in gn.items())
+    assert worst <= 2.0, worst                             # the whole model's bound (test_whole_model_...): 2 ulps
+    assert VV.RAN.get(("attention", "bfloat16", "S3")) and not VV.RAN.get(("attention", "bfloat16", "S2")), VV.RAN
+    print("S3 MODEL OK", f"worst gradient {worst:.3f} ulp at its scale")
+"""
+
+
+def test_model_with_s3_attention_equals_the_numpy_spec():
+    """REFBERT_MIXED_ATTENTION=S3: a bf16-mixed training step of a head-size-64 model runs S3 (not S2) and its loss
+    and gradients stay within the whole-model bound of the numpy backend's spec (emulator)."""
+    out = _child(_S3_MODEL, "emu")
+    assert "S3 MODEL OK" in out, out
+
+
 # `refbert pretrain --backend cuda --mixed-precision fp16` (the loss scaler on device arrays), stopped after step 2 and
 # resumed, against the numpy backend's uninterrupted run of the same spec: the same steps, learning rates, loss
 # scales and skipped steps (a step whose gradients overflowed logs grad_norm nan: both runs must skip the same ones;

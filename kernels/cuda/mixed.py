@@ -21,7 +21,10 @@ precision="bf16-mixed")` runs:
                       output) around five batched GEMMs on 16-bit operands; P and dS rounded where a tensor core
                       reads them. It writes the (B, H, T, T) scores to memory: the reference the flash kernels of
                       issue 14 item 4 will be checked against, not one of them. S1: the same steps as array
-                      operations (any array module: the simulator's NumPy).
+                      operations (any array module: the simulator's NumPy). S3 (REFBERT_MIXED_ATTENTION=S3, head
+                      size 64): the same spec as tensor-core flash kernels (csrc/mixed.cu s3_fwd, s3_dkdv, s3_dq),
+                      no (B, H, T, T) array; the forward walks the keys twice so that R(pt) uses the row's final
+                      max as the spec does; opt-in until a GPU has timed it against S2.
     fused ops (K1)    layernorm, residual_layernorm, dropout_residual_layernorm, gelu, bias_gelu: their CUDA C
                       versions (layernorm.cu v2, gelu.cu v1) with the rounding inside (rk: every compute-dtype
                       value rounded as it is loaded, every activation written rounded as it is stored): the
@@ -297,17 +300,23 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
     from .backend import _dev
     mask = _dev(mask)
     if C.on_device(q):
+        if ATTENTION == "S3" and q.shape[-1] == 64 * int(n_heads):
+            return attention_forward_s3(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
         return attention_forward_s2(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
     return attention_forward_s1(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
 
 
 def attention_backward_mixed(dout, cache):
+    if isinstance(cache, S3Cache):
+        return attention_backward_s3(dout, cache)
     if isinstance(cache, S2Cache):
         return attention_backward_s2(dout, cache)
     return attention_backward_s1(dout, cache)
 
 
 def attention_probs_mixed(cache):
+    if isinstance(cache, S3Cache):
+        return attention_probs_s3(cache)
     if isinstance(cache, S2Cache):
         return attention_probs_s2(cache)
     return attention_probs_s1(cache)
@@ -500,6 +509,123 @@ def attention_probs_s2(cache):
     qh, kh, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
     xp = C.xp_of(qh)
     s = gemm_batched(qh, kh, False, True, compute).reshape(B, H, T, T)
+    P = xp.exp(s * np.float32(scale) + mask4 - m.reshape(B, H, T, 1)) / l.reshape(B, H, T, 1)
+    if drop is not None:
+        keep = _dropout_apply(xp.ones(P.shape, F32), drop) != 0
+        P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)
+    return round_compute(xp.ascontiguousarray(P), compute)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention S3: csrc/mixed.cu's tensor-core flash kernels (hs = 64): the spec's roundings exactly, no (B, H, T, T)
+# array, q / k / v / dout rounded into 16-bit storage by round16 first. Chosen by REFBERT_MIXED_ATTENTION=S3 (head
+# size 64, device arrays) until a GPU has timed it against S2; S2 otherwise.
+
+ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3": the flash kernels where they apply
+
+
+class S3Cache(NamedTuple):
+    q: Any           # (B, T, C) R(q), R(k), R(v) in 16-bit storage
+    k: Any
+    v: Any
+    out: Any         # (B, T, C) the compute-dtype output (float32 values), read back for D
+    m: Any           # (B H T,) float32 row max of the scores
+    l: Any           # (B H T,) float32 row sum of exp(s - m)
+    mask4: Any
+    drop: Any
+    scale: float
+    p: float
+    compute: str
+    shape: tuple     # (B, T, H, hs)
+
+
+def _storage16(x, compute):
+    """R(x) in 16-bit storage, (x's shape): round16 (the kernels' __nv_bfloat16 / __half operands). The emulator
+    checks a pointer's dtype: there the bits are viewed as ml_dtypes' bfloat16 or NumPy's float16."""
+    xp = C.xp_of(x)
+    x = xp.ascontiguousarray(x)
+    bits = xp.empty(x.shape, np.uint16)
+    if x.size:
+        _rounding("round16", x.size, (x, np.int64(x.size), _kind(compute), np.int32(0), x, bits), (x, bits), xp)
+    if versions.MODE != "gpu":
+        from ml_dtypes import bfloat16
+        return bits.view(bfloat16 if compute == "bfloat16" else np.float16)
+    return bits
+
+
+def _s3(name, compute, grid, args, xp):
+    from . import cuda_c
+    fn = f"{name}_{'bf16' if compute == 'bfloat16' else 'f16'}"
+    k = cuda_c.kernel("mixed.cu", fn, xp) if cuda_c.RECORD is not None else _kernel(fn, xp)
+    k(grid, (128,), args)
+
+
+def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
+    """S3: the spec's attention forward as one tensor-core flash kernel (csrc/mixed.cu s3_fwd; see above)."""
+    from .attention import _mask4
+    from .dropout import draw
+    xp = C.xp_of(q)
+    B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
+    p = float(dropout_p) if train else 0.0
+    drop = draw(rng, dropout_p, train, "attention") if p > 0 else None
+    q16, k16, v16 = (_storage16(a, compute) for a in (q, k, v))
+    mask4 = xp.ascontiguousarray(_mask4(xp, mask, B, H, T, F32).astype(F32))
+    out = xp.empty((B, T, Cw), F32)
+    m, l = xp.empty(B * H * T, F32), xp.empty(B * H * T, F32)
+    seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
+    rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
+    scale = 1.0 / math.sqrt(hs)
+    if out.size:
+        _s3("s3_fwd", compute, (-(-T // 64), B * H), (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H),
+                                                       np.float32(scale), seed, stream, thresh, _kind(compute),
+                                                       rp, out, m, l), xp)
+    _ran("attention", compute, "S3")
+    return mark(out, compute), S3Cache(q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
+
+
+def attention_backward_s3(dout, cache):
+    """S3: the spec's attention backward as two tensor-core flash kernels (s3_dkdv per key tile, s3_dq per query
+    tile), D by D_v1 as S2."""
+    from .backend import _dev
+    q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, shape = cache
+    xp = C.xp_of(out)
+    B, T, H, hs = shape
+    dout = _dev(dout)
+    C.dout("attention", dout, (B, T, H * hs), F32)
+    dout = xp.ascontiguousarray(dout)
+    rows = B * H * T
+    kp = np.float32(1.0 - p)
+    D = xp.empty(rows, F32)
+    _warps("D_v1", rows, (dout, out, np.int64(rows), np.int32(T), np.int32(H), np.int32(hs), kp, _kind(compute), D),
+           xp)
+    d16 = _storage16(dout, compute)
+    rp = np.float32(1.0) / kp if kp > 0 else np.float32(0.0)
+    g = np.float32(scale) * rp
+    seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
+    dq, dk, dv = (xp.empty((B, T, H * hs), F32) for _ in range(3))
+    common = (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H), np.float32(scale), seed, stream, thresh,
+              _kind(compute), m, l, d16, D)
+    if dq.size:
+        _s3("s3_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv), xp)
+        _s3("s3_dq", compute, (-(-T // 64), B * H), common + (g, dq), xp)
+    return mark(dq, compute), mark(dk, compute), mark(dv, compute)
+
+
+def _values16(a16, compute):
+    """float32 values of 16-bit storage."""
+    bits = a16.view(np.uint16)
+    if compute == "bfloat16":
+        return (bits.astype(np.uint32) << np.uint32(16)).view(F32)
+    return bits.view(np.float16).astype(F32)
+
+
+def attention_probs_s3(cache):
+    """R(keep * P / (1 - p)) (B, H, T, T) from S3's cache (array operations: output_attentions only)."""
+    from .cuda_c import _dropout_apply
+    q16, k16, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
+    xp = C.xp_of(m)
+    qh, kh = (_values16(a, compute).reshape(B, T, H, hs).transpose(0, 2, 1, 3) for a in (q16, k16))
+    s = xp.matmul(qh, kh.transpose(0, 1, 3, 2))
     P = xp.exp(s * np.float32(scale) + mask4 - m.reshape(B, H, T, 1)) / l.reshape(B, H, T, 1)
     if drop is not None:
         keep = _dropout_apply(xp.ones(P.shape, F32), drop) != 0

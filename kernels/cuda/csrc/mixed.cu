@@ -30,6 +30,7 @@ validated against refbert.ops by tests/test_cuda_mixed.py, on the emulator and o
 On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ mixed.cu -o m && ./m
 */
 #include "common.cuh"
+#include "flash_tc.cuh"
 
 // r on the compute grid (r == R(r)) -> its 16-bit storage pattern
 __host__ __device__ __forceinline__ unsigned short bits16(float r, int kind) {
@@ -213,6 +214,317 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v1(
         put(k ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
     }
 }
+
+#ifdef HALF_TYPES
+// ----------------------------------------------------------------------------------------------------------------
+// attention S3: the spec (refbert.ops.attention_forward_mixed / attention_backward_mixed) as tensor-core flash
+// kernels, hs = 64, with no (B, H, T, T) array: q, k, v, dout in 16-bit storage (B, T, C) (round16: R(x) exactly),
+// a CTA of 4 warps per (b, h, 64-row tile), flash_tc.cuh's tiles and fragments. The spec's roundings exactly: the
+// forward walks the keys twice, the first time for the row max alone, so R(pt) = R(exp(s' - m)) with the row's
+// final m as the spec has it (a one-pass flash rescales already-rounded terms); R(P) keep and R(dS') in the
+// backward, packed into 16 bits where a tensor core reads them; out, dq, dk, dv rounded once as they are stored
+// (float32 values on the compute grid, (B, T, C)). What differs from the spec: the order of the float32 sums (the
+// tensor cores', the row sums'), as S2's GEMMs differ too. s' = s scale + mask rounds twice (__fmul_rn, __fadd_rn:
+// never an FMA), as NumPy does.
+
+#define S3_ARGS(T)                                                                                              \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const float *__restrict__ mask,   \
+        long long sb, long long sh, long long si, long long sj, int Tn, int H, float scale, u64 seed,            \
+        u64 stream, u64 thresh, int kind
+
+// s' of score s at (query i, key j): -inf past T; the mask only where both are real (rows past T are computed but
+// never stored)
+__device__ __forceinline__ float s3_score(float s, float scale, const float* mask, long long mb, long long si,
+                                          long long sj, int i, int j, int Tn) {
+    if (j >= Tn) return -INFINITY;
+    const float x = __fmul_rn(s, scale);
+    return mask && i < Tn ? __fadd_rn(x, mask[mb + i * si + j * sj]) : x;
+}
+
+// forward: out = R((sum_j keep R(pt) v_j) (1 / l) rp), m, l per row; grid (ceil(T / 64), B H), block 128
+template <typename T>
+__device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__ out, float* __restrict__ m_out,
+                                       float* __restrict__ l_out) {
+    __shared__ __align__(16) T Ks[2][64 * TC_LD];
+    __shared__ __align__(16) T Vs[2][64 * TC_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
+    const size_t base = (size_t)b * Tn * C + h * 64;
+    const long long mb = b * sb + h * sh;
+    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile, staged, kept as A fragments
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
+    __syncthreads();
+    const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const int ntiles = (Tn + 63) / 64;
+    // pass 1: the row max of s'
+    float mrow[2] = {-INFINITY, -INFINITY};
+    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4];
+        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                mrow[e >> 1] = fmaxf(mrow[e >> 1], s3_score(s[n][e], scale, mask, mb, si, sj, ir[e >> 1],
+                                                            j0 + n * 8 + t4 * 2 + (e & 1), Tn));
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mrow[r] = fmaxf(mrow[r], __shfl_xor_sync(0xffffffffu, mrow[r], 1));
+        mrow[r] = fmaxf(mrow[r], __shfl_xor_sync(0xffffffffu, mrow[r], 2));
+    }
+    // pass 2: pt = exp(s' - m), l = sum pt (dropped ones too), y += keep R(pt) v
+    float y[8][4], lrow[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < 8; n++) y[n][0] = y[n][1] = y[n][2] = y[n][3] = 0.f;
+    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
+    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) {
+            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
+            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4];
+        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1, j = j0 + n * 8 + t4 * 2 + (e & 1);
+                float pt = 0.f;
+                if (j < Tn) {
+                    pt = expf(s3_score(s[n][e], scale, mask, mb, si, sj, ir[r], j, Tn) - mrow[r]);
+                    lrow[r] += pt;
+                    if (!kept(((u64)bh * Tn + ir[r]) * Tn + j, seed, stream, thresh)) pt = 0.f;
+                }
+                s[n][e] = pt;                                 // rounded to 16 bits as the P V operand
+            }
+        tc_acc_times<T>(y, s, Vs[cur], g, t4);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
+        if (ir[r] >= Tn) continue;
+        const float f = __fmul_rn(1.0f / lrow[r], rp);
+        float* op = out + base + (size_t)ir[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            op[n * 8] = round_kind(__fmul_rn(y[n][2 * r], f), kind);
+            op[n * 8 + 1] = round_kind(__fmul_rn(y[n][2 * r + 1], f), kind);
+        }
+        if (t4 == 0) {
+            m_out[(size_t)bh * Tn + ir[r]] = mrow[r];
+            l_out[(size_t)bh * Tn + ir[r]] = lrow[r];
+        }
+    }
+}
+
+// backward pass 1, per 64-key tile: dv = R((sum_i keep R(P) dO_i) rp), dk = R((sum_i R(dS') q_i) g) with
+// P = exp(s' - m) / l and dS' = P (keep dP - D) (D: D_v1's, (1 - p) already in); block 128
+template <typename T>
+__device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
+                                        const T* __restrict__ dout, const float* __restrict__ Dr, float rp, float gq,
+                                        float* __restrict__ dk, float* __restrict__ dv) {
+    __shared__ __align__(16) T Qs[2][64 * TC_LD];
+    __shared__ __align__(16) T Os[2][64 * TC_LD];
+    __shared__ float Ms[2][64], Ls[2][64], Dsm[2][64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
+    const size_t base = (size_t)b * Tn * C + h * 64;
+    const long long mb = b * sb + h * sh;
+    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
+    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 ka[4][4], va[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();
+    float dka[8][4], dva[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+    auto load = [&](int buf, int i0) {
+        tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
+        tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
+        if (tid < 64) {
+            const bool ok = i0 + tid < Tn;
+            Ms[buf][tid] = ok ? m[(size_t)bh * Tn + i0 + tid] : 0.f;
+            Ls[buf][tid] = ok ? l[(size_t)bh * Tn + i0 + tid] : 1.f;
+            Dsm[buf][tid] = ok ? Dr[(size_t)bh * Tn + i0 + tid] : 0.f;
+        }
+    };
+    load(0, 0);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, i0 = it * 64;
+        if (it + 1 < ntiles) load(cur ^ 1, i0 + 64);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
+        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dO^T
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
+                float pk = 0.f, ds = 0.f;
+                if (i < Tn && j < Tn) {
+                    const float P = expf(s3_score(s[n][e], scale, mask, mb, si, sj, i, j, Tn) - Ms[cur][ii]) /
+                                    Ls[cur][ii];
+                    const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
+                    pk = z ? P : 0.f;
+                    ds = __fmul_rn(P, (z ? dp[n][e] : 0.f) - Dsm[cur][ii]);
+                }
+                s[n][e] = pk;
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += (keep R(P))^T dO
+        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += R(dS')^T q
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (jr[r] >= Tn) continue;
+        float* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
+        float* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            kp[n * 8] = round_kind(__fmul_rn(dka[n][2 * r], gq), kind);
+            kp[n * 8 + 1] = round_kind(__fmul_rn(dka[n][2 * r + 1], gq), kind);
+            vp[n * 8] = round_kind(__fmul_rn(dva[n][2 * r], rp), kind);
+            vp[n * 8 + 1] = round_kind(__fmul_rn(dva[n][2 * r + 1], rp), kind);
+        }
+    }
+}
+
+// backward pass 2, per 64-query tile: dq = R((sum_j R(dS') k_j) g); block 128
+template <typename T>
+__device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
+                                      const T* __restrict__ dout, const float* __restrict__ Dr, float gq,
+                                      float* __restrict__ dq) {
+    __shared__ __align__(16) T Ks[2][64 * TC_LD];
+    __shared__ __align__(16) T Vs[2][64 * TC_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
+    const size_t base = (size_t)b * Tn * C + h * 64;
+    const long long mb = b * sb + h * sh;
+    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);
+    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[4][4], oa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();
+    const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    float mi[2], li[2], Di[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const bool ok = ir[r] < Tn;
+        mi[r] = ok ? m[(size_t)bh * Tn + ir[r]] : 0.f;
+        li[r] = ok ? l[(size_t)bh * Tn + ir[r]] : 1.f;
+        Di[r] = ok ? Dr[(size_t)bh * Tn + ir[r]] : 0.f;
+    }
+    float dqa[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
+    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) {
+            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
+            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
+        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dP = dO V^T
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1, j = j0 + n * 8 + t4 * 2 + (e & 1), i = ir[r];
+                float ds = 0.f;
+                if (i < Tn && j < Tn) {
+                    const float P = expf(s3_score(s[n][e], scale, mask, mb, si, sj, i, j, Tn) - mi[r]) / li[r];
+                    const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
+                    ds = __fmul_rn(P, (z ? dp[n][e] : 0.f) - Di[r]);
+                }
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += R(dS') K
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (ir[r] >= Tn) continue;
+        float* qp = dq + base + (size_t)ir[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            qp[n * 8] = round_kind(__fmul_rn(dqa[n][2 * r], gq), kind);
+            qp[n * 8 + 1] = round_kind(__fmul_rn(dqa[n][2 * r + 1], gq), kind);
+        }
+    }
+}
+
+#define S3_CALL q, k, v, mask, sb, sh, si, sj, Tn, H, scale, seed, stream, thresh, kind
+#define INST_S3(T, NAME)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) s3_fwd_##NAME(S3_ARGS(T), float rp, float* out, float* m,  \
+                                                                    float* l) {                                 \
+        s3_fwd<T>(S3_CALL, rp, out, m, l);                                                                      \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) s3_dkdv_##NAME(S3_ARGS(T), const float* m, const float* l, \
+                                                                     const T* dout, const float* Dr, float rp,   \
+                                                                     float gq, float* dk, float* dv) {           \
+        s3_dkdv<T>(S3_CALL, m, l, dout, Dr, rp, gq, dk, dv);                                                    \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) s3_dq_##NAME(S3_ARGS(T), const float* m, const float* l,   \
+                                                                   const T* dout, const float* Dr, float gq,     \
+                                                                   float* dq) {                                 \
+        s3_dq<T>(S3_CALL, m, l, dout, Dr, gq, dq);                                                              \
+    }
+INST_S3(__nv_bfloat16, bf16)
+INST_S3(__half, f16)
+#endif  // HALF_TYPES
 
 #ifdef HOST_CODE
 // the reference: the same bit tricks on the host (round_bf16 / round_f16 are __host__ too), checked here against
