@@ -87,5 +87,5 @@ def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
                             "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(main), "-o", str(exe)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)   # T = 20: one tile, a tail
     assert run.returncode != 0 and "mismatch" in run.stdout, run.stdout[-3000:]

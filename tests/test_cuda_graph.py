@@ -234,7 +234,7 @@ _PRETRAIN = """
     n = len((d / "tok" / "vocab.txt").read_text().splitlines())
     BertConfig(vocab_size=n, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                max_position_embeddings=8).to_json_file(str(d / "config.json"))   # head size 64: CUDA C attention
-    for precision in ("no", "bf16"):
+    for precision in ("bf16",):
         base = ["pretrain", "--corpus", str(d / "corpus.txt"), "--vocab", str(d / "tok" / "vocab.txt"),
                 "--config", str(d / "config.json"), "--max-seq-length", "8", "--batch-size", "2", "--steps", "3",
                 "--max-predictions", "3", "--lr", "1e-3", "--save-every", "3", "--backend", "cuda",
@@ -250,20 +250,21 @@ _PRETRAIN = """
 
 def test_pretrain_cuda_graph_equals_the_eager_run(tmp_path):
     """`refbert pretrain --backend cuda --cuda-graph` (emulator: the replay's host half, eagerly through the slots)
-    against the same command without the flag, in fp32 and bf16-mixed, 3 steps: one capture for every batch (the
+    against the same command without the flag, bf16-mixed (the fp32 graph: test_replay_equals_the_eager_step), 3
+    steps: one capture for every batch (the
     masked positions padded to batch size x --max-predictions: model.mlm_rows), the same log. Tolerance: the graph
     run decodes the padded rows (6 instead of n, the extra ones ignored by the loss), so the decoder's float32 GEMM
     has another shape; its sums can round apart by ~1e-7 relative, and training carries that into the next steps
     (the losses within 1e-5 relative + the log's 6 decimals; accuracies and the schedule exactly)."""
     out = _child(_PRETRAIN.replace("{tmp!r}", repr(str(tmp_path))), "emu")
     assert "MODE emu" in out, out
-    assert out.count("CUDA graph: 1 capture(s), 3 replays") == 2, out     # one capture: every batch the same shapes
+    assert out.count("CUDA graph: 1 capture(s), 3 replays") == 1, out     # one capture: every batch the same shapes
     logs = {}
     for line in out.splitlines():
         if line.startswith("LOG "):
             _, precision, name, rows = line.split(" ", 3)
             logs[precision, name] = __import__("json").loads(rows)
-    for precision in ("no", "bf16"):
+    for precision in ("bf16",):
         eager, graph = logs[precision, "eager"], logs[precision, "graph"]
         assert len(eager) == len(graph) == 3
         for e, g in zip(eager, graph):

@@ -283,7 +283,7 @@ _S3 = """
     r = np.random.default_rng(0)
     for compute in ("bfloat16", "float16"):
         ulp1 = 2.0 ** (-7 if compute == "bfloat16" else -10)
-        for (Bn, T, Hn, p) in ((2, 37, 2, 0.0), (1, 70, 2, 0.1), (2, 130, 1, 0.2)):   # 1 to 3 key tiles, tails
+        for (Bn, T, Hn, p) in ((2, 37, 2, 0.0), (2, 130, 1, 0.2)):   # 1 and 3 key tiles, tails, dropout
             C = Hn * 64
             q, k, v, dout = (ops.round_compute(r.standard_normal((Bn, T, C)).astype(np.float32), compute)
                              for _ in range(4))
