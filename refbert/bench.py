@@ -70,8 +70,9 @@ def add_arguments(p):
     p.add_argument("--quick", action="store_true",
                    help="tooling check: few repeats, small bench shapes, step: mini at B2 T64, memory: T 128 256 "
                         "(the numbers are noise)")
-    p.add_argument("--only", nargs="+", choices=["kernels", "step", "memory", "precision"],
-                   help="run only these sections (precision: with --device cuda, the reduced-precision study)")
+    p.add_argument("--only", nargs="+", choices=["kernels", "step", "memory", "precision", "mixed", "profile"],
+                   help="run only these sections (precision: with --device cuda, the reduced-precision study; "
+                        "mixed, profile: --device cuda only, the mixed-precision step and the torch.profiler table)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}, or {DEFAULT_OUT}/quick with --quick)")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), help="step sizes (default mini base; --quick: mini)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 10 kernels, 7 step)")

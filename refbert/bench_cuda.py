@@ -787,6 +787,12 @@ def run_step(args, timer):
 MIXED = (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))     # precision, torch.autocast dtype
 
 
+def _mixed(args):
+    """MIXED, or its one row that `refbert bench --device cuda --mixed-precision bf16 | fp16` asks for (args.mixed)."""
+    want = getattr(args, "mixed", None)
+    return [m for m in MIXED if want is None or m[0] == want]
+
+
 def graph_row(timer, args, ours, x, base, name, floor, peer_ms, peer_key, **extra):
     """The step of `ours` captured as a CUDA graph (refbert_kernels.cuda.graph.StepGraph): validated before it is
     timed by StepGraph's own check, its first replay against the eager step at the same dropout position (a
@@ -879,7 +885,7 @@ def run_mixed(args, timer):
         tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()} if hf is not None else None
         ours.precision = "fp32"
         l32 = float(ours.eval()(**x).loss)
-        for precision, dtype in MIXED:
+        for precision, dtype in _mixed(args):
             hf_ms = None
             if hf is not None:
                 with torch.no_grad(), torch.autocast("cuda", dtype=getattr(torch, dtype)):
@@ -1038,7 +1044,7 @@ def run_profile(args, models, steps=3):
         graphs[precision](**x, mlm_decode="all")
     runs["refbert cuda fp32 (all) + CUDA graph"] = lambda: graph_step("fp32")
     if "mixed" in (args.only or ["mixed"]):
-        for precision, _ in MIXED:
+        for precision, _ in _mixed(args):
             runs[f"refbert cuda {precision} (all)"] = lambda: (ours(**x, mlm_decode="all"), ours.backward())
             precisions[f"refbert cuda {precision} (all)"] = precision
         runs["refbert cuda bf16-mixed (all) + CUDA graph"] = lambda: graph_step("bf16-mixed")
@@ -1226,7 +1232,7 @@ def main(args=None):
         args = parse(args)
     for key, default in (("quick", False), ("only", None), ("out", None), ("repeats", None), ("kernels", None),
                          ("validate_dtypes", ["float32", "float16"]), ("attention_T", None), ("step", None),
-                         ("step_T", None), ("no_torch", False), ("no_plot", False)):
+                         ("step_T", None), ("no_torch", False), ("no_plot", False), ("mixed", None)):
         if not hasattr(args, key):
             setattr(args, key, default)
     args = defaults(args)

@@ -251,12 +251,16 @@ def run(args):
         return 0
     if c == "bench":
         if args.device == "cuda":
-            if args.mixed_precision != "no":
-                raise ValueError("bench: --mixed-precision with --device cuda expected the GPU's 16-bit kernels, "
-                                 "which are not built yet (issue 14, items 3-4); on the CPU, --device cpu runs the "
-                                 "spec")
+            if args.mixed_precision != "no":       # the mixed section (unless --only says otherwise), that precision
+                from .mixed import FLAGS
+                args.mixed = FLAGS[args.mixed_precision]
+                args.only = getattr(args, "only", None) or ["mixed"]
             from . import bench_cuda
             return bench_cuda.main(args)
+        gpu_only = [x for x in (getattr(args, "only", None) or []) if x in ("mixed", "profile")]
+        if gpu_only:
+            raise ValueError(f"bench: --only {' '.join(gpu_only)} expected --device cuda (sections of the GPU "
+                             f"bench), got --device cpu")
         from . import bench
         return bench.main(args)
     from . import inference, train

@@ -223,3 +223,21 @@ def test_step_md_flags_a_floor_that_changed_between_modes():
     md = "\n".join(bench._step_md(dict(unavailable={}, products={}, results=[result("eval", 963.0),
                                                                              result("train", 40.0)])))
     assert "Unsteady machine: the GEMM floor, the same products in eval and in train, took 963.0 ms and 40.0 ms" in md
+
+
+def test_bench_device_cuda_mixed_precision_runs_the_mixed_section(monkeypatch):
+    """`refbert bench --device cuda --mixed-precision bf16` hands the GPU bench its mixed-precision section with
+    that precision alone (bench_cuda._mixed); the bench itself is replaced here (no GPU)."""
+    from refbert import bench_cuda
+    seen = []
+    monkeypatch.setattr(bench_cuda, "main", lambda args: seen.append(args) or 0)
+    assert cli.main(["bench", "--device", "cuda", "--mixed-precision", "bf16"]) == 0
+    assert seen[-1].only == ["mixed"] and seen[-1].mixed == "bf16-mixed"
+    assert [p for p, _ in bench_cuda._mixed(seen[-1])] == ["bf16-mixed"]
+    assert cli.main(["bench", "--device", "cuda", "--mixed-precision", "fp16"]) == 0
+    assert [p for p, _ in bench_cuda._mixed(seen[-1])] == ["fp16-mixed"]
+    assert cli.main(["bench", "--device", "cuda"]) == 0
+    assert getattr(seen[-1], "mixed", None) is None and len(bench_cuda._mixed(seen[-1])) == 2
+    assert cli.main(["bench", "--device", "cuda", "--only", "step", "mixed"]) == 0      # the README's line
+    assert seen[-1].only == ["step", "mixed"]
+    assert cli.main(["bench", "--only", "mixed"]) == 2                                  # a GPU section on the CPU

@@ -138,6 +138,8 @@ _BASE = """
         step = G.StepGraph(m)
         for i in range(2):
             step(**batch(8, 128, cfg.vocab_size, seed=i))
+        spans = [(int(d.data.ptr), int(d.nbytes)) for d, _ in step.slots]     # no slot shares the step's memory
+        assert all(p + n <= q or q + m <= p for p, n in spans for q, m in step._allocs), (spans, step._allocs)
         print(precision, "checked", step.checked, flush=True)
         assert step.captures == 1 and step.checked[0] == 0.0, step.checked    # bit for bit (see the module doc)
         step.close()
