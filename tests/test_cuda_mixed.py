@@ -315,6 +315,42 @@ def test_attention_s3_flash_equals_the_spec(mode):
     assert "S3 OK" in out, out
 
 
+_MARKED = """
+    import numpy as np
+    from refbert import ops
+    from refbert.mixed import mark
+    from refbert_kernels.cuda import backend as B, mixed as M
+    H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
+    r = np.random.default_rng(2)
+    calls = []
+    operand = M.operand
+    M.operand = lambda x, compute, want32=False: (calls.append(want32), operand(x, compute, want32))[1]
+    for compute in ("bfloat16", "float16"):
+        x = B.to_device(ops.round_compute(r.standard_normal((3, 5, 8)).astype(np.float32), compute))
+        w = B.to_device(r.standard_normal((12, 8)).astype(np.float32))
+        b = B.to_device(r.standard_normal(12).astype(np.float32))
+        _, cache = M.linear_forward_mixed(x, w, b, compute)
+        d = ops.round_compute(r.standard_normal((3, 5, 12)).astype(np.float32), compute)   # on the grid
+        calls.clear()
+        plain = M.linear_backward_mixed(B.to_device(d), cache)                 # not marked: R(dout) made anew
+        assert calls == [True], calls
+        calls.clear()
+        marked = M.linear_backward_mixed(mark(B.to_device(d), compute), cache)  # marked: its own R(dout)
+        assert calls == [False], calls
+        for a, c in zip(plain, marked):                                         # the same bits either way
+            assert np.array_equal(H(a).view(np.uint32), H(c).view(np.uint32))
+    print("MARKED OK")
+"""
+
+
+def test_linear_backward_reads_a_marked_dout_as_its_own_rounding():
+    """linear_backward_mixed with a dout a mixed op wrote (marked: on the compute grid) makes only its 16-bit operand
+    (no float32 copy R(dout) for the bias sums), and gives the same dx, dw, db bits as with the same values
+    unmarked (emulator)."""
+    out = _child(_MARKED, "emu")
+    assert "MARKED OK" in out, out
+
+
 _S3_MODEL = """
     import os
     os.environ["REFBERT_MIXED_ATTENTION"] = "S3"

@@ -233,7 +233,9 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
 
 
 def linear_backward_mixed(dout, cache):
-    """dx = R(R(dout2) @ R(w)), dw = R(dout2)^T @ R(x2) (float32), db = column sums of R(dout2) (float32)."""
+    """dx = R(R(dout2) @ R(w)), dw = R(dout2)^T @ R(x2) (float32), db = column sums of R(dout2) (float32). A dout
+    that a mixed op wrote (refbert.mixed.mark: on the grid) is its own R(dout2) for db: only its 16-bit operand is
+    made."""
     from .backend import _dev, column_sum
     if not isinstance(cache, LinearCache):
         raise ValueError(f"linear: argument 'cache' expected the cache of the cuda backend's linear_forward_mixed, "
@@ -241,7 +243,11 @@ def linear_backward_mixed(dout, cache):
     x16, w16, has_b, shape, compute = cache
     dout = _dev(dout)
     C.dout("linear", dout, (*shape[:-1], w16.shape[0]), F32)
-    d32, d16 = operand(dout.reshape(-1, w16.shape[0]), compute, want32=has_b)
+    dout2 = dout.reshape(-1, w16.shape[0])
+    if has_b and on_grid(dout, compute) and C.on_device(dout):
+        d32, d16 = dout2, operand(dout2, compute)[1]     # R(dout) is dout (a mixed op's output): no float32 copy
+    else:
+        d32, d16 = operand(dout2, compute, want32=has_b)
     dx = mark(_round_(gemm(d16, w16, False, False, compute), compute).reshape(shape), compute)
     dw = gemm(d16, x16, True, False, compute)
     return (dx, dw, column_sum(d32)) if has_b else (dx, dw)
