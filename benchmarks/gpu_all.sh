@@ -85,7 +85,7 @@ finish() {          # the report: one tarball and the files worth reading at onc
              bench/cuda_order.json; do
         [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"
     done
-    [ -f "$R/mains.log" ] && grep -E "^==|FAILED|mismatch|every version ok|TFLOP|GB/s| ms" "$R/mains.log" > "$OUT/mains.txt"
+    [ -f "$R/mains.log" ] && grep -E "^==|FAILED|mismatch|every version ok|bit for bit|skipped|TFLOP|GB/s| ms" "$R/mains.log" > "$OUT/mains.txt"
     tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$R" "$PKGS"
     echo "report: $(ls "$OUT" | tr '\n' ' ')"
 }
@@ -167,7 +167,7 @@ mains() {
     local dir="$R/mains" rc=0 src
     mkdir -p "$dir"
     local cc="nvcc -O3 -arch=sm_90 -std=c++17"
-    [ -n "${DRY:-}" ] && cc="g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++"
+    [ -n "${DRY:-}" ] && cc="g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -DCPUSIM_HALF -x c++"
     ls kernels/cuda/csrc/*.cu | xargs -P 9 -I{} sh -c \
         "$cc"' -Ikernels/cuda/csrc -o "$0/$(basename {} .cu)" {} > "$0/$(basename {} .cu).build" 2>&1' "$dir"
     for src in kernels/cuda/csrc/*.cu; do
