@@ -266,8 +266,9 @@ def test_whole_model_mixed_equals_the_numpy_spec(mode):
 
 
 # S3: the spec's attention as tensor-core flash kernels (csrc/mixed.cu s3_*: mma.sync, on the emulator through
-# cpusim.cuh's emulation). The spec's roundings are the same, the float32 sums' order is not (the tensor cores sum a
-# 16-term chunk, then the next, where NumPy's matmul sums otherwise), so an output can round to the neighbouring
+# cpusim.cuh's emulation). The spec's rounding sites are the same, the float32 sums are not (the tensor cores sum a
+# 16-term chunk, then the next, where NumPy's matmul sums otherwise; on a GPU also the tensor cores' own accumulation
+# and expf's last bits), so an output can round to the neighbouring
 # compute-dtype value where its float32 value sits near a rounding boundary, and P or dS' can too, moving an output
 # by one such unit of one term. Bound: every output within one compute ulp at its tensor's scale (largest |ref|);
 # observed at most 0.54 of it. And at most 3% of the elements differ at all (observed 1.7% at worst, float16 dk at

@@ -523,8 +523,9 @@ def attention_probs_s2(cache):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# attention S3: csrc/mixed.cu's tensor-core flash kernels (hs = 64): the spec's roundings exactly, no (B, H, T, T)
-# array, q / k / v / dout rounded into 16-bit storage by round16 first. Chosen by REFBERT_MIXED_ATTENTION=S3 (head
+# attention S3: csrc/mixed.cu's tensor-core flash kernels (hs = 64): the spec's rounding sites (float32 noise apart:
+# sum order, the tensor cores' accumulation, exp's last bits, as S2), no (B, H, T, T) array, q / k / v / dout
+# rounded into 16-bit storage by round16 first. Chosen by REFBERT_MIXED_ATTENTION=S3 (head
 # size 64, device arrays) until a GPU has timed it against S2; S2 otherwise.
 
 ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3": the flash kernels where they apply

@@ -166,6 +166,9 @@ __device__ __forceinline__ float keep_z(u64 e, u64 seed, u64 stream, u64 thresh,
 // it: exp(x - m) with x <= PAD_MIN + scale q.k and m far above is 0 in float32 (for scores below 1e29 in size), the
 // max does not move. Only for masks constant along the queries (si == 0: BERT's (B, 1, 1, T) padding mask), where a
 // tile's 64 keys decide it. Every thread of the block calls it (a barrier); 64 keys from j0, keys past T padding.
+// Limits: a float16 model's mask (finfo(float16).min = -65504) is above PAD_MIN, so its tiles are not skipped
+// (exactness would need a bound on the scores); and a skipped tile's K / V are never read, so an inf or NaN there
+// does not reach the output as it would without the skip (0 * inf).
 #define PAD_MIN (-1e30f)
 #ifdef CPUSIM
 inline std::atomic<long long> cpusim_skipped_tiles{0};   // the mains print it: the skip is taken, not only written

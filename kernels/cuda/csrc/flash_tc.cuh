@@ -12,8 +12,8 @@ constexpr int TC_LD = 64 + 8;     // shared tile rows padded by 16 bytes: fragme
 template <typename T>
 __device__ __forceinline__ void tc_load_tile(T* dst, const T* src, int r0, int Tn, int C, int tid) {
 #pragma unroll
-    for (int c = tid; c < 64 * 8; c += 128) {
-        const int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
+    for (int u = 0; u < 4; u++) {                              // (a fixed trip count: unrolled whole)
+        const int c = tid + 128 * u, r = c >> 3, col = (c & 7) * 8, row = r0 + r;
         const bool ok = row < Tn;
         cp_async16(dst + r * TC_LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
     }

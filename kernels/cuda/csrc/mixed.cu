@@ -219,13 +219,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v1(
 // ----------------------------------------------------------------------------------------------------------------
 // attention S3: the spec (refbert.ops.attention_forward_mixed / attention_backward_mixed) as tensor-core flash
 // kernels, hs = 64, with no (B, H, T, T) array: q, k, v, dout in 16-bit storage (B, T, C) (round16: R(x) exactly),
-// a CTA of 4 warps per (b, h, 64-row tile), flash_tc.cuh's tiles and fragments. The spec's roundings exactly: the
+// a CTA of 4 warps per (b, h, 64-row tile), flash_tc.cuh's tiles and fragments. The spec's rounding sites: the
 // forward walks the keys twice, the first time for the row max alone, so R(pt) = R(exp(s' - m)) with the row's
 // final m as the spec has it (a one-pass flash rescales already-rounded terms); R(P) keep and R(dS') in the
 // backward, packed into 16 bits where a tensor core reads them; out, dq, dk, dv rounded once as they are stored
-// (float32 values on the compute grid, (B, T, C)). What differs from the spec: the order of the float32 sums (the
-// tensor cores', the row sums'), as S2's GEMMs differ too. s' = s scale + mask rounds twice (__fmul_rn, __fadd_rn:
-// never an FMA), as NumPy does.
+// (float32 values on the compute grid, (B, T, C)). What differs from the spec is float32 noise, as in S2: the order
+// of the sums (the tensor cores', the row sums'), the tensor cores' own accumulation (not an IEEE add per term),
+// and the last bits of exp (CUDA's expf and NumPy's are both within ~2 ulp, not correctly rounded), each able to
+// move a value across a compute-dtype rounding boundary. s' = s scale + mask rounds twice (__fmul_rn, __fadd_rn:
+// never an FMA), P divides by l, out multiplies by (1 / l) rp: as NumPy does.
 
 #define S3_ARGS(T)                                                                                              \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const float *__restrict__ mask,   \
