@@ -344,6 +344,35 @@ _MARKED = """
 """
 
 
+_ROWS = """
+    import os
+    os.environ["REFBERT_CUDA_CHECKS"] = "1"
+    import numpy as np
+    from refbert import ops
+    from refbert_kernels.cuda import backend as B, mixed as M
+    r = np.random.default_rng(3)
+    q, k, v = (ops.round_compute(r.standard_normal((1, 5, 64)).astype(np.float32), "bfloat16") for _ in range(3))
+    bad = {"an entirely -inf row": np.full((1, 1, 1, 5), -np.inf, np.float32),
+           "a NaN score": np.where(np.arange(5) == 2, np.nan, 0.0).astype(np.float32).reshape(1, 1, 1, 5)}
+    for name, fwd in (("S2", M.attention_forward_s2), ("S3", M.attention_forward_s3)):
+        for what, mask in bad.items():
+            try:
+                fwd(*(B.to_device(a) for a in (q, k, v)), 1, B.to_device(mask), 0.0, None, True, "bfloat16")
+            except ValueError as e:
+                print("ERR", name, what, e)
+            else:
+                print("NO ERROR", name, what)
+"""
+
+
+def test_s2_s3_refuse_a_row_without_a_finite_max_as_the_spec_does():
+    """With REFBERT_CUDA_CHECKS=1 (the device read back), S2 and S3 raise the spec's ValueError for a row that is all
+    -inf or has a NaN score, as refbert.ops.attention_forward_mixed does (emulator)."""
+    out = _child(_ROWS, "emu")
+    assert "NO ERROR" not in out, out
+    assert out.count("ERR S") == 4 and out.count("expected every row to have a finite maximum score") == 4, out
+
+
 def test_linear_backward_reads_a_marked_dout_as_its_own_rounding():
     """linear_backward_mixed with a dout a mixed op wrote (marked: on the compute grid) makes only its 16-bit operand
     (no float32 copy R(dout) for the bias sums), and gives the same dx, dw, db bits as with the same values

@@ -328,6 +328,16 @@ def attention_probs_mixed(cache):
     return attention_probs_s1(cache)
 
 
+def _check_rows(m, l=None):
+    """The spec's error for a row without a finite maximum score (refbert.ops.attention_forward_mixed): on host
+    arrays always, on device arrays under REFBERT_CUDA_CHECKS=1 (a read back). The kernels' row max skips a NaN
+    score (fmaxf), which then shows in the row sum l: both are checked."""
+    xp = C.xp_of(m)
+    if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and (l is None or bool(xp.isfinite(l).all()))):
+        raise ValueError("attention: argument 'q' (with 'mask') expected every row to have a finite maximum score, "
+                         "got a row that is entirely -inf, or a NaN/+inf score")
+
+
 def attention_forward_s1(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
     """S1: refbert.ops.attention_forward_mixed's steps as array operations (see there for the arithmetic)."""
     xp = C.xp_of(q)
@@ -339,9 +349,7 @@ def attention_forward_s1(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     qh, kh, vh = heads(q), heads(k), heads(v)
     s = _scores(qh, kh, scale, mask)                                  # (B, H, T, T) float32
     m = s.max(-1, keepdims=True)
-    if C.checks_on(m) and not bool(xp.isfinite(m).all()):
-        raise ValueError("attention: argument 'q' (with 'mask') expected every row to have a finite maximum score, "
-                         "got a row that is entirely -inf, or a NaN/+inf score")
+    _check_rows(m)
     pt = xp.exp(s - m)
     l = pt.sum(-1, keepdims=True)                                     # (B, H, T, 1)
     p = float(dropout_p) if train else 0.0
@@ -471,6 +479,7 @@ def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     _warps("attn_rows_fwd_v1", rows, (s, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
                                       np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh, _kind(compute),
                                       np.int32(as16), P32, P16, m, l), xp)
+    _check_rows(m, l)
     O = gemm_batched(P16 if as16 else P32, vh, False, False, compute)  # (B H, T, hs) float32
     rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
     out = _merge(O, shape, l, rp, compute, xp)
@@ -586,6 +595,7 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
         _s3("s3_fwd", compute, (-(-T // 64), B * H), (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H),
                                                        np.float32(scale), seed, stream, thresh, _kind(compute),
                                                        rp, out, m, l), xp)
+    _check_rows(m, l)
     _ran("attention", compute, "S3")
     return mark(out, compute), S3Cache(q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
 
