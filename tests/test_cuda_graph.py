@@ -16,9 +16,13 @@ anew (and still equal); without the shift the replays repeat the capture's dropo
 catches it (the negative control: the test can fail); a step that would run a Numba kernel (not capturable) is
 refused, naming the op; a step whose capture copies otherwise than its warm-up is refused.
 """
+import json
+
 import pytest
 
+from refbert.config import BertConfig
 from test_cuda_mixed import _child
+from test_cuda_train_sim import tiny  # noqa: F401  (the fixture: a corpus and its vocabulary)
 
 _STEPS = """
     import numpy as np
@@ -221,57 +225,47 @@ def test_refusals_name_what_is_wrong():
 
 
 _PRETRAIN = """
-    import csv, json, random, sys
+    import csv, json
     from pathlib import Path
     from refbert import cli
-    from refbert.config import BertConfig
     from refbert_kernels.cuda import backend as K
-    d = Path(sys.argv[1]) if len(sys.argv) > 1 else Path({tmp!r})
-    words = "the cat dog sat ran on a mat big red sun hot day cold night sky blue".split()
-    r = random.Random(0)
-    docs = ["\\n".join(" ".join(r.choice(words) for _ in range(r.randint(3, 4))) + "." for _ in range(3))
-            for _ in range(8)]
-    (d / "corpus.txt").write_text("\\n\\n".join(docs) + "\\n")
-    assert cli.main(["vocab", str(d / "corpus.txt"), "--out", str(d / "tok"), "--vocab-size", "60"]) == 0
-    n = len((d / "tok" / "vocab.txt").read_text().splitlines())
-    BertConfig(vocab_size=n, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               max_position_embeddings=8).to_json_file(str(d / "config.json"))   # head size 64: CUDA C attention
-    for precision in ("bf16",):
-        base = ["pretrain", "--corpus", str(d / "corpus.txt"), "--vocab", str(d / "tok" / "vocab.txt"),
-                "--config", str(d / "config.json"), "--max-seq-length", "8", "--batch-size", "2", "--steps", "3",
-                "--max-predictions", "3", "--lr", "1e-3", "--save-every", "3", "--backend", "cuda",
-                "--mixed-precision", precision]
-        assert cli.main(base + ["--out", str(d / f"eager-{precision}")]) == 0
-        assert cli.main(base + ["--out", str(d / f"graph-{precision}"), "--cuda-graph"]) == 0
-        for name in ("eager", "graph"):
-            rows = list(csv.DictReader(open(d / f"{name}-{precision}" / "log.csv")))
-            print("LOG", precision, name, json.dumps(rows), flush=True)
+    d = Path({tmp!r})                                   # the tiny fixture's corpus and vocabulary, a hs-64 config
+    base = ["pretrain", "--corpus", str(d / "corpus.txt"), "--vocab", str(d / "tok" / "vocab.txt"),
+            "--config", str(d / "config64.json"), "--max-seq-length", "8", "--batch-size", "2", "--steps", "3",
+            "--max-predictions", "3", "--lr", "1e-3", "--save-every", "3", "--backend", "cuda",
+            "--mixed-precision", "bf16"]
+    assert cli.main(base + ["--out", str(d / "eager")]) == 0
+    assert cli.main(base + ["--out", str(d / "graph"), "--cuda-graph"]) == 0
+    for name in ("eager", "graph"):
+        print("LOG", name, json.dumps(list(csv.DictReader(open(d / name / "log.csv")))), flush=True)
     print("MODE", K.MODE)
 """
 
 
-def test_pretrain_cuda_graph_equals_the_eager_run(tmp_path):
+def test_pretrain_cuda_graph_equals_the_eager_run(tiny):
     """`refbert pretrain --backend cuda --cuda-graph` (emulator: the replay's host half, eagerly through the slots)
     against the same command without the flag, bf16-mixed (the fp32 graph: test_replay_equals_the_eager_step), 3
-    steps: one capture for every batch (the
-    masked positions padded to batch size x --max-predictions: model.mlm_rows), the same log. Tolerance: the graph
-    run decodes the padded rows (6 instead of n, the extra ones ignored by the loss), so the decoder's float32 GEMM
-    has another shape; its sums can round apart by ~1e-7 relative, and training carries that into the next steps
-    (the losses within 1e-5 relative + the log's 6 decimals; accuracies and the schedule exactly)."""
-    out = _child(_PRETRAIN.replace("{tmp!r}", repr(str(tmp_path))), "emu")
+    steps: one capture for every batch (the masked positions padded to batch size x --max-predictions:
+    model.mlm_rows), the same log. Tolerance: the graph run decodes the padded rows (6 instead of n, the extra ones
+    ignored by the loss), so the decoder's float32 GEMM has another shape; its sums can round apart by ~1e-7
+    relative, and training carries that into the next steps (the losses within 1e-5 relative + the log's 6
+    decimals; accuracies and the schedule exactly)."""
+    n = len((tiny / "tok" / "vocab.txt").read_text().splitlines())
+    BertConfig(vocab_size=n, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=8).to_json_file(str(tiny / "config64.json"))   # head size 64: CUDA C attention
+    out = _child(_PRETRAIN.replace("{tmp!r}", repr(str(tiny))), "emu")
     assert "MODE emu" in out, out
     assert out.count("CUDA graph: 1 capture(s), 3 replays") == 1, out     # one capture: every batch the same shapes
     logs = {}
     for line in out.splitlines():
         if line.startswith("LOG "):
-            _, precision, name, rows = line.split(" ", 3)
-            logs[precision, name] = __import__("json").loads(rows)
-    for precision in ("bf16",):
-        eager, graph = logs[precision, "eager"], logs[precision, "graph"]
-        assert len(eager) == len(graph) == 3
-        for e, g in zip(eager, graph):
-            assert {k: e[k] for k in ("step", "epoch", "lr", "mlm_acc", "nsp_acc")} == \
-                {k: g[k] for k in ("step", "epoch", "lr", "mlm_acc", "nsp_acc")}, (precision, e, g)
-            for k in ("loss", "mlm_loss", "nsp_loss"):
-                a, b = float(g[k]), float(e[k])
-                assert abs(a - b) <= 1e-5 * abs(b) + 2e-6, (precision, e["step"], k, a, b)
+            _, name, rows = line.split(" ", 2)
+            logs[name] = json.loads(rows)
+    eager, graph = logs["eager"], logs["graph"]
+    assert len(eager) == len(graph) == 3
+    exact = ("step", "epoch", "lr", "mlm_acc", "nsp_acc")
+    for e, g in zip(eager, graph):
+        assert {k: e[k] for k in exact} == {k: g[k] for k in exact}, (e, g)
+        for k in ("loss", "mlm_loss", "nsp_loss"):
+            a, b = float(g[k]), float(e[k])
+            assert abs(a - b) <= 1e-5 * abs(b) + 2e-6, (e["step"], k, a, b)
