@@ -21,7 +21,8 @@ kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C v
          TFLOP/s (4 B H T^2 hs forward, 2.5x that backward). PyTorch peers on the same inputs (zero-copy through
          DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
          without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times
-         order each op's versions: cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it).
+         order each op's versions: cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it; the
+         sections after it in the same run use it, unless REFBERT_CUDA_ORDER was set already).
 step     one BertForPreTraining training step (forward + backward; train mode, dropout 0.1, MLM + NSP loss) at
          base size and training batches (--step, default B=32 T=128 and B=8 T=512: 4096 tokens each), float32 with
          TF32 off on both sides: refbert backend="cuda" with HF's full logits (mlm_decode "all") and with its labelled
@@ -1277,6 +1278,10 @@ def main(args=None):
             VV.write_order(path, device, timings)
             paths.append(path)
             print(f"  measured order: REFBERT_CUDA_ORDER={path} makes the backend use it", flush=True)
+            if not os.environ.get("REFBERT_CUDA_ORDER"):   # the rest of this run uses it (a user's own order stays)
+                os.environ["REFBERT_CUDA_ORDER"] = path
+                VV.CHOSEN.clear()
+                print("  the sections below run the measured order", flush=True)
     if "precision" in sections:
         print("== precision", flush=True)              # the same study as `refbert check --device cuda`
         from . import precision

@@ -61,6 +61,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
                                      dict(B=1, T=70, H=2, hs=64, mask="full"),
                                      dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1),
                                      dict(B=1, T=1, H=1, hs=64, mask="hf")],
+               # (C4: C3's forward, its one-pass backward: dq partials of 3 key tiles summed, a tile tail)
+               ("attention", "C4"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
+                                     dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1)],
                ("embedding", "C1"): [dict(N=(2, 45), V=2, C=37), dict(N=(37,), V=30, C=52, pad=0),
                                      dict(N=(1,), V=1, C=1)]}
         for op, vs in VV.versions().items():
@@ -88,7 +91,8 @@ def test_emu_every_cuda_c_version_matches_oracle():
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 19, out
+    assert out.count("OK ") == 20, out
+    assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)
         assert f"layernorm_fwd_v3_{kind}" in out, out
@@ -189,13 +193,13 @@ for L in (1, 2):
 
 
 def test_emu_training_step_equals_numpy_runs_cuda_c_and_moves_its_inputs_once():
-    # head size 64: the attention runs its register-tiled fp32 flash (C3) in the step
+    # head size 64: the attention runs its register-tiled fp32 flash (C4: C3's forward, the one-pass backward)
     cases = CASES_HS32.replace("CASES = [", "HS64 = dict(hidden_size=128, num_attention_heads=2, intermediate_size=96)\n"
                                              "CASES = [(\"BertForPreTraining\", np.float32, HS64)]\n_unused = [")
     out = cudachild.check(_run(_env(cases + _COMPARE + _COUNT)))
     assert out.count("OK ") == 1, out
     assert_ran_cuda_c(out)
-    assert "('attention', 'float32', 'C3')" in out, out              # the register-tiled flash ran
+    assert "('attention', 'float32', 'C4')" in out, out              # the register-tiled flash ran
     counts = {}
     for line in out.splitlines():
         if line.startswith("COUNT"):

@@ -362,15 +362,31 @@ _ROWS = """
                 print("ERR", name, what, e)
             else:
                 print("NO ERROR", name, what)
+    # a grid row per (batch, head): B x H over CUDA's y limit is refused by name before any launch
+    from refbert_kernels.cuda import cuda_c as K, attention as A, emulate as E
+    E.COUNTS.reset()
+    wide = B.to_device(np.zeros((65536, 1, 64), np.float32))
+    for name, fwd in (("S3", lambda a: M.attention_forward_s3(a, a, a, 1)), ("C3", lambda a: K.attention_forward_c3(a, a, a, 1)),
+                      ("Numba", lambda a: A.attention_forward(a, a, a, 1))):
+        try:
+            fwd(wide)
+        except ValueError as e:
+            print("ERR", name, "wide", e)
+        else:
+            print("NO ERROR", name, "wide")
+    assert E.COUNTS.launched() == 0, E.COUNTS.launches
 """
 
 
 def test_s2_s3_refuse_a_row_without_a_finite_max_as_the_spec_does():
     """With REFBERT_CUDA_CHECKS=1 (the device read back), S2 and S3 raise the spec's ValueError for a row that is all
-    -inf or has a NaN score, as refbert.ops.attention_forward_mixed does (emulator)."""
+    -inf or has a NaN score, as refbert.ops.attention_forward_mixed does (emulator); and the attention launchers refuse
+    batch x heads beyond the grid's y limit by name, before launching."""
     out = _child(_ROWS, "emu")
     assert "NO ERROR" not in out, out
-    assert out.count("ERR S") == 4 and out.count("expected every row to have a finite maximum score") == 4, out
+    assert out.count("ERR S") == 5 and out.count("expected every row to have a finite maximum score") == 4, out
+    # and B x H = 65536 rows of blocks, one over CUDA's grid y limit: the same clear error from S3, C3 and Numba
+    assert out.count("batch x n_heads expected at most 65535") == 3 and "got 65536 x 1 = 65536" in out, out
 
 
 def test_linear_backward_reads_a_marked_dout_as_its_own_rounding():

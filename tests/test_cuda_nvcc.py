@@ -38,7 +38,7 @@ def _nvcc(args):
 
 # kernel -> why it spills (ptxas: spill stores > 0). Nothing the model's step runs in float32 at hs = 64 may be here:
 # attention's v1 backward spills (its dkdv / dq keep q, k, v, dout rows and two accumulators of hs floats per
-# thread), and the step runs version C3 (attention_f32.cu) instead, which must not.
+# thread), and the step runs version C4 (attention_f32.cu: v3 forward, v4 backward) instead, which must not.
 SPILLS_KNOWN = {
     **{f"attn_fwd_v1_{t}_hs128": "scalar flash v1 forward: q and o rows of 128 floats per thread"
        for t in ("f32", "f16", "bf16")},

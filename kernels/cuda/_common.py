@@ -323,6 +323,17 @@ def grid_for(n, block):
     return max(1, -(-n // block))
 
 
+GRID_Y_MAX = 65535                     # CUDA's limit on a grid's y (and z) extent
+
+
+def heads_grid(op, B, H):
+    """B * H, checked against the grid's y limit: the attention kernels launch a block row per (batch, head)."""
+    if B * H > GRID_Y_MAX:
+        raise ValueError(f"{op}: batch x n_heads expected at most {GRID_Y_MAX} (the kernels' grid has a y row per "
+                         f"(batch, head), CUDA's limit), got {B} x {H} = {B * H}: split the batch")
+    return B * H
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # array modules and the oracle's checks on any array
 

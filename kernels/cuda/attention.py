@@ -465,6 +465,7 @@ def _checks(q, k, v, n_heads, mask):
     H = int(n_heads)
     if mask is not None:
         V.broadcasts_to("attention", "mask", C.stub(mask), (B, H, T, T))
+    C.heads_grid("attention", B, H)
     return B, T, Cc, H
 
 

@@ -11,6 +11,8 @@ raised by the same checks before any launch; the same dropout elements).
                                           cores, f16 hs = 64), attention_backward.cu v1         {32, 64, 128}
                                  C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
                                           forward and backward, dynamic shared memory)
+                                 C4       C3's forward; attention_f32.cu v4 backward (dk, dv,  f32, hs = 64
+                                          dq in one pass: dq partials summed in key order)
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
     layernorm                    C1-C3    layernorm.cu v1, v2, v3 (kind ln)                    f32
     residual_layernorm           C2, C3   layernorm.cu v2, v3 (kind res)                       f32
@@ -37,6 +39,7 @@ xp.RawModule with -DNO_MAIN (the standalone validating main and every host heade
 """
 import functools
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -306,6 +309,25 @@ def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
 
 
 def attention_backward_c3(dout, cache):
+    """C3's backward: attention_f32.cu version 3, D by a warp per row, then dk, dv by a block per key tile and dq by
+    a block per query tile (each recomputes the tile's scores and dP: 7 tile products a tile pair)."""
+    return _attention_backward_f32(dout, cache, 3)
+
+
+C4_PARTS_MAX = int(os.environ.get("REFBERT_C4_PARTS_MB", "1024")) << 20   # bytes of dq partials C4 may hold
+
+
+def attention_backward_c4(dout, cache):
+    """C4's backward: attention_f32.cu version 4, one pass over the scores (5 tile products a tile pair): each key
+    tile's block writes dk, dv and its share of dq for every query tile into partials (nkt, B H, T, 64) float32,
+    which a second kernel sums in key-tile order (no atomics: the same bits every run). The partials take
+    B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048): above C4_PARTS_MAX (1 GiB;
+    REFBERT_C4_PARTS_MB) this call runs version 3's dq kernel instead, saying so once."""
+    return _attention_backward_f32(dout, cache, 4)
+
+
+def _attention_backward_f32(dout, cache, version):
+    key = f"C{version}"
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
     B, T, Cc = q.shape
@@ -314,7 +336,7 @@ def attention_backward_c3(dout, cache):
     if _c_ok(dout):
         dout = xp.ascontiguousarray(dout)
     if not (_c3_ok(q, k, v, dout, hs=hs) and m is not None and m.dtype == np.float32) or q.size == 0:
-        return _fallback("attention", "C3", _why(q, dout) if not _c_ok(q, dout) else
+        return _fallback("attention", key, _why(q, dout) if not _c_ok(q, dout) else
                          f"head size {hs}, alignment or the forward's cache", attention_backward, dout, cache)
     m32 = xp.ascontiguousarray(mask4.astype(np.float32) if mask4.dtype != F32 else mask4)
     seed, stream, thresh, dscale = drop
@@ -322,14 +344,33 @@ def attention_backward_c3(dout, cache):
     kernel("attention_f32.cu", "attn_bwd_D_v3_f32", xp)(((B * H * T + 7) // 8,), (256,),
                                                         (dout, out, _i(B), _i(T), _i(H), Dr))
     dq, dk, dv = (xp.empty(q.shape, np.float32) for _ in range(3))
-    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
-            _f(dscale), m, linv, dout, Dr)
-    grid = ((T + 63) // 64, B * H)
+    scale = _f(1.0 / math.sqrt(hs))
+    args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), scale, seed, stream, thresh, _f(dscale), m,
+            linv, dout, Dr)
+    nkt = (T + 63) // 64
+    grid = (nkt, B * H)
+    if version == 4:
+        nbytes = nkt * B * H * T * 64 * 4
+        if nbytes <= C4_PARTS_MAX:
+            parts = xp.empty((nkt, B * H, T, 64), np.float32)
+            kernel_smem("attention_f32.cu", "attn_bwd_fused_v4_f32_hs64", xp, A3_BWD_SMEM)(
+                grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
+            kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
+                (-(-(B * T * Cc // 4) // 256),), (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
+            return dq, dk, dv
+        if _C4_SAID.get("partials") != nbytes:
+            _C4_SAID["partials"] = nbytes
+            warnings.warn(f"refbert cuda: attention C4's dq partials would take {nbytes >> 20} MiB (B={B} H={H} T={T}),"
+                          f" over C4_PARTS_MAX = {C4_PARTS_MAX >> 20} MiB (REFBERT_C4_PARTS_MB): version 3's dq kernel "
+                          "runs instead", RuntimeWarning, stacklevel=3)
     kernel_smem("attention_f32.cu", "attn_bwd_dkdv_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
                                                                                  shared_mem=A3_BWD_SMEM)
     kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
                                                                                shared_mem=A3_BWD_SMEM)
     return dq, dk, dv
+
+
+_C4_SAID = {}
 
 
 # ----------------------------------------------------------------------------------------------------------------

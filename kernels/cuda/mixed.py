@@ -582,6 +582,7 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     from .dropout import draw
     xp = C.xp_of(q)
     B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
+    C.heads_grid("attention", B, H)
     p = float(dropout_p) if train else 0.0
     drop = draw(rng, dropout_p, train, "attention") if p > 0 else None
     q16, k16, v16 = (_storage16(a, compute) for a in (q, k, v))

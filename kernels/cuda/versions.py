@@ -39,7 +39,7 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C3", "C1", "2", "1"],
          "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C2", "C3", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
-         "attention": ["C3", "C1", "C2", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
+         "attention": ["C4", "C3", "C1", "C2", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -223,6 +223,8 @@ def _build():
               "attention_forward.cu v3, attention_backward.cu v3)"),
              ("attention", "C3", K.attention_forward_c3, K.attention_backward_c3, f32, "register-tiled fp32 flash "
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
+             ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
+              "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v4)"),
              ("cross_entropy", "C1", K.cross_entropy_forward_c1, K.cross_entropy_backward_c1, f32,
               "a block per row, online max/sum; kept rows and the loss on the device"),
              ("cross_entropy", "C2", K.cross_entropy_forward_c2, K.cross_entropy_backward_c1, f32,
@@ -233,7 +235,7 @@ def _build():
         for op, key, fwd, bwd, dts, note in c:
             if fwd is None:
                 continue
-            var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",)}.get(key) \
+            var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",), "C4": ("hs64",)}.get(key) \
                 if op == "attention" else None
             vs[op].append(Version(op, key, fwd, bwd, dts, note, K.attention_probs if op == "attention" else None,
                                   var))

@@ -1,9 +1,9 @@
 /*
 Flash attention in float32, forward and backward, register-tiled for head size 64 (attention kernels v3: the op's
-version C3). fp32 stays fp32: every product is an FFMA on the CUDA cores (no TF32, no tensor cores), as PyTorch's
+version C3; the backward's version 4: C4). fp32 stays fp32: every product is an FFMA on the CUDA cores (no TF32, no tensor cores), as PyTorch's
 memory-efficient SDPA kernel runs fp32.
 Oracle: refbert.ops.attention_forward / attention_backward (Python launchers: kernels/cuda/cuda_c.py
-attention_forward_c3 / attention_backward_c3; the math and the Numba versions: kernels/cuda/attention.py; the
+attention_forward_c3 / attention_backward_c3 / attention_backward_c4; the math and the Numba versions: kernels/cuda/attention.py; the
 scalar flash v1 in attention_forward.cu / attention_backward.cu is the explanation of this one).
 
 q, k, v, out, dout, dq, dk, dv: (B, T, C) float32, C = H * 64, head h = columns h*64 .. h*64 + 63, every row 16-byte
@@ -15,7 +15,7 @@ stream) >= thresh; kept probabilities are scaled by dscale = 1/(1-p); thresh = 0
     backward:  D_i = dout_i . out_i;  dv_j = sum_i p_ij z_ij dout_i;  dp_ij = z_ij dout_i . v_j
                ds_ij = p_ij (dp_ij - D_i);  dq_i = scale sum_j ds_ij k_j;  dk_j = scale sum_i ds_ij q_i
 
-Version 3 (this file):
+Version 3:
   tiles of 64 query rows x 64 keys in shared memory (rows padded to 68 floats: the 128-bit reads below are free of
   bank conflicts), 128 threads: thread (ty = tid / 8, tx = tid % 8) computes the 4 x 8 products of rows ty + 16 i
   and columns tx + 8 j of a tile product (tile_dot: 128 FFMA per 12 shared 128-bit loads), and accumulates the
@@ -29,6 +29,16 @@ Version 3 (this file):
             dp written as tiles, then p z and ds transposed, so that dv += (p z)^T dout and dk += ds^T q are tile_pv
             products); dq by a block per (b, h, 64 query rows) streaming key tiles. No atomics; 103 KB each.
 The launcher raises each kernel's dynamic shared memory limit (RawKernel.max_dynamic_shared_size_bytes).
+
+Version 4 (the backward; the forward stays version 3's):
+  version 3 computes each tile pair's S and dP twice (7 tile products: S, dP, dv, dk in dkdv; S, dP, dq in dq).
+  Version 4 runs version 3's dk, dv kernel body with one more product per query tile, dq_part = ds k over the
+  block's 64 keys (tile_tpv: ds^T is already in shared memory for dk; the thread's rows 4 ty .. 4 ty + 3, so one
+  128-bit read serves 4 rows), stored to partials (nkt, B H, T, 64) float32: 5 products a tile pair. A second
+  kernel sums the partials in key-tile order and scales: no atomics, so dq is the same bits every run (a float
+  atomicAdd's order would not be), at the cost of B H T^2 floats of partials written and read once (100 MB at
+  B=8 H=12 T=512: about 70 us of traffic at 3 TB/s against version 3's dq kernel, 3 of its 7 products). dk and dv
+  are version 3's bit for bit (the same code).
 
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T]
@@ -47,6 +57,7 @@ On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM
     const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,                       \
         const float *__restrict__ mask, long long sb, long long sh, long long si, long long sj, int B, int Tn,    \
         int H, float scale, u64 seed, u64 stream, u64 thresh, float dscale
+#define A3_PASS q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale
 
 // rows row0 .. row0 + 63 of head h of a (B, T, C) tensor into a tile (zeros past T): 1024 float4, 8 per thread
 __device__ __forceinline__ void a3_load(float* __restrict__ dst, const float* __restrict__ src, size_t base,
@@ -113,6 +124,27 @@ __device__ __forceinline__ void tile_pv(float (&o)[4][8], const float* __restric
                     o[i][4 * kk + 3] = fmaf(pc[cc], w[cc][kk].w, o[i][4 * kk + 3]);
                 }
         }
+    }
+}
+
+// o[i][4 k + e] = sum_c At[c][4 ty + i] W[c][4 tx + 32 k + e] over the 64 rows of At and W: a product whose left
+// operand is stored transposed (At[c][r] = A[r][c]); the thread's rows are 4 ty .. 4 ty + 3 (one 128-bit read of
+// At per c, shared by the 8 lanes of a ty: no bank conflict), its columns tile_pv's
+__device__ __forceinline__ void tile_tpv(float (&o)[4][8], const float* __restrict__ At,
+                                         const float* __restrict__ W) {
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[i][j] = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < 64; c++) {
+        const float4 a = ld4(At + c * A3_LD + 4 * ty), w0 = ld4(W + c * A3_LD + 4 * tx), w1 = ld4(W + c * A3_LD + 4 * tx + 32);
+        const float ar[4] = {a.x, a.y, a.z, a.w}, wr[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) o[i][j] = fmaf(ar[i], wr[j], o[i][j]);
     }
 }
 
@@ -236,10 +268,12 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_D_v3_f32(const float*
     if (lane == 0) Dr[row] = s;
 }
 
-// dk, dv: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
-extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
-    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
-    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
+// dk, dv of the block's 64 keys (versions 3 and 4); PARTS (version 4): also the block's share of dq for every query
+// tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x
+template <bool PARTS>
+__device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv,
+                                        const float* __restrict__ dout, const float* __restrict__ Dr,
+                                        float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
     DYN_SHARED(float, sm);
     float *Ks = sm, *Vs = sm + A3_TILE, *Qs = sm + 2 * A3_TILE, *dOs = sm + 3 * A3_TILE, *Pa = sm + 4 * A3_TILE,
           *Pb = sm + 5 * A3_TILE, *mrow = sm + 6 * A3_TILE, *lrow = mrow + 64, *drow = lrow + 64;
@@ -310,6 +344,20 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
         __syncthreads();
         tile_pv(dva, Pa, dOs);                                        // dv[key][:] += sum_r (p z)[r][key] dout_r
         tile_pv(dka, Pb, Qs);                                         // dk[key][:] += sum_r ds[r][key] q_r
+        if constexpr (PARTS) {                                        // (no barrier: Pb and Ks are only read)
+            float dqp[4][8];
+            tile_tpv(dqp, Pb, Ks);                                    // dq_part[r][:] = sum_key ds[r][key] k_key
+            float* dst = parts + (((size_t)blockIdx.x * gridDim.y + bh) * Tn + q0) * A3_HS;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = 4 * ty + i;
+                if (q0 + r >= Tn) continue;
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++)
+                    st4(dst + r * A3_HS + 4 * tx + 32 * kk,
+                        make_float4(dqp[i][4 * kk], dqp[i][4 * kk + 1], dqp[i][4 * kk + 2], dqp[i][4 * kk + 3]));
+            }
+        }
     }
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -323,6 +371,13 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
             st4(dv + off, make_float4(dva[i][4 * kk], dva[i][4 * kk + 1], dva[i][4 * kk + 2], dva[i][4 * kk + 3]));
         }
     }
+}
+
+// dk, dv: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
+    a3_dkdv<false>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr);
 }
 
 // dq: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
@@ -390,6 +445,35 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dq_v3_f32_hs64(
                 make_float4(dqa[i][4 * kk] * scale, dqa[i][4 * kk + 1] * scale, dqa[i][4 * kk + 2] * scale,
                             dqa[i][4 * kk + 3] * scale));
     }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// backward version 4: dk, dv and dq in one pass over the scores (5 tile products a tile pair where version 3's two
+// kernels compute 7: S and dP once, not twice), dq summed without atomics
+
+// grid (ceil(T / 64), B * H) = (nkt, B H), 128 threads, A3_BWD_SMEM bytes; parts: (nkt, B H, T, 64) float32
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v4_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
+    a3_dkdv<true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts);
+}
+
+// dq[b, i, h 64 + d] = scale * sum_kt parts[kt][b H + h][i][d], kt = 0, 1, .. in order (the same sum every run): a
+// thread per 4 columns, g = ((b T + i) H + h) 16 + d / 4 (dq's own float4 index); grid ceil(B T H 16 / 256)
+extern "C" __global__ void __launch_bounds__(256) attn_bwd_dqsum_v4_f32(const float* __restrict__ parts, int nkt,
+                                                                        int B, int Tn, int H, float scale,
+                                                                        float* __restrict__ dq) {
+    const long long g = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (g >= (long long)B * Tn * H * 16) return;
+    const int d4 = (int)(g & 15), h = (int)((g >> 4) % H), i = (int)((g >> 4) / H % Tn), b = (int)((g >> 4) / H / Tn);
+    const size_t stride = (size_t)B * H * Tn * A3_HS;                // one key tile's partials
+    const float* p = parts + ((size_t)(b * H + h) * Tn + i) * A3_HS + 4 * d4;
+    float4 s = ld4(p);
+    for (int kt = 1; kt < nkt; kt++) {
+        const float4 t = ld4(p + kt * stride);
+        s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
+    }
+    st4(dq + 4 * g, make_float4(s.x * scale, s.y * scale, s.z * scale, s.w * scale));
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -487,6 +571,10 @@ int main(int argc, char** argv) {
         cudaCheck(cudaFuncSetAttribute(attn_bwd_dkdv_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        A3_BWD_SMEM));
         cudaCheck(cudaFuncSetAttribute(attn_bwd_dq_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize, A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v4_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
+        const int nkt = (T + 63) / 64;
+        float* parts = dalloc(nullptr, (size_t)nkt * nr * A3_HS);
         const dim3 grid((T + 63) / 64, B * H);
         auto fwd = [&]() {
             LAUNCH_SMEM(attn_fwd_v3_f32_hs64, grid, A3_NT, A3_FWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL, 1LL,
@@ -499,7 +587,20 @@ int main(int argc, char** argv) {
             LAUNCH_SMEM(attn_bwd_dq_v3_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL,
                         1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gq);
         };
+        auto bwd4 = [&]() {
+            LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
+            LAUNCH_SMEM(attn_bwd_fused_v4_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
+                        0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv, parts);
+            LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
+        };
         fwd();
+        bwd4();                                                       // version 4 first: v3 overwrites its results
+        cudaCheck(cudaGetLastError());
+        cudaCheck(cudaDeviceSynchronize());
+        std::vector<float> gq4(n), gk4(n), gv4(n);
+        cudaCheck(cudaMemcpy(gq4.data(), gq, n * 4, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(gk4.data(), gk, n * 4, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(gv4.data(), gv, n * 4, cudaMemcpyDeviceToHost));
         bwd();
         cudaCheck(cudaGetLastError());
         cudaCheck(cudaDeviceSynchronize());
@@ -512,12 +613,26 @@ int main(int argc, char** argv) {
             validate_result(gk, dk.data(), "v3 dk", n, 1e-4f, 1e-3f);
             validate_result(gv, dv.data(), "v3 dv", n, 1e-4f, 1e-3f);
         }
-        const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd);
+        // version 4 against version 3 (the reference where there is none: the big shapes): dk and dv are the same
+        // kernel body's (the same bits), dq the same products summed in another order (key tiles, then x scale)
+        std::vector<float> gq3(n), gk3(n), gv3(n);
+        cudaCheck(cudaMemcpy(gq3.data(), gq, n * 4, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(gk3.data(), gk, n * 4, cudaMemcpyDeviceToHost));
+        cudaCheck(cudaMemcpy(gv3.data(), gv, n * 4, cudaMemcpyDeviceToHost));
+        size_t kv_diff = 0;
+        for (size_t e = 0; e < n; e++) kv_diff += (gk4[e] != gk3[e]) + (gv4[e] != gv3[e]);
+        printf("  v4 dk, dv = v3 dk, dv bit for bit: %s\n", kv_diff ? "NO" : "yes");
+        if (kv_diff) { printf("  %zu elements differ\n", kv_diff); exit(EXIT_FAILURE); }
+        cudaCheck(cudaMemcpy(gq, gq4.data(), n * 4, cudaMemcpyHostToDevice));   // v4's dq, judged on the host
+        validate_result(gq, small ? dq.data() : gq3.data(), small ? "v4 dq" : "v4 dq against v3", n, 1e-4f, 1e-3f);
+        const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd), ms_b4 = benchmark_kernel(10, bwd4);
         const double fl = 4.0 * B * H * (double)T * T * A3_HS;
         printf("  v3 f32: forward %.4f ms %.1f TFLOP/s | backward %.4f ms %.1f TFLOP/s (2.5x the forward's FLOPs)\n",
                ms_f, fl / ms_f / 1e9, ms_b, 2.5 * fl / ms_b / 1e9);
+        printf("  v4 f32: backward %.4f ms %.1f TFLOP/s (dq partials %.0f MB)\n", ms_b4, 2.5 * fl / ms_b4 / 1e9,
+               (double)nkt * nr * A3_HS * 4 / 1e6);
         free(q); free(k); free(v); free(dout);
-        for (float* d : {dq_, dk_, dv_, ddo, dm, o_, m_, l_, D_, gq, gk, gv}) cudaFree(d);
+        for (float* d : {dq_, dk_, dv_, ddo, dm, o_, m_, l_, D_, gq, gk, gv, parts}) cudaFree(d);
     }
     printf("attention_f32: every version ok\n");
     return 0;
