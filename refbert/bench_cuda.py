@@ -41,6 +41,7 @@ Without a GPU (or without CuPy) main() prints why and returns 2; the pieces that
 the FLOP, byte and GEMM formulas, the profile aggregation, the tables) are tested in tests/test_cuda_backend_sim.py.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -766,7 +767,15 @@ def run_step(args, timer):
             print(f"  step {shape} refbert ({decode}): {t * 1e3:.2f} ms, {t / floor:.2f}x its GEMM floor "
                   f"({floor * 1e3:.2f} ms)" + (f", {t * 1e3 / sdpa_ms:.2f}x HF sdpa" if sdpa_ms else "")
                   + f"; {held / 2 ** 20:.0f} MiB held after the forward", flush=True)
-            if decode == "all":
+            if decode == "all":                          # A/B: the adds around the linears as they were
+                with _adds_unfused():
+                    t2 = timer(step_ours, repeats=max(3, args.repeats // 2))
+                rows.append(dict(base, impl="refbert cuda fp32 (all), adds unfused", ms=t2 * 1e3,
+                                 tokens_per_s=B * T / t2, floor_ms=floor * 1e3, vs_floor=t2 / floor,
+                                 gemm_tflop=gemm_flops(gemms) / 1e12,
+                                 vs_sdpa=t2 * 1e3 / sdpa_ms if sdpa_ms else None))
+                print(f"  step {shape} refbert (all), adds unfused (bias after the GEMM, paths added by the model):"
+                      f" {t2 * 1e3:.2f} ms", flush=True)
                 row = graph_row(timer, args, ours, dict(x, mlm_decode="all"), base, "refbert cuda fp32 (all)",
                                 floor, sdpa_ms, "vs_sdpa", gemm_tflop=gemm_flops(gemms) / 1e12)
                 rows.append(row)
@@ -783,6 +792,22 @@ def run_step(args, timer):
         rows.append(dict(impl="FALLBACK", shape=op, note=why))
     failed |= bool(problems)
     return rows, failed, dict(ours=ours, hf=hf, tmp=tmp, cfg=cfg, probe_step=probe_step)
+
+
+@contextlib.contextmanager
+def _adds_unfused():
+    """The step as before the linears lost their adds (an A/B row): the bias added after the GEMM (cublasLt off) and
+    the gradient paths added by the model (linear_backward's dx_into off)."""
+    from refbert_kernels.cuda import backend as KB, blas
+    saved, into = dict(blas._LT), KB.linear_backward.dx_into
+    blas._LT.update(lib=None, checked=True, why="off for an A/B row")
+    KB.linear_backward.dx_into = False
+    try:
+        yield
+    finally:
+        blas._LT.clear()
+        blas._LT.update(saved)
+        KB.linear_backward.dx_into = into
 
 
 MIXED = (("bf16-mixed", "bfloat16"), ("fp16-mixed", "float16"))     # precision, torch.autocast dtype

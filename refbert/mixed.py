@@ -144,6 +144,7 @@ def wrap_backward(fn, name, compute, R=None):
         gs = (g,) if one else g
         gs = tuple(gi if n in params else R(gi) for n, gi in zip(wrt, gs))
         return gs[0] if one else gs
+    backward.dx_into = False                              # (not fn's: this wrapper takes (dout, cache) only)
     return backward
 
 

@@ -190,9 +190,17 @@ def dense_forward(ctx, P, name, x, bias=True):
     return out, (name, cache)
 
 
-def dense_backward(ctx, dout, cache, grads):
+def dense_backward(ctx, dout, cache, grads, into=None):
+    """The linear's backward: its parameter gradients into grads, dx returned. into: the gradient its input x has
+    from its other paths, which dx is added to (returned as into + dx); a backend whose linear_backward says
+    `dx_into = True` sums it in the GEMM (refbert.ops.linear_backward), any other here."""
     name, c = cache
-    dx, dw, *db = ctx.ops.linear_backward(dout, c)
+    fn = ctx.ops.linear_backward
+    if into is not None and getattr(fn, "dx_into", False):
+        dx, dw, *db = fn(dout, c, dx_into=into)
+    else:
+        dx, dw, *db = fn(dout, c)
+        dx = dx if into is None else into + dx
     _add_grads(grads, name, dw, db[0] if db else None)
     return dx
 
@@ -284,15 +292,16 @@ def layer_backward(ctx, dh2, cache, grads):
     fi, c_act = c.act
     df, db_i = o.bias_gelu_backward(df, c_act)
     _add_grads(grads, fi, None, db_i)
-    dh1 = dh1 + dense_backward(ctx, df, c.ffn_in, grads)   # h1 fed both the skip and the feed-forward: sum
+    dh1 = dense_backward(ctx, df, c.ffn_in, grads, into=dh1)   # h1 fed both the skip and the feed-forward: sum
     ln1, c_ln1 = c.ln1
     dx, da, dw, db = o.dropout_residual_layernorm_backward(dh1, c_ln1)
     _add_grads(grads, ln1, dw, db)
     da = dense_backward(ctx, da, c.attn_out, grads)
     dq, dk, dv = o.attention_backward(da, c.attention)
-    # x fed the skip and all three projections: four paths, summed
-    return dx + dense_backward(ctx, dq, c.q, grads) + dense_backward(ctx, dk, c.k, grads) \
-        + dense_backward(ctx, dv, c.v, grads)
+    # x fed the skip and all three projections: four paths, summed in this order, ((dx + dx_q) + dx_k) + dx_v
+    dx = dense_backward(ctx, dq, c.q, grads, into=dx)
+    dx = dense_backward(ctx, dk, c.k, grads, into=dx)
+    return dense_backward(ctx, dv, c.v, grads, into=dx)
 
 
 def pooler_forward(ctx, P, pre, h):

@@ -55,9 +55,19 @@ def linear_forward(x, w, b=None):
     return out, (x, w, b is not None)
 
 
-def linear_backward(dout, cache):
+def linear_backward(dout, cache, dx_into=None):
+    """dx, dw[, db] as linear_forward's docstring derives them.
+
+    dx_into (optional, x's shape and dtype): an array the caller gives up; dx is returned as dx_into + dout @ w,
+    summed into its memory (into a new array where it is read-only). The model passes the gradient a tensor already
+    has from its other paths (the skip beside q, k and v; the residual beside the feed-forward), so that a backend
+    can sum in the GEMM (cuBLAS's beta = 1) instead of an add kernel: the same single rounding of the same two
+    terms. A backend's linear_backward that takes it says so with the attribute `dx_into = True` (this one does);
+    for any other the model adds the paths itself."""
     x, w, has_b = cache
     V.dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
+    if dx_into is not None:
+        V.dout("linear", dx_into, x.shape, x.dtype, name="dx_into", what="x's, the input")
     dout2 = dout.reshape(-1, w.shape[0])              # (N, C_out)
     x2 = x.reshape(-1, x.shape[-1])                   # (N, C_in)
     rows = np.flatnonzero(dout2.any(1))               # positions a loss ignores (MLM: ~85%) send exact zeros;
@@ -68,10 +78,18 @@ def linear_backward(dout, cache):
     else:
         dx2 = dout2 @ w                               # (N, C_in)
     dx = dx2.reshape(x.shape)                         # (..., C_in)
+    if dx_into is not None and dx_into.flags.writeable:
+        dx_into += dx                                 # the other paths' gradient, plus this one's
+        dx = dx_into
+    elif dx_into is not None:                         # (a read-only array: the same sum, in a new one)
+        dx = dx_into + dx
     dw = dout2.T @ x2                                 # (C_out, C_in)
     if not has_b:
         return dx, dw
     return dx, dw, dout2.sum(0)                       # db: (C_out,)
+
+
+linear_backward.dx_into = True
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -67,8 +67,8 @@ def broadcasts_to(op, name, x, target):
         raise ValueError(f"{op}: argument '{name}' expected a shape that broadcasts to {tuple(target)}, got {x.shape}")
 
 
-def dout(op, d, out_shape, dtype):
-    """The upstream gradient must match the forward output in shape and dtype."""
+def dout(op, d, out_shape, dtype, name="dout", what="the forward output"):
+    """The upstream gradient must match the forward output in shape and dtype (or another array its own shape)."""
     if not isinstance(d, np.ndarray) or d.shape != tuple(out_shape) or d.dtype != dtype:
-        raise ValueError(f"{op}: argument 'dout' expected an array of shape {tuple(out_shape)} and dtype {dtype} "
-                         f"(the forward output), got {_desc(d)}")
+        raise ValueError(f"{op}: argument '{name}' expected an array of shape {tuple(out_shape)} and dtype {dtype} "
+                         f"({what}), got {_desc(d)}")

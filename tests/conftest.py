@@ -35,6 +35,9 @@ CI_MAY_SKIP = {
         ("a GPU is present", "the bench without a GPU, on a machine that has one"),
     "test_cuda_train_sim.py::test_gpu_pretrain_cuda_resumed_equals_numpy": (_GPU, "pretrain --backend cuda on a GPU"),
     "test_cuda_nvcc.py::test_cuda_c_matches_oracle": (_GPU, "the CUDA C kernels launched through CuPy on a GPU"),
+    "test_cuda_blas.py::test_gpu_lt_bias_gemm_equals_gemm_and_add": (_GPU, "cublasLt's bias GEMM on a GPU"),
+    "test_cuda_blas.py::test_lt_constants_match_the_header": ("cublasLt.h", "the CUDA toolkit's cuBLAS header (a "
+                                                              "CPU machine without it: CUBLASLT_H=<path> runs it)"),
     # tests/test_cuda_mixed.py: the [gpu] parameter of each (its [emu] and [sim] ones run in CI)
     "test_cuda_mixed.py::test_device_rounding_is_the_spec_bit_for_bit": (_GPU, "the rounding kernels on a GPU"),
     "test_cuda_mixed.py::test_linear_and_attention_equal_the_spec": (_GPU, "cuBLAS's 16-bit GEMMs on a GPU"),

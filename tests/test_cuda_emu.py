@@ -251,8 +251,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                for r in mixed), mixed
     data = json.loads((tmp_path / "cuda_step.json").read_text())
     impls = [r["impl"] for r in data["rows"]]
-    assert {"refbert cuda fp32 (all)", "refbert cuda fp32 (labelled)", "refbert cuda fp32 (all) + CUDA graph"} \
-        <= set(impls), impls
+    assert {"refbert cuda fp32 (all)", "refbert cuda fp32 (labelled)", "refbert cuda fp32 (all) + CUDA graph",
+            "refbert cuda fp32 (all), adds unfused"} <= set(impls), impls
     graph = next(r for r in data["rows"] if r["impl"].endswith("CUDA graph"))
     assert graph["ms"] > 0 and "replay = eager step within 0.0e+00" in graph["note"], graph
     for r in data["rows"]:

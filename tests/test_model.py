@@ -221,6 +221,24 @@ def test_mlm_rows_padding_gives_the_same_loss_and_gradients(head, decode):
         model(**x)
 
 
+def test_paths_summed_in_the_gemm_or_by_the_model_give_the_same_bits(monkeypatch):
+    """The model sums a tensor's gradient paths (the skip and q, k, v; the residual and the feed-forward) through
+    linear_backward's dx_into where the backend says it takes it (refbert.ops does), else by adding them itself:
+    the same additions in the same order, so every gradient is the same bits either way (float32, train mode)."""
+    cfg = tiny("BertForPreTraining")
+    x = batch(cfg, "BertForPreTraining")
+    runs = []
+    for into in (True, False):
+        monkeypatch.setattr(refbert.ops.linear_backward, "dx_into", into)
+        model = refbert.BertForPreTraining(cfg, seed=5, dtype=np.float32).train(True)
+        out = model(**x)
+        runs.append((float(out.loss), model.backward()))
+    (l1, g1), (l2, g2) = runs
+    assert l1 == l2
+    for k in g1:
+        assert np.array_equal(g1[k], g2[k]), k
+
+
 def test_labelled_decode_against_finite_differences():
     cfg = tiny("BertForPreTraining")
     model = refbert.BertForPreTraining(cfg, seed=1, dtype=np.float64)

@@ -334,6 +334,33 @@ def test_linear_backward_zero_row_shortcut_against_finite_differences(nonzero):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)   # float64 sums in another grouping
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nonzero", [2, 10])                 # the zero-row shortcut taken, and not
+def test_linear_backward_dx_into_sums_into_the_given_array(dtype, nonzero):
+    """dx_into: dx comes back as dx_into + dout @ w, in dx_into's own memory: bit for bit the separate add (the same
+    single rounding of the same two terms), dw and db unchanged; a read-only dx_into gets the same sum in a new
+    array; a wrong shape or dtype is refused by name."""
+    r = np.random.default_rng(nonzero)
+    x, w, b = (r.standard_normal(s).astype(dtype) for s in ((2, 5, 7), (3, 7), (3,)))
+    out, cache = ops.linear_forward(x, w, b)
+    d = r.standard_normal(out.shape).astype(dtype)
+    d.reshape(10, 3)[nonzero:] = 0
+    other = r.standard_normal(x.shape).astype(dtype)
+    dx, dw, db = ops.linear_backward(d, cache)
+    into = other.copy()
+    got = ops.linear_backward(d, cache, dx_into=into)
+    assert got[0] is into and got[0].dtype == dtype
+    assert np.array_equal(got[0], other + dx) and np.array_equal(got[1], dw) and np.array_equal(got[2], db)
+    frozen = other.copy()
+    frozen.flags.writeable = False
+    again = ops.linear_backward(d, cache, dx_into=frozen)[0]
+    assert again is not frozen and np.array_equal(again, other + dx) and np.array_equal(frozen, other)
+    with pytest.raises(ValueError, match=r"linear: argument 'dx_into' expected an array of shape \(2, 5, 7\)"):
+        ops.linear_backward(d, cache, dx_into=other[:, :4])
+    with pytest.raises(ValueError, match=r"'dx_into' expected .* dtype (float32|float64)"):
+        ops.linear_backward(d, cache, dx_into=other.astype(np.float64 if dtype == np.float32 else np.float32))
+
+
 # --- layernorm where its rows (nearly) do not vary --------------------------------------------------------------
 
 @pytest.mark.parametrize("C", [1, 2, 3, 8])

@@ -27,7 +27,8 @@ What runs where
     matmuls       cuBLAS (linear forward and backward, the tied MLM decoder): cublasGemmEx called through ctypes on
                   CuPy's handle (blas.py: CuPy's own wrappers refuse to run while a CUDA graph is captured), with
                   CUBLAS_COMPUTE_32F for float32 (no TF32) and 64F for float64; cupy.matmul where that library is
-                  not found (blas.usable() says why).
+                  not found (blas.usable() says why). The float32 linear forward's bias is added in the GEMM's
+                  epilogue (cublasLtMatmul, CUBLASLT_EPILOGUE_BIAS: no add kernel), where blas.lt_usable().
     fused ops     per op and dtype, the fastest version that validated on this device (refbert_kernels.cuda.versions:
                   CUDA C launched by CuPy first, then the Numba CUDA versions; pinned with REFBERT_CUDA_VERSIONS or
                   versions.pin, ordered by the bench's measurements with REFBERT_CUDA_ORDER): softmax, layernorm /
@@ -358,29 +359,42 @@ def check_linear(x, w, b):
 
 
 def linear_forward(x, w, b=None):
-    """out = x @ w.T + b (refbert.ops.linear_forward): one cuBLAS GEMM over all leading positions."""
+    """out = x @ w.T + b (refbert.ops.linear_forward): one cuBLAS GEMM over all leading positions, the bias added in
+    its epilogue (cublasLt) where blas.lt_usable(), else by an add after it."""
     check_linear(x, w, b)
-    out = blas.gemm(xp.ascontiguousarray(x.reshape(-1, x.shape[-1])), xp.ascontiguousarray(w), False, True)
-    if b is not None:
-        out += b
+    x2, w2 = xp.ascontiguousarray(x.reshape(-1, x.shape[-1])), xp.ascontiguousarray(w)
+    if b is None:
+        out = blas.gemm(x2, w2, False, True)
+    else:                                             # cublasLt adds b in the GEMM's epilogue (blas.gemm_bias)
+        out = blas.gemm_bias(x2, w2, xp.ascontiguousarray(b))
     return out.reshape(*x.shape[:-1], w.shape[0]), (x, w, b is not None)
 
 
-def linear_backward(dout, cache):
+def linear_backward(dout, cache, dx_into=None):
     """dx = dout @ w, dw = dout2.T @ x2 (two GEMMs), db = the column sums of dout2 (a column_sum version: one
     deterministic kernel pair, not a generic reduction). (Unlike the oracle no rows of zeros are skipped: finding
-    them would cost a device-to-host sync; the sums are the same.)"""
+    them would cost a device-to-host sync; the sums are the same.) dx_into (refbert.ops.linear_backward): dx is
+    summed into it by the GEMM itself (cuBLAS's beta = 1), no add kernel."""
     x, w, has_b = cache
     dout = _dev(dout)
     _dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
     dout2 = xp.ascontiguousarray(dout.reshape(-1, w.shape[0]))
     x2 = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
     w = xp.ascontiguousarray(w)
-    dx = blas.gemm(dout2, w).reshape(x.shape)
+    if dx_into is not None:
+        dx_into = _dev(dx_into)
+        V.dout("linear", _stub(dx_into), x.shape, x.dtype, name="dx_into", what="x's, the input")
+        acc = dx_into.reshape(-1, x.shape[-1]) if dx_into.flags.c_contiguous else None
+        dx = blas.gemm(dout2, w, acc=acc).reshape(x.shape) if acc is not None else dx_into + blas.gemm(dout2, w)
+    else:
+        dx = blas.gemm(dout2, w).reshape(x.shape)
     dw = blas.gemm(dout2, x2, True, False)
     if not has_b:
         return dx, dw
     return dx, dw, column_sum(dout2)
+
+
+linear_backward.dx_into = True
 
 
 def column_sum(x2):
@@ -654,6 +668,8 @@ def describe():
     """The device, which version of each op runs (per dtype, once chosen) and why, every fallback."""
     lines = [f"cuda backend on {device_name()} (array module: {xp.__name__}; mode {MODE})",
              "  cuBLAS:    linear (and the tied MLM decoder)" if not SIM else "  matmuls:   NumPy (simulator)",
+             *([f"  cublasLt:  linear's bias in the GEMM epilogue (float32)" if blas.lt_usable()[0] else
+                f"  cublasLt:  not used, the bias added after the GEMM ({blas.lt_usable()[1]})"] if MODE == "gpu" else []),
              "  array ops: embedding lookup, gather_rows, tanh, add, mse, bce_with_logits",
              "  versions (chosen per dtype at the first call; order: pinned, measured, or built in):"]
     lines += versions.describe()

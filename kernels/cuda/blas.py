@@ -6,6 +6,8 @@ GPU, eager or captured (kernels/cuda/graph.py), so a captured step replays the e
 
     gemm(a, b, ta, tb, out_dtype)        op(a) @ op(b), a and b C-contiguous 2-D device arrays (op: transpose)
     gemm_batched(a, b, ta, tb, out_dtype)   the same per index of the leading axis of 3-D arrays
+    gemm_bias(x2, w, b)                  x2 @ w^T + b in float32, the bias added in the GEMM's epilogue (cublasLt,
+                                         CUBLASLT_EPILOGUE_BIAS: no separate add kernel; the linear forward)
 
 a and b are float32 / float64 arrays (computed in their own precision: CUBLAS_COMPUTE_32F / 64F, never TF32), or
 uint16 arrays holding bfloat16 / float16 bit patterns (kind="bfloat16" / "float16": tensor cores with float32
@@ -20,6 +22,14 @@ The library is the libcublas CuPy loaded (found in /proc/self/maps); its workspa
 small GEMM of every transposition with cupy.matmul; if the library is not found or the check fails, `usable()`
 says why, the GEMMs go through CuPy (cupy.matmul, or CuPy's wrapper of the same cuBLAS call for 16-bit operands:
 eager steps unchanged) and a graph capture refuses.
+
+gemm_bias runs cublasLtMatmul (libcublasLt, the library beside that libcublas; its own handle; the same workspace)
+with D = x2 @ w^T + b, computed as cuBLAS's column-major D^T = op_T(w) x2^T with the bias along D^T's rows. The
+epilogue adds b to the float32 product and rounds once, as the add it replaces does (the same bits where cuBLAS
+picks the same product). lt_usable() loads it once per process and self-checks it against NumPy (shapes with tails
+and M = 1); where it cannot (no library, no algorithm for a shape, a failed check, REFBERT_CUBLASLT=0, float64,
+a pointer not 16-byte aligned) gemm_bias is gemm() and the add, and lt_usable() says why (the backend's describe()
+prints it).
 """
 import ctypes
 import ctypes.util
@@ -128,13 +138,14 @@ def _kind(a, kind):
     return _TYPES[k]
 
 
-def _raw_gemm(a, b, ta, tb, out, kind=None):
+def _raw_gemm(a, b, ta, tb, out, kind=None, accumulate=False):
     dt, compute = _kind(a, kind)
     M, K = (a.shape[1], a.shape[0]) if ta else a.shape
     N = b.shape[0] if tb else b.shape[1]
     keep = _scalars(out.dtype)
     _call("cublasGemmEx", CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N, N, M, K, keep[2],
-          ctypes.c_void_p(b.data.ptr), dt, b.shape[1], ctypes.c_void_p(a.data.ptr), dt, a.shape[1], keep[3],
+          ctypes.c_void_p(b.data.ptr), dt, b.shape[1], ctypes.c_void_p(a.data.ptr), dt, a.shape[1],
+          keep[2] if accumulate else keep[3],                     # beta = 1: out += product
           ctypes.c_void_p(out.data.ptr), _TYPES[np.dtype(out.dtype).name][0], N, compute, CUBLAS_GEMM_DEFAULT)
     return out
 
@@ -216,14 +227,166 @@ def _product(a, b, ta, tb, out_dtype, kind, raw):
     return raw(a, b, ta, tb, out, kind)
 
 
-def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None):
+def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None, acc=None):
     """op(a) @ op(b) as a new (M, N) array of out_dtype (default: a's dtype; float32 for 16-bit bits). a, b:
     C-contiguous 2-D arrays. Off a GPU: the array module's matmul (16-bit bits are then not accepted: the mixed
     path passes float32 operands there); on a GPU where usable() is False: cupy.matmul for float32 / float64,
-    CuPy's cublasGemmEx wrapper for 16-bit bits."""
-    return _product(a, b, ta, tb, out_dtype, kind, _raw_gemm)
+    CuPy's cublasGemmEx wrapper for 16-bit bits.
+    acc: a C-contiguous (M, N) array of a's float dtype: the product is added into it and acc returned, in the GEMM
+    (beta = 1: one rounding of product + acc, as the add) where the ctypes library runs it, else by an add after."""
+    if acc is None:
+        return _product(a, b, ta, tb, out_dtype, kind, _raw_gemm)
+    M, N = (a.shape[-1] if ta else a.shape[-2]), (b.shape[-2] if tb else b.shape[-1])
+    K = a.shape[-2] if ta else a.shape[-1]
+    if (kind is None and _gpu(a) and usable()[0] and acc.shape == (M, N) and acc.dtype == a.dtype
+            and acc.flags.c_contiguous and acc.size and K):
+        return _raw_gemm(a, b, ta, tb, acc, None, accumulate=True)
+    acc += _product(a, b, ta, tb, out_dtype, kind, _raw_gemm)
+    return acc
 
 
 def gemm_batched(a, b, ta=False, tb=False, out_dtype=None, kind=None):
     """op(a[i]) @ op(b[i]) for every i, a new (nb, M, N) array; a, b: C-contiguous 3-D arrays. As gemm()."""
     return _product(a, b, ta, tb, out_dtype, kind, _raw_batched)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cublasLt: the linear forward's GEMM with its bias in the epilogue (values from cublasLt.h, CUDA 13)
+
+LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_EPILOGUE, LT_DESC_BIAS_POINTER = 3, 4, 7, 8
+LT_EPILOGUE_BIAS = 4
+LT_PREF_MAX_WORKSPACE_BYTES = 1
+
+
+class _LtHeuristic(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t: the algorithm (64 opaque bytes), its workspace, a status, waves, reserved
+    (96 bytes; offsets 0, 64, 72, 76 as gcc lays out the header's struct)."""
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+_LT = {"lib": None, "handle": None, "why": None, "checked": False, "plans": {}}
+
+
+def _find_lt():
+    path = None
+    with open("/proc/self/maps") as f:
+        for line in f:
+            m = re.search(r"(/\S*/libcublasLt\.so[.\d]*)$", line.strip())
+            if m:
+                path = m.group(1)
+                break
+    path = path or ctypes.util.find_library("cublasLt")
+    if path is None:
+        raise OSError("no libcublasLt in this process's memory map and none on the library path")
+    lib = ctypes.CDLL(path)
+    vp, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    sig = {"cublasLtCreate": [vp], "cublasLtMatmulDescCreate": [vp, i, i],
+           "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz], "cublasLtMatrixLayoutCreate": [vp, i, u64, u64, i64],
+           "cublasLtMatmulPreferenceCreate": [vp], "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
+           "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, vp, vp],
+           "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]}
+    for name, args in sig.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = i
+    return lib
+
+
+def _lt_new(create, *args):
+    h = ctypes.c_void_p()
+    _check(getattr(_LT["lib"], create)(ctypes.byref(h), *args), create)
+    return h
+
+
+def _lt_set(setter, obj, attr, value):
+    _check(getattr(_LT["lib"], setter)(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"{setter}({attr})")
+
+
+def _lt_plan(M, N, K, b_ptr):
+    """(op desc, A, B, C/D layouts, algorithm) for D^T (N x M) = w^T-op (N x K) times x2^T (K x M), cached per
+    shape (the algorithm chosen by cublasLt's heuristic for 16-byte-aligned pointers, the only ones sent here)."""
+    key = (M, N, K)
+    plan = _LT["plans"].get(key)
+    if plan is None:
+        lib = _LT["lib"]
+        desc = _lt_new("cublasLtMatmulDescCreate", CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
+        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
+        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_EPILOGUE, ctypes.c_uint32(LT_EPILOGUE_BIAS))
+        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_BIAS_POINTER, ctypes.c_void_p(b_ptr))
+        a_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, N, K)      # w (N, K) row-major: K x N
+        b_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, M, K)      # x2 (M, K) row-major: K x M
+        d_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, N, M, N)      # out (M, N) row-major: N x M
+        pref = _lt_new("cublasLtMatmulPreferenceCreate")
+        ws = _STATE.get("workspace")
+        _lt_set("cublasLtMatmulPreferenceSetAttribute", pref, LT_PREF_MAX_WORKSPACE_BYTES,
+                ctypes.c_uint64(ws.size if ws is not None else 0))
+        res, n = _LtHeuristic(), ctypes.c_int(0)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_LT["handle"], desc, a_l, b_l, d_l, d_l, pref, 1,
+                                                  ctypes.byref(res), ctypes.byref(n)), "cublasLtMatmulAlgoGetHeuristic")
+        if n.value < 1:
+            raise RuntimeError(f"cublasLt found no algorithm for the bias GEMM M={M} N={N} K={K}")
+        plan = _LT["plans"][key] = (desc, a_l, b_l, d_l, res)
+    return plan
+
+
+def _stream_ptr():
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
+
+
+def _raw_lt_bias(x2, w, b, out):
+    M, K = x2.shape
+    N = w.shape[0]
+    desc, a_l, b_l, d_l, res = _lt_plan(M, N, K, b.data.ptr)
+    _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_BIAS_POINTER, ctypes.c_void_p(b.data.ptr))
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    ws = _STATE.get("workspace")
+    _check(_LT["lib"].cublasLtMatmul(_LT["handle"], desc, ctypes.byref(one), ctypes.c_void_p(w.data.ptr), a_l,
+                                     ctypes.c_void_p(x2.data.ptr), b_l, ctypes.byref(zero), ctypes.c_void_p(out.data.ptr),
+                                     d_l, ctypes.c_void_p(out.data.ptr), d_l, ctypes.byref(res.algo),
+                                     ctypes.c_void_p(ws.ptr if ws is not None else 0),
+                                     ws.size if ws is not None else 0,
+                                     ctypes.c_void_p(_stream_ptr())), "cublasLtMatmul")
+    return out
+
+
+def lt_usable():
+    """(True, None) when gemm_bias runs cublasLt here; (False, why) otherwise. Checked once per process: x2 @ w^T + b
+    at 5 x 7 x 3, 1 x 33 x 17 and 37 x 65 x 129 against NumPy in float64 (float32 sums of at most 129 products of
+    standard normals: rtol 1e-5, atol 1e-5)."""
+    if not _LT["checked"]:
+        _LT["checked"] = True
+        try:
+            if os.environ.get("REFBERT_CUBLASLT", "1") == "0":
+                raise RuntimeError("REFBERT_CUBLASLT=0")
+            import cupy
+            ok, why = usable()                          # (the workspace, and libcublas loaded)
+            if not ok:
+                raise RuntimeError(f"cuBLAS through ctypes is not usable ({why})")
+            _LT["lib"] = _find_lt()
+            _LT["handle"] = _lt_new("cublasLtCreate")
+            rng = np.random.default_rng(1)
+            for M, N, K in ((5, 7, 3), (1, 33, 17), (37, 65, 129)):
+                x2, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((M, K), (N, K), (N,)))
+                want = x2.astype(np.float64) @ w.T.astype(np.float64) + b
+                got = _raw_lt_bias(cupy.asarray(x2), cupy.asarray(w), cupy.asarray(b),
+                                   cupy.empty((M, N), np.float32)).get()
+                if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+                    raise RuntimeError(f"the self-check bias GEMM (M={M} N={N} K={K}) differs from NumPy's")
+        except Exception as e:
+            _LT["lib"], _LT["why"] = None, f"{type(e).__name__}: {e}"
+    return _LT["lib"] is not None, _LT["why"]
+
+
+def gemm_bias(x2, w, b):
+    """x2 @ w^T + b: x2 (M, K), w (N, K), b (N,) C-contiguous float32 device arrays -> a new (M, N) array, one
+    cublasLt GEMM with the bias in its epilogue where lt_usable() and every pointer is 16-byte aligned; else gemm()
+    and the add (float64, off a GPU, or where cublasLt is not usable here)."""
+    fits = (_gpu(x2) and x2.dtype == np.float32 and w.dtype == np.float32 and b.dtype == np.float32
+            and x2.size and w.size and all(a.data.ptr % 16 == 0 for a in (x2, w, b)) and b.flags.c_contiguous)
+    if fits and lt_usable()[0]:
+        return _raw_lt_bias(x2, w, b, _out(C.xp_of(x2), (x2.shape[0], w.shape[0]), np.float32))
+    out = gemm(x2, w, False, True)
+    out += b
+    return out

@@ -219,6 +219,7 @@ class StepGraph:
             if not ok:
                 raise RuntimeError(f"StepGraph: cannot capture: cuBLAS through ctypes is unavailable ({why}), and "
                                    f"CuPy's cuBLAS wrappers refuse to run during a capture")
+            blas.lt_usable()                        # (its self-check reads back: never for the first time in a capture)
             self._allocs = allocs = []              # (pointer, bytes) of every block the capture took (the tests)
             no_reuse = os.environ.get("REFBERT_GRAPH_NO_REUSE", "0") not in ("", "0")
             if no_reuse:
