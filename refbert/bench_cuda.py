@@ -30,7 +30,9 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          "eager", same weights (an HF model with random weights saved to a temp dir, refbert loaded from it) and
          batch; the eval losses of refbert and HF compared first. Beside each: the fp32 GEMM floor (the same step's
          matrix products alone on cuBLAS, step_gemms(), timed in the same run), the memory held after the forward
-         (what the backward will read), and the ratios against sdpa and the floor. No optimizer update.
+         (what the backward will read), and the ratios against sdpa and the floor. No optimizer update. Beside the
+         first: the same step with the adds around the linears unfused (an A/B row: the bias after the GEMM, the
+         gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins.
 profile  torch.profiler (CUPTI: it sees CuPy's and Numba's kernels too) over a few steps at the first --step shape:
          for refbert (both decoders) and HF sdpa, the device time per kernel name, launches per step (kernel, copy
          and memset events), GPU-busy time against wall time per step.
@@ -959,6 +961,19 @@ def run_mixed(args, timer):
                             floor, hf_ms, "vs_hf")
             rows.append(row)
             failed |= "ms" not in row
+            if precision == "bf16-mixed":                # A/B: every GEMM operand made by a round16 pass
+                had = os.environ.get("REFBERT_MIXED_TWINS")
+                os.environ["REFBERT_MIXED_TWINS"] = "0"
+                try:
+                    row = graph_row(timer, args, ours, dict(x, mlm_decode="all"), base,
+                                    f"refbert cuda {precision} (all), no twins", floor, hf_ms, "vs_hf")
+                finally:
+                    if had is None:
+                        del os.environ["REFBERT_MIXED_TWINS"]
+                    else:
+                        os.environ["REFBERT_MIXED_TWINS"] = had
+                rows.append(row)
+                failed |= "ms" not in row
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
@@ -1253,7 +1268,18 @@ def precision_md(rows, precision):
 
 def main(args=None):
     """args: a Namespace from refbert's CLI, or argv (a list), or None (sys.argv). Returns 0, 1 (a validation, a
-    fallback or a step check failed; every file is still written) or 2 (no GPU: nothing run)."""
+    fallback or a step check failed; every file is still written) or 2 (no GPU: nothing run). The measured order
+    this run sets for its own later sections (REFBERT_CUDA_ORDER) is unset when it returns."""
+    had = os.environ.get("REFBERT_CUDA_ORDER")
+    try:
+        return _main(args)
+    finally:
+        if had is None and os.environ.pop("REFBERT_CUDA_ORDER", None) is not None:
+            from refbert_kernels.cuda import versions as VV
+            VV.CHOSEN.clear()
+
+
+def _main(args):
     if args is None or isinstance(args, (list, tuple)):
         args = parse(args)
     for key, default in (("quick", False), ("only", None), ("out", None), ("repeats", None), ("kernels", None),

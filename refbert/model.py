@@ -29,6 +29,7 @@ types, C hidden, I intermediate, L layers, K labels):
 References: Devlin et al. 2019 (arXiv:1810.04805); HF transformers models/bert/modeling_bert.py.
 """
 import contextlib
+import inspect
 from typing import NamedTuple
 
 import numpy as np
@@ -190,13 +191,33 @@ def dense_forward(ctx, P, name, x, bias=True):
     return out, (name, cache)
 
 
+def _takes_dx_into(fn):
+    """fn says dx_into = True (read at every call: an A/B run may switch it) and its own signature has that
+    parameter or **kwargs (a wrapper that copied the attribute through functools.wraps but takes (dout, cache)
+    does not; the signature is read once per function)."""
+    if not getattr(fn, "dx_into", False):
+        return False
+    hit = _DX_INTO.get(id(fn))
+    if hit is None or hit[0] is not fn:
+        try:
+            params = inspect.signature(fn, follow_wrapped=False).parameters
+            ok = "dx_into" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            ok = False
+        hit = _DX_INTO[id(fn)] = (fn, ok)
+    return hit[1]
+
+
+_DX_INTO = {}
+
+
 def dense_backward(ctx, dout, cache, grads, into=None):
     """The linear's backward: its parameter gradients into grads, dx returned. into: the gradient its input x has
     from its other paths, which dx is added to (returned as into + dx); a backend whose linear_backward says
     `dx_into = True` sums it in the GEMM (refbert.ops.linear_backward), any other here."""
     name, c = cache
     fn = ctx.ops.linear_backward
-    if into is not None and getattr(fn, "dx_into", False):
+    if into is not None and _takes_dx_into(fn):
         dx, dw, *db = fn(dout, c, dx_into=into)
     else:
         dx, dw, *db = fn(dout, c)

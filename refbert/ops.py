@@ -6,7 +6,9 @@
 
 The cache is a flat tuple unpacked on the backward's first line (a NamedTuple where its fields are worth naming:
 SoftmaxCache, DropoutCache, AttentionCache). Backwards return fresh arrays and never write
-into their arguments. float32 and float64 both work and the output keeps the input's dtype.
+into their arguments (the one exception asked for: linear_backward's dx_into, an array its caller gives up, as
+the model does with a gradient it got from another backward). float32 and float64 both work and the output keeps
+the input's dtype.
 Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, V classes/vocabulary.
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
 derivations are collected in docs/backprop.md. The fused ops and the attention core are written once, in `compose(o)`,
@@ -78,15 +80,14 @@ def linear_backward(dout, cache, dx_into=None):
     else:
         dx2 = dout2 @ w                               # (N, C_in)
     dx = dx2.reshape(x.shape)                         # (..., C_in)
+    dw = dout2.T @ x2                                 # (C_out, C_in)
+    db = dout2.sum(0) if has_b else None              # (C_out,)   (both before dx_into changes: it may be dout)
     if dx_into is not None and dx_into.flags.writeable:
         dx_into += dx                                 # the other paths' gradient, plus this one's
         dx = dx_into
     elif dx_into is not None:                         # (a read-only array: the same sum, in a new one)
         dx = dx_into + dx
-    dw = dout2.T @ x2                                 # (C_out, C_in)
-    if not has_b:
-        return dx, dw
-    return dx, dw, dout2.sum(0)                       # db: (C_out,)
+    return (dx, dw) if not has_b else (dx, dw, db)
 
 
 linear_backward.dx_into = True
@@ -385,7 +386,8 @@ def compose(o):
 
         x, a: (..., C) equal shapes   w, b: (C,)   ->   out: (..., C)
         Forward: s = x + a, out = layernorm(s).   Backward: ds = layernorm_backward(dout); the sum copies ds to both
-        inputs, so dx = da = ds (returned as one array twice: read them, do not write into them).
+        inputs, so dx = da = ds (returned as one array twice: read them before writing into either: the model's
+        dx_into sum writes into dx only after every reader of da has run, refbert.model.layer_backward).
         """
         V.floats("residual_layernorm", x=x, a=a)
         V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")

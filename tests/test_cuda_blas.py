@@ -43,8 +43,13 @@ class FakeLt:
         return self._new(out, {"kind": "desc", blas.LT_DESC_TRANSA: 0, blas.LT_DESC_TRANSB: 0,
                                blas.LT_DESC_EPILOGUE: 1})
 
+    # each attribute's type as cublasLt.h states it: TRANSA / TRANSB int32, EPILOGUE uint32, BIAS_POINTER a pointer;
+    # the preference's MAX_WORKSPACE_BYTES uint64, MIN_ALIGNMENT_A..D_BYTES uint32
+    DESC_SIZES = {3: 4, 4: 4, 7: 4, 8: 8}
+    PREF_SIZES = {1: 8, 5: 4, 6: 4, 7: 4, 8: 4}
+
     def cublasLtMatmulDescSetAttribute(self, desc, attr, buf, size):
-        assert ctypes.sizeof(buf._obj) == size
+        assert ctypes.sizeof(buf._obj) == size == self.DESC_SIZES[attr], (attr, size)
         self.objs[self._val(desc)][attr] = self._val(buf)
         return 0
 
@@ -56,12 +61,17 @@ class FakeLt:
         return self._new(out, {"kind": "pref"})
 
     def cublasLtMatmulPreferenceSetAttribute(self, pref, attr, buf, size):
+        assert ctypes.sizeof(buf._obj) == size == self.PREF_SIZES[attr], (attr, size)
         self.objs[self._val(pref)][attr] = self._val(buf)
         return 0
 
+    algorithms = 1                                        # how many the heuristic finds (0: none, for the fallback)
+
     def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, a, b, c, d, pref, count, results, n):
         assert count >= 1
-        n._obj.value = 1
+        p = self.objs[self._val(pref)]
+        assert all(p[k] in (16, 32, 64, 128, 256) for k in (5, 6, 7, 8)), p   # the pointers' own alignments
+        n._obj.value = self.algorithms
         return 0
 
     def _matrix(self, ptr, layout):
@@ -131,6 +141,45 @@ def test_lt_bias_gemm_stand_in_can_tell_a_wrong_transpose(fake_lt, monkeypatch):
     monkeypatch.setattr(blas, "CUBLAS_OP_T", blas.CUBLAS_OP_N)
     out, want = _run(6, 6, 6)                                   # square: the wrong call still runs
     assert not np.allclose(out, want, rtol=1e-3, atol=1e-3)
+
+
+def test_lt_without_an_algorithm_falls_back_to_the_gemm_and_the_add(fake_lt, monkeypatch):
+    """A shape cublasLt finds no algorithm for: gemm_bias says so once and runs the GEMM and the add (bit for bit the
+    same operations as off a GPU); the answer is kept per shape and alignment, never a crash."""
+    fake_lt.algorithms = 0
+    monkeypatch.setattr(blas, "_gpu", lambda a: True)
+    monkeypatch.setattr(blas, "lt_usable", lambda: (True, None))
+    monkeypatch.setattr(blas, "_out", lambda xp, shape, dtype: np.empty(shape, dtype).view(_DevNP))
+    monkeypatch.setattr(blas, "gemm", lambda a, b, ta, tb: np.asarray(a) @ np.asarray(b).T)
+    r = np.random.default_rng(2)
+    x2, w, b = (r.standard_normal(s).astype(np.float32).view(_DevNP) for s in ((8, 4), (4, 4), (4,)))
+    for i in range(2):
+        with pytest.warns(RuntimeWarning, match="cublasLt found no algorithm") if i == 0 else _no_warning():
+            out = blas.gemm_bias(x2, w, b)
+        ref = np.asarray(x2) @ np.asarray(w).T
+        ref += np.asarray(b)
+        assert np.array_equal(out, ref)
+    plans = list(blas._LT["plans"].values())   # (one per alignment of the pointers: a fresh output may differ)
+    assert plans and all(isinstance(p, str) for p in plans) and fake_lt.calls == []
+
+
+class _DevNP(np.ndarray):
+    """A NumPy array with a device array's data.ptr (what gemm_bias reads)."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+        self.w = warnings.catch_warnings()
+        self.w.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        return self.w.__exit__(*exc)
 
 
 def test_gemm_bias_off_a_gpu_is_the_gemm_and_the_add():

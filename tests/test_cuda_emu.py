@@ -246,7 +246,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     out = cudachild.check(_run(_env(code)))
     mixed = json.loads((tmp_path / "cuda_mixed.json").read_text())["rows"]
     assert [r["impl"] for r in mixed] == [f"refbert cuda {p}-mixed (all){g}" for p in ("bf16", "fp16")
-                                          for g in ("", " + CUDA graph")], mixed
+                                          for g in ("", " + CUDA graph") + ((", no twins + CUDA graph",)
+                                                                             if p == "bf16" else ())], mixed
     assert all(r["ms"] > 0 and ("eval loss" in r["note"] or "replay = eager step within 0.0e+00" in r["note"])
                for r in mixed), mixed
     data = json.loads((tmp_path / "cuda_step.json").read_text())

@@ -508,3 +508,74 @@ def test_precision_study_of_the_cuda_mixed_step(mode):
     order."""
     out = _child(_STUDY, mode)
     assert "OK" in out, out
+
+
+_TWINS = """
+    import os
+    import numpy as np
+    import refbert
+    from refbert import BertConfig, ops
+    from refbert.model import to_numpy
+    from refbert.philox import DropoutRNG
+    from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
+    r = np.random.default_rng(5)
+    for compute in ("bfloat16", "float16"):
+        R_ = lambda a: ops.round_compute(np.asarray(a, np.float32), compute)
+        x, a, d = (B.to_device(R_(r.standard_normal((6, 64)))) for _ in range(3))
+        w, b = (B.to_device(r.standard_normal(64).astype(np.float32)) for _ in range(2))
+        q, k, v, dq = (B.to_device(R_(r.standard_normal((1, 6, 64)))) for _ in range(4))
+        ln, _ = M.layernorm_forward_mixed(x, w, b, compute=compute)
+        res, _ = M.residual_layernorm_forward_mixed(x, a, w, b, compute=compute)
+        drln, c2 = M.dropout_residual_layernorm_forward_mixed(x, a, w, b, 1e-12, 0.1, DropoutRNG(3), True, compute)
+        _, da, _, _ = M.dropout_residual_layernorm_backward_mixed(d, c2)
+        g, cg = M.bias_gelu_forward_mixed(x, w, compute=compute)
+        dg, _ = M.bias_gelu_backward_mixed(d, cg)
+        o, ca = M.attention_forward_s2(q, k, v, 2, None, 0.1, DropoutRNG(4), True, compute)
+        grads = M.attention_backward_s2(dq, ca)
+        o3, c3 = M.attention_forward_s3(q, k, v, 1, None, 0.1, DropoutRNG(5), True, compute)   # (head size 64)
+        grads3 = M.attention_backward_s3(dq, c3)
+        made = dict(ln=ln, res=res, drln=drln, da=da, bias_gelu=g, bias_gelu_dx=dg, attention=o, s3=o3,
+                    **{f"attention_d{n}": t for n, t in zip("qkv", grads)},
+                    **{f"s3_d{n}": t for n, t in zip("qkv", grads3)})
+        for name, t in made.items():
+            bits = M.twin_of(t, compute)
+            assert bits is not None and M.twin_of(t, "float16" if compute == "bfloat16" else "bfloat16") is None, name
+            want = M.operand(t, compute)[1]                  # round16's bits of the stored float32 values
+            assert np.array_equal(np.asarray(bits).reshape(-1), np.asarray(want).reshape(-1)), (compute, name)
+        E.COUNTS.reset()                                     # a linear reading a twin: no round16 pass for it
+        M.linear_forward_mixed(ln, B.to_device(r.standard_normal((5, 64)).astype(np.float32)), None, compute)
+        assert sum(n for kn, n in E.COUNTS.launches.items() if kn.startswith("round16")) == 1, E.COUNTS.launches
+        print("TWINS OK", compute, len(made))
+    cfg = BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=16)
+    ids = r.integers(4, 60, (2, 8))
+    am = np.ones((2, 8), np.int64)
+    am[1, 6:] = 0
+    lab = np.full((2, 8), -100)
+    lab[0, 2], lab[1, 1] = 7, 9
+    batch = dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=np.array([0, 1]))
+    runs = {}
+    for on in ("1", "0"):
+        os.environ["REFBERT_MIXED_TWINS"] = on
+        m = refbert.BertForPreTraining(cfg, seed=4, backend="cuda", precision="bf16-mixed").train(True)
+        E.COUNTS.reset()
+        loss = float(m(**batch).loss)
+        grads = to_numpy(m.backward())
+        runs[on] = loss, grads, sum(n for kn, n in E.COUNTS.launches.items() if kn.startswith("round16"))
+    assert runs["1"][0] == runs["0"][0], (runs["1"][0], runs["0"][0])
+    for name in runs["0"][1]:
+        assert np.array_equal(runs["1"][1][name], runs["0"][1][name]), name
+    assert runs["1"][2] < runs["0"][2], (runs["1"][2], runs["0"][2])
+    print("TWIN MODEL OK", f"round16 passes a step: {runs['1'][2]} with twins, {runs['0'][2]} without")
+"""
+
+
+def test_twins_are_round16_of_what_the_op_stored_and_replace_its_passes():
+    """The mixed ops that write an activation a linear reads next (the K1 layernorms, bias + GELU and its backward,
+    the layernorm backward's da, S2's and S3's outputs and input gradients) write its 16-bit bits beside it, in the same
+    kernel: those bits equal round16's of the stored float32 values, for the compute dtype they were written in, and
+    a linear takes them as its GEMM operand without a round16 pass. A bf16-mixed model step gives the same loss and
+    gradients bit for bit with twins and without (REFBERT_MIXED_TWINS=0), with fewer round16 passes (emulator)."""
+    out = _child(_TWINS, "emu")
+    assert out.count("TWINS OK") == 2 and "TWIN MODEL OK" in out, out
+    print(out.splitlines()[-1])

@@ -227,12 +227,16 @@ def test_paths_summed_in_the_gemm_or_by_the_model_give_the_same_bits(monkeypatch
     the same additions in the same order, so every gradient is the same bits either way (float32, train mode)."""
     cfg = tiny("BertForPreTraining")
     x = batch(cfg, "BertForPreTraining")
-    runs = []
+    runs, took = [], []
+    spy = M._takes_dx_into
+    monkeypatch.setattr(M, "_takes_dx_into", lambda fn: took.append(spy(fn)) or took[-1])
     for into in (True, False):
         monkeypatch.setattr(refbert.ops.linear_backward, "dx_into", into)
         model = refbert.BertForPreTraining(cfg, seed=5, dtype=np.float32).train(True)
         out = model(**x)
         runs.append((float(out.loss), model.backward()))
+        assert took and set(took) == {into}, took           # every sum went the way this run meant
+        took.clear()
     (l1, g1), (l2, g2) = runs
     assert l1 == l2
     for k in g1:

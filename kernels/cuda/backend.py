@@ -381,6 +381,8 @@ def linear_backward(dout, cache, dx_into=None):
     dout2 = xp.ascontiguousarray(dout.reshape(-1, w.shape[0]))
     x2 = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
     w = xp.ascontiguousarray(w)
+    dw = blas.gemm(dout2, x2, True, False)
+    db = column_sum(dout2) if has_b else None         # (both before dx_into is written: it may be dout itself)
     if dx_into is not None:
         dx_into = _dev(dx_into)
         V.dout("linear", _stub(dx_into), x.shape, x.dtype, name="dx_into", what="x's, the input")
@@ -388,10 +390,7 @@ def linear_backward(dout, cache, dx_into=None):
         dx = blas.gemm(dout2, w, acc=acc).reshape(x.shape) if acc is not None else dx_into + blas.gemm(dout2, w)
     else:
         dx = blas.gemm(dout2, w).reshape(x.shape)
-    dw = blas.gemm(dout2, x2, True, False)
-    if not has_b:
-        return dx, dw
-    return dx, dw, column_sum(dout2)
+    return (dx, dw) if not has_b else (dx, dw, db)
 
 
 linear_backward.dx_into = True

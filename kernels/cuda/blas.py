@@ -202,6 +202,15 @@ def _out(xp, shape, dtype):
     return xp.empty(shape, dtype)
 
 
+def _bits_f32(a, kind):
+    """uint16 bit patterns of bfloat16 / float16 values -> those values as float32 (exact): off a GPU."""
+    if a.dtype != np.uint16:
+        raise ValueError(f"gemm: 16-bit operands expected uint16 bit patterns, got dtype {a.dtype}")
+    if kind == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.view(np.float16).astype(np.float32)
+
+
 def _gpu(a):
     from . import versions
     return versions.MODE == "gpu" and C.on_device(a)
@@ -211,8 +220,9 @@ def _product(a, b, ta, tb, out_dtype, kind, raw):
     """gemm() and gemm_batched(): op(a) @ op(b) over the last two axes (a leading batch axis or none)."""
     xp = C.xp_of(a)
     if not _gpu(a) or (kind is None and not usable()[0]):
-        if kind is not None:
-            raise ValueError("gemm: 16-bit operands need cuBLAS (a GPU)")
+        if kind is not None:                   # (the emulator: the bits' values, exact in float32, as the tensor
+            _kind(a, kind)                     # cores read them; float32 products and sums)
+            a, b = _bits_f32(a, kind), _bits_f32(b, kind)
         return xp.matmul(xp.swapaxes(a, -1, -2) if ta else a, xp.swapaxes(b, -1, -2) if tb else b)
     usable()                                   # (16-bit operands without the ctypes library: CuPy's wrapper)
     out_dtype = np.dtype(out_dtype or (np.float32 if kind else a.dtype))
@@ -229,11 +239,13 @@ def _product(a, b, ta, tb, out_dtype, kind, raw):
 
 def gemm(a, b, ta=False, tb=False, out_dtype=None, kind=None, acc=None):
     """op(a) @ op(b) as a new (M, N) array of out_dtype (default: a's dtype; float32 for 16-bit bits). a, b:
-    C-contiguous 2-D arrays. Off a GPU: the array module's matmul (16-bit bits are then not accepted: the mixed
-    path passes float32 operands there); on a GPU where usable() is False: cupy.matmul for float32 / float64,
-    CuPy's cublasGemmEx wrapper for 16-bit bits.
+    C-contiguous 2-D arrays. Off a GPU: the array module's matmul (16-bit bits converted to their float32 values
+    first: the emulator runs the GPU's mixed path); on a GPU where usable() is False: cupy.matmul for float32 /
+    float64, CuPy's cublasGemmEx wrapper for 16-bit bits.
     acc: a C-contiguous (M, N) array of a's float dtype: the product is added into it and acc returned, in the GEMM
-    (beta = 1: one rounding of product + acc, as the add) where the ctypes library runs it, else by an add after."""
+    (beta = 1: one rounding of product + acc, as the add; cuBLAS may choose another algorithm than for beta = 0,
+    so the product's own float32 sums may come in another order) where the ctypes library runs it, else by an add
+    after."""
     if acc is None:
         return _product(a, b, ta, tb, out_dtype, kind, _raw_gemm)
     M, N = (a.shape[-1] if ta else a.shape[-2]), (b.shape[-2] if tb else b.shape[-1])
@@ -256,6 +268,7 @@ def gemm_batched(a, b, ta=False, tb=False, out_dtype=None, kind=None):
 LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_EPILOGUE, LT_DESC_BIAS_POINTER = 3, 4, 7, 8
 LT_EPILOGUE_BIAS = 4
 LT_PREF_MAX_WORKSPACE_BYTES = 1
+LT_PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}      # uint32 bytes, default 256
 
 
 class _LtHeuristic(ctypes.Structure):
@@ -302,32 +315,52 @@ def _lt_set(setter, obj, attr, value):
     _check(getattr(_LT["lib"], setter)(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"{setter}({attr})")
 
 
-def _lt_plan(M, N, K, b_ptr):
+def _align(ptr):
+    """The alignment a pointer has, in bytes (its lowest set bit), up to 256 (cublasLt's default requirement)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def _lt_plan(M, N, K, x_ptr, w_ptr, b_ptr, out_ptr):
     """(op desc, A, B, C/D layouts, algorithm) for D^T (N x M) = w^T-op (N x K) times x2^T (K x M), cached per
-    shape (the algorithm chosen by cublasLt's heuristic for 16-byte-aligned pointers, the only ones sent here)."""
-    key = (M, N, K)
+    shape and the pointers' alignments (the heuristic's choice depends on both: the preference states A's, B's and
+    D's, the bias pointer's value its own). Where cublasLt has none the RuntimeError is cached too: raised again,
+    the same words, without asking again."""
+    key = (M, N, K, _align(x_ptr), _align(w_ptr), _align(b_ptr), _align(out_ptr))
     plan = _LT["plans"].get(key)
+    if isinstance(plan, str):
+        raise RuntimeError(plan)
     if plan is None:
-        lib = _LT["lib"]
-        desc = _lt_new("cublasLtMatmulDescCreate", CUBLAS_COMPUTE_32F, CUDA_R_32F)
-        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
-        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
-        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_EPILOGUE, ctypes.c_uint32(LT_EPILOGUE_BIAS))
-        _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_BIAS_POINTER, ctypes.c_void_p(b_ptr))
-        a_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, N, K)      # w (N, K) row-major: K x N
-        b_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, M, K)      # x2 (M, K) row-major: K x M
-        d_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, N, M, N)      # out (M, N) row-major: N x M
-        pref = _lt_new("cublasLtMatmulPreferenceCreate")
-        ws = _STATE.get("workspace")
-        _lt_set("cublasLtMatmulPreferenceSetAttribute", pref, LT_PREF_MAX_WORKSPACE_BYTES,
-                ctypes.c_uint64(ws.size if ws is not None else 0))
-        res, n = _LtHeuristic(), ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(_LT["handle"], desc, a_l, b_l, d_l, d_l, pref, 1,
-                                                  ctypes.byref(res), ctypes.byref(n)), "cublasLtMatmulAlgoGetHeuristic")
-        if n.value < 1:
-            raise RuntimeError(f"cublasLt found no algorithm for the bias GEMM M={M} N={N} K={K}")
-        plan = _LT["plans"][key] = (desc, a_l, b_l, d_l, res)
+        try:
+            plan = _LT["plans"][key] = _lt_new_plan(M, N, K, b_ptr, x_ptr, w_ptr, out_ptr)
+        except RuntimeError as e:
+            _LT["plans"][key] = str(e)
+            raise
     return plan
+
+
+def _lt_new_plan(M, N, K, b_ptr, x_ptr, w_ptr, out_ptr):
+    lib = _LT["lib"]
+    desc = _lt_new("cublasLtMatmulDescCreate", CUBLAS_COMPUTE_32F, CUDA_R_32F)
+    _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
+    _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
+    _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_EPILOGUE, ctypes.c_uint32(LT_EPILOGUE_BIAS))
+    _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_BIAS_POINTER, ctypes.c_void_p(b_ptr))
+    a_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, N, K)      # w (N, K) row-major: K x N
+    b_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, K, M, K)      # x2 (M, K) row-major: K x M
+    d_l = _lt_new("cublasLtMatrixLayoutCreate", CUDA_R_32F, N, M, N)      # out (M, N) row-major: N x M
+    pref = _lt_new("cublasLtMatmulPreferenceCreate")
+    ws = _STATE.get("workspace")
+    _lt_set("cublasLtMatmulPreferenceSetAttribute", pref, LT_PREF_MAX_WORKSPACE_BYTES,
+            ctypes.c_uint64(ws.size if ws is not None else 0))
+    for m, ptr in (("A", w_ptr), ("B", x_ptr), ("C", out_ptr), ("D", out_ptr)):
+        _lt_set("cublasLtMatmulPreferenceSetAttribute", pref, LT_PREF_MIN_ALIGNMENT[m],
+                ctypes.c_uint32(_align(ptr)))
+    res, n = _LtHeuristic(), ctypes.c_int(0)
+    _check(lib.cublasLtMatmulAlgoGetHeuristic(_LT["handle"], desc, a_l, b_l, d_l, d_l, pref, 1,
+                                              ctypes.byref(res), ctypes.byref(n)), "cublasLtMatmulAlgoGetHeuristic")
+    if n.value < 1:
+        raise RuntimeError(f"cublasLt found no algorithm for the bias GEMM M={M} N={N} K={K}")
+    return desc, a_l, b_l, d_l, res
 
 
 def _stream_ptr():
@@ -338,13 +371,14 @@ def _stream_ptr():
 def _raw_lt_bias(x2, w, b, out):
     M, K = x2.shape
     N = w.shape[0]
-    desc, a_l, b_l, d_l, res = _lt_plan(M, N, K, b.data.ptr)
+    desc, a_l, b_l, d_l, res = _lt_plan(M, N, K, x2.data.ptr, w.data.ptr, b.data.ptr, out.data.ptr)
     _lt_set("cublasLtMatmulDescSetAttribute", desc, LT_DESC_BIAS_POINTER, ctypes.c_void_p(b.data.ptr))
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     ws = _STATE.get("workspace")
+    o = ctypes.c_void_p(out.data.ptr)                   # C (never read: beta = 0) and D
     _check(_LT["lib"].cublasLtMatmul(_LT["handle"], desc, ctypes.byref(one), ctypes.c_void_p(w.data.ptr), a_l,
-                                     ctypes.c_void_p(x2.data.ptr), b_l, ctypes.byref(zero), ctypes.c_void_p(out.data.ptr),
-                                     d_l, ctypes.c_void_p(out.data.ptr), d_l, ctypes.byref(res.algo),
+                                     ctypes.c_void_p(x2.data.ptr), b_l, ctypes.byref(zero), o, d_l, o, d_l,
+                                     ctypes.byref(res.algo),
                                      ctypes.c_void_p(ws.ptr if ws is not None else 0),
                                      ws.size if ws is not None else 0,
                                      ctypes.c_void_p(_stream_ptr())), "cublasLtMatmul")
@@ -386,7 +420,14 @@ def gemm_bias(x2, w, b):
     fits = (_gpu(x2) and x2.dtype == np.float32 and w.dtype == np.float32 and b.dtype == np.float32
             and x2.size and w.size and all(a.data.ptr % 16 == 0 for a in (x2, w, b)) and b.flags.c_contiguous)
     if fits and lt_usable()[0]:
-        return _raw_lt_bias(x2, w, b, _out(C.xp_of(x2), (x2.shape[0], w.shape[0]), np.float32))
+        out = _out(C.xp_of(x2), (x2.shape[0], w.shape[0]), np.float32)
+        try:
+            return _raw_lt_bias(x2, w, b, out)
+        except RuntimeError as e:                       # (no algorithm for this shape, a failed call: said once)
+            if _LT.get("said") != str(e):
+                _LT["said"] = str(e)
+                import warnings
+                warnings.warn(f"refbert cuda: {e}; the GEMM and an add instead", RuntimeWarning, stacklevel=2)
     out = gemm(x2, w, False, True)
     out += b
     return out

@@ -314,15 +314,24 @@ def attention_backward_c3(dout, cache):
     return _attention_backward_f32(dout, cache, 3)
 
 
-C4_PARTS_MAX = int(os.environ.get("REFBERT_C4_PARTS_MB", "1024")) << 20   # bytes of dq partials C4 may hold
+def _parts_max():
+    """Bytes of dq partials C4 may hold: REFBERT_C4_PARTS_MB (MiB, default 1024)."""
+    text = os.environ.get("REFBERT_C4_PARTS_MB", "1024")
+    try:
+        return int(text) << 20
+    except ValueError:
+        raise ValueError(f"attention C4: REFBERT_C4_PARTS_MB expected a whole number of MiB, got {text!r}") from None
+
+
+C4_PARTS_MAX = None      # (None: REFBERT_C4_PARTS_MB, read at each call; a number of bytes set here wins)
 
 
 def attention_backward_c4(dout, cache):
     """C4's backward: attention_f32.cu version 4, one pass over the scores (5 tile products a tile pair): each key
     tile's block writes dk, dv and its share of dq for every query tile into partials (nkt, B H, T, 64) float32,
     which a second kernel sums in key-tile order (no atomics: the same bits every run). The partials take
-    B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048): above C4_PARTS_MAX (1 GiB;
-    REFBERT_C4_PARTS_MB) this call runs version 3's dq kernel instead, saying so once."""
+    B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048): above 1 GiB (REFBERT_C4_PARTS_MB, or
+    C4_PARTS_MAX in bytes) this call runs version 3's dq kernel instead, saying so once per shape."""
     return _attention_backward_f32(dout, cache, 4)
 
 
@@ -350,19 +359,19 @@ def _attention_backward_f32(dout, cache, version):
     nkt = (T + 63) // 64
     grid = (nkt, B * H)
     if version == 4:
-        nbytes = nkt * B * H * T * 64 * 4
-        if nbytes <= C4_PARTS_MAX:
+        nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
+        if nbytes <= limit:
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
             kernel_smem("attention_f32.cu", "attn_bwd_fused_v4_f32_hs64", xp, A3_BWD_SMEM)(
                 grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
                 (-(-(B * T * Cc // 4) // 256),), (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
             return dq, dk, dv
-        if _C4_SAID.get("partials") != nbytes:
-            _C4_SAID["partials"] = nbytes
+        if (B, H, T) not in _C4_SAID:                   # (once per shape)
+            _C4_SAID.add((B, H, T))
             warnings.warn(f"refbert cuda: attention C4's dq partials would take {nbytes >> 20} MiB (B={B} H={H} T={T}),"
-                          f" over C4_PARTS_MAX = {C4_PARTS_MAX >> 20} MiB (REFBERT_C4_PARTS_MB): version 3's dq kernel "
-                          "runs instead", RuntimeWarning, stacklevel=3)
+                          f" over its limit of {limit >> 20} MiB (REFBERT_C4_PARTS_MB): version 3's dq kernel runs "
+                          "instead", RuntimeWarning, stacklevel=3)
     kernel_smem("attention_f32.cu", "attn_bwd_dkdv_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
                                                                                  shared_mem=A3_BWD_SMEM)
     kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
@@ -370,7 +379,7 @@ def _attention_backward_f32(dout, cache, version):
     return dq, dk, dv
 
 
-_C4_SAID = {}
+_C4_SAID = set()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -490,10 +499,32 @@ class LayerNormCacheC2(NamedTuple):
     rk: int = -1        # mixed precision's rounding inside the kernels: -1 none, 0 bfloat16, 1 float16 (csrc rnd)
 
 
-def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2):
+def null16(xp):
+    """A kernel's "no twin" argument: a zero-size uint16 device array, whose pointer is null (CuPy's and the
+    emulator's alike); the kernels write a twin only through a non-null pointer (common.cuh put16)."""
+    a = _NULL16.get(id(xp))
+    if a is None:
+        a = _NULL16[id(xp)] = xp.empty(0, np.uint16)
+    return a
+
+
+_NULL16 = {}
+
+
+def _twin16(o16, like, xp):
+    """o16 for a kernel: a uint16 array of like's size (the twin, kernels/cuda/mixed.py), or null16."""
+    if o16 is None:
+        return null16(xp)
+    if o16.dtype != np.uint16 or o16.size != like.size or not o16.flags.c_contiguous:
+        raise ValueError(f"twin: expected a contiguous uint16 array of {like.size} elements, got {o16.dtype} "
+                         f"{o16.shape}")
+    return o16
+
+
+def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None):
     """Version 2's forward (layernorm.cu v2), or version 3's (v3: the row in registers, nv = ceil(C / 128) float4 a
     lane rounded up to even: the kernel has bodies for 2, 4, 6, 8) where it applies: the float4 path and C <= 1024.
-    Either leaves version 2's cache (the backward is version 2's)."""
+    Either leaves version 2's cache (the backward is version 2's). o16 (rk >= 0): out's twin, written beside it."""
     xp = C.xp_of(x)
     Cc = x.shape[-1]
     x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
@@ -509,12 +540,13 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2):
         v3 = version == 3 and vec and Cc <= 1024
         kernel("layernorm.cu", f"layernorm_fwd_v{3 if v3 else 2}_{kind}", xp)(
             ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), _i(rk), w, b,
-                                      _f(eps), _i(R), _i(Cc), _i(2 * -(-Cc // 256) if v3 else vec), out2, mean, rstd))
+                                      _f(eps), _i(R), _i(Cc), _i(2 * -(-Cc // 256) if v3 else vec), out2, mean, rstd,
+                                      _twin16(o16, out2, xp)))
     return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 
-def _ln2_backward(dout, cache):
-    """(dx, da or None, dw, db) of version C2."""
+def _ln2_backward(dout, cache, o16=None):
+    """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx."""
     kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
     C.dout("layernorm", dout, shape, x2.dtype)
     xp = C.xp_of(x2)
@@ -531,7 +563,7 @@ def _ln2_backward(dout, cache):
     vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
     kernel("layernorm.cu", f"layernorm_bwd_dx_v2_{kind}", xp)(
         ((R + 7) // 8,), (256,), (d2, x2, a, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc),
-                                  _i(vec), dx2, da2))
+                                  _i(vec), dx2, da2, _twin16(o16, dx2, xp)))
     per, chunks = C.chunks(R)
     pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
     kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(
@@ -677,7 +709,7 @@ def _gelu_name(approximate):
     return "tanh" if approximate == "tanh" else "erf"
 
 
-def _gelu_run(x, b, approximate, rk=-1):
+def _gelu_run(x, b, approximate, rk=-1, o16=None):
     xp = C.xp_of(x)
     I = x.shape[-1] if b is not None else max(x.size, 1)
     x2 = xp.ascontiguousarray(x).reshape(-1, I)
@@ -690,7 +722,7 @@ def _gelu_run(x, b, approximate, rk=-1):
         threads = n // 4 if vec else n
         kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
             ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), _i(rk),
-                                                out2))
+                                                out2, _twin16(o16, out2, xp)))
     return out, GeluCacheC(x2, b, approximate, x.shape, rk)
 
 
@@ -734,7 +766,7 @@ def bias_gelu_forward_c1(x, b, approximate="none"):
     return _gelu_run(x, b, approximate)
 
 
-def bias_gelu_backward_c1(dout, cache):
+def bias_gelu_backward_c1(dout, cache, o16=None):
     from . import gelu as G
     if not isinstance(cache, GeluCacheC):
         return G.bias_gelu_backward_v2(dout, cache)
@@ -750,7 +782,7 @@ def bias_gelu_backward_c1(dout, cache):
     db = xp.empty(I, np.float32)
     kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
         ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x2, b, _i(R), _i(I), _i(per),
-                                             _i(rk), dx.reshape(R, I), parts))
+                                             _i(rk), dx.reshape(R, I), parts, _twin16(o16, dx, xp)))
     kernel("gelu.cu", "colsum_final_v1", xp)(((I + 255) // 256,), (256,), (parts, _i(chunks), _i(I), db))
     return dx, db
 

@@ -32,10 +32,18 @@ precision="bf16-mixed")` runs:
                       cross_entropy) and the small ones run the generic rule around their float32 versions.
     marks             every array these functions write is on the compute grid: refbert.mixed.mark remembers it
                       (weakly), and the rule's R skips it when it comes back as an input.
+    twins             the ops whose output a linear reads next (the K1 layernorms and bias + GELU, their backwards'
+                      da and dx, S2's output and its dq, dk, dv) also write that output's 16-bit bits, in the same
+                      kernel (common.cuh put16): the linear takes them as its GEMM operand instead of a round16
+                      pass over the float32 array (a pass that read 4 bytes and wrote 2 an element; the producer
+                      writes 2 more). twin() / twin_of() keep them while the float32 array lives;
+                      REFBERT_MIXED_TWINS=0 turns them off (the same bits either way: round16 of an array on the
+                      grid is exact). Not yet in S3 or the weights (round16 once a step, in the forward).
 
-Where the arrays are NumPy's (the simulator) or the emulator's, the GEMMs are the array module's matmul on the
-rounded float32 operands (the same products and float32 sums), and the roundings run as above (the emulator runs
-csrc/mixed.cu and the K1 kernels on CPU threads; the simulator runs S1 and the rule). Agreement with the spec: the
+Where the arrays are the emulator's, everything runs as on a GPU (csrc/mixed.cu, the K1 kernels, the 16-bit GEMM
+operands and twins) but the GEMM itself: the array module's float32 matmul of the operands' values (blas.gemm,
+the same products and float32 sums). In the simulator (NumPy arrays) the GEMMs take the rounded float32 operands,
+and S1 and the rule run. Agreement with the spec: the
 roundings are the spec's bit for bit; the float32 sums inside a GEMM, a reduction or exp come in another order or
 from another library (an FMA where NumPy rounds twice), so a compute-dtype value can differ by one ulp where its
 float32 value sits within float32 noise of a rounding boundary (tests/test_cuda_mixed.py: every op and the whole
@@ -139,7 +147,50 @@ def _round_(y, compute):
 
 
 def _gemm_ex():
-    return versions.MODE == "gpu"
+    """GEMM operands in 16-bit storage (round16's bits): on a GPU, and on the emulator (blas.gemm reads the bits'
+    values there), so that it runs the GPU's own path; the simulator (NumPy) passes R(x) as float32."""
+    return versions.MODE in ("gpu", "emu")
+
+
+# twins: a float32 activation on the grid and its 16-bit bits, written by the same kernel (the K1 layernorms and
+# GELUs, S2's merge), so that the linear reading it next takes the bits as its GEMM operand without a round16 pass
+# (4 bytes read and 2 written an element, and a launch, saved; the producer writes 2 bytes more). Held while the
+# float32 array lives (a weak reference), for the compute dtype it was written in.
+
+_TWINS = {}
+
+
+def _new16(like, compute):
+    """A twin buffer for an output like `like` (uint16, its size), or None where GEMM operands are not 16-bit (the
+    simulator) or twins are off (REFBERT_MIXED_TWINS=0)."""
+    if not _gemm_ex() or os.environ.get("REFBERT_MIXED_TWINS", "1") == "0" or not like.size:
+        return None
+    return C.xp_of(like).empty(like.shape, np.uint16)
+
+
+def _or_null(bits, xp):
+    """A twin buffer, or the kernels' null pointer (cuda_c.null16) where there is none."""
+    from .cuda_c import null16
+    return null16(xp) if bits is None else bits
+
+
+def twin(x, bits, compute):
+    """Remember bits (uint16, x's size) as x's 16-bit storage in `compute` (x on the grid: round16(x)'s bits); x
+    returned. bits None: nothing remembered."""
+    if bits is not None:
+        key = id(x)
+        try:
+            ref = weakref.ref(x, lambda _r, key=key: _TWINS.pop(key, None))
+        except TypeError:                               # (an array type without weak references: no twin)
+            return x
+        _TWINS[key] = (ref, bits, compute)
+    return x
+
+
+def twin_of(x, compute):
+    """x's twin bits in `compute` (twin()), or None."""
+    t = _TWINS.get(id(x))
+    return t[1] if t is not None and t[0]() is x and t[2] == compute else None
 
 
 def operand(x, compute, want32=False):
@@ -198,6 +249,9 @@ def _shared_operand(x, x2, compute):
     last = _LAST_X[0]
     if last is not None and last[0]() is x and last[1] == compute:
         return last[2]
+    bits = twin_of(x, compute)                          # written beside x by the op that made it
+    if bits is not None:
+        return bits.reshape(x2.shape)
     _, x16 = operand(x2, compute)
     try:
         _LAST_X[0] = (weakref.ref(x), compute, x16)
@@ -244,7 +298,10 @@ def linear_backward_mixed(dout, cache):
     dout = _dev(dout)
     C.dout("linear", dout, (*shape[:-1], w16.shape[0]), F32)
     dout2 = dout.reshape(-1, w16.shape[0])
-    if has_b and on_grid(dout, compute) and C.on_device(dout):
+    bits = twin_of(dout, compute) if on_grid(dout, compute) else None
+    if bits is not None:
+        d32, d16 = dout2, bits.reshape(dout2.shape)      # written beside dout by the op that made it
+    elif has_b and on_grid(dout, compute) and C.on_device(dout):
         d32, d16 = dout2, operand(dout2, compute)[1]     # R(dout) is dout (a mixed op's output): no float32 copy
     else:
         d32, d16 = operand(dout2, compute, want32=has_b)
@@ -446,14 +503,16 @@ def _heads(a, shape, compute, xp):
 
 
 def _merge(y, shape, l, g, compute, xp):
-    """(B H, T, hs) float32 -> R(y f) as (B, T, H hs), f = (1 / l) g per row when l is given, else g; marked."""
+    """(B H, T, hs) float32 -> R(y f) as (B, T, H hs), f = (1 / l) g per row when l is given, else g; marked, with
+    its twin (the bits the linear after it reads) where GEMM operands are 16-bit."""
     B, T, H, hs = shape
     out = xp.empty((B, T, H * hs), F32)
+    o16 = _new16(out, compute)
     if out.size:
         _launch("merge_v1", out.size, (y, np.int64(out.size), np.int32(T), np.int32(H), np.int32(hs),
                                        y if l is None else l, np.int32(l is not None), np.float32(g),
-                                       _kind(compute), out), xp)
-    return mark(out, compute)
+                                       _kind(compute), out, _or_null(o16, xp)), xp)
+    return twin(mark(out, compute), o16, compute)
 
 
 def _mask_args(mask4):
@@ -559,10 +618,13 @@ def _storage16(x, compute):
     """R(x) in 16-bit storage, (x's shape): round16 (the kernels' __nv_bfloat16 / __half operands). The emulator
     checks a pointer's dtype: there the bits are viewed as ml_dtypes' bfloat16 or NumPy's float16."""
     xp = C.xp_of(x)
-    x = xp.ascontiguousarray(x)
-    bits = xp.empty(x.shape, np.uint16)
-    if x.size:
-        _rounding("round16", x.size, (x, np.int64(x.size), _kind(compute), np.int32(0), x, bits), (x, bits), xp)
+    bits = twin_of(x, compute)                         # written beside x by the op that made it
+    if bits is None:
+        x = xp.ascontiguousarray(x)
+        bits = xp.empty(x.shape, np.uint16)
+        if x.size:
+            _rounding("round16", x.size, (x, np.int64(x.size), _kind(compute), np.int32(0), x, bits), (x, bits),
+                      xp)
     if versions.MODE != "gpu":
         from ml_dtypes import bfloat16
         return bits.view(bfloat16 if compute == "bfloat16" else np.float16)
@@ -588,6 +650,7 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     q16, k16, v16 = (_storage16(a, compute) for a in (q, k, v))
     mask4 = xp.ascontiguousarray(_mask4(xp, mask, B, H, T, F32).astype(F32))
     out = xp.empty((B, T, Cw), F32)
+    o16 = _new16(out, compute)
     m, l = xp.empty(B * H * T, F32), xp.empty(B * H * T, F32)
     seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
     rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
@@ -595,10 +658,11 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     if out.size:
         _s3("s3_fwd", compute, (-(-T // 64), B * H), (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H),
                                                        np.float32(scale), seed, stream, thresh, _kind(compute),
-                                                       rp, out, m, l), xp)
+                                                       rp, out, _or_null(o16, xp), m, l), xp)
     _check_rows(m, l)
     _ran("attention", compute, "S3")
-    return mark(out, compute), S3Cache(q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
+    cache = S3Cache(q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
+    return twin(mark(out, compute), o16, compute), cache
 
 
 def attention_backward_s3(dout, cache):
@@ -621,12 +685,14 @@ def attention_backward_s3(dout, cache):
     g = np.float32(scale) * rp
     seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
     dq, dk, dv = (xp.empty((B, T, H * hs), F32) for _ in range(3))
+    dq16, dk16, dv16 = (_new16(a, compute) for a in (dq, dk, dv))
     common = (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H), np.float32(scale), seed, stream, thresh,
               _kind(compute), m, l, d16, D)
     if dq.size:
-        _s3("s3_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv), xp)
-        _s3("s3_dq", compute, (-(-T // 64), B * H), common + (g, dq), xp)
-    return mark(dq, compute), mark(dk, compute), mark(dv, compute)
+        _s3("s3_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv, _or_null(dk16, xp),
+                                                                _or_null(dv16, xp)), xp)
+        _s3("s3_dq", compute, (-(-T // 64), B * H), common + (g, dq, _or_null(dq16, xp)), xp)
+    return tuple(twin(mark(a, compute), a16, compute) for a, a16 in ((dq, dq16), (dk, dk16), (dv, dv16)))
 
 
 def _values16(a16, compute):
@@ -695,8 +761,9 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
         out, cache = _rule("layernorm_forward", compute)(x, w, b, eps)
         return out, Fused("rule", cache, compute)
     _check_ln(x, w, b)
-    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute))
-    return mark(out, compute), Fused("K1", cache, compute)
+    o16 = _new16(x, compute)
+    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute), o16=o16)
+    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
 
 
 def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
@@ -708,8 +775,9 @@ def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     _check_ln(x, w, b)
-    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute))
-    return mark(out, compute), Fused("K1", cache, compute)
+    o16 = _new16(x, compute)
+    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute), o16=o16)
+    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
 
 
 def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True,
@@ -725,9 +793,10 @@ def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=N
     C.floats("dropout", x=a)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
     _check_ln(x, w, b)
+    o16 = _new16(x, compute)
     out, cache = _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop,
-                              _k1("dropout_residual_layernorm", compute))
-    return mark(out, compute), Fused("K1", cache, compute)
+                              _k1("dropout_residual_layernorm", compute), o16=o16)
+    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
 
 
 def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
@@ -752,8 +821,9 @@ def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
     V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
     V.shape("bias_gelu", "b", C.stub(b), (x.shape[-1],), "(I,)")
     _check_approximate(approximate)
-    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute))
-    return mark(out, compute), Fused("K1", cache, compute)
+    o16 = _new16(x, compute)
+    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute), o16=o16)
+    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
 
 
 def _fused_cache(op, cache):
@@ -790,8 +860,12 @@ def dropout_residual_layernorm_backward_mixed(dout, cache):
     how, inner, compute = _fused_cache("dropout_residual_layernorm", cache)
     if how == "rule":
         return _rule("dropout_residual_layernorm_backward", compute)(dout, inner)
-    ds, da, dw, db = _ln2_backward(_dev(dout), inner)
-    return mark(ds, compute), mark(ds.copy() if da is None else da, compute), dw, db
+    dout = _dev(dout)
+    o16 = _new16(dout, compute)                      # da's twin (kind drop), else ds's: da feeds a linear
+    ds, da, dw, db = _ln2_backward(dout, inner, o16=o16)
+    if da is None:
+        return mark(ds, compute), twin(mark(ds.copy(), compute), o16, compute), dw, db
+    return mark(ds, compute), twin(mark(da, compute), o16, compute), dw, db
 
 
 def gelu_backward_mixed(dout, cache):
@@ -809,5 +883,7 @@ def bias_gelu_backward_mixed(dout, cache):
     how, inner, compute = _fused_cache("bias_gelu", cache)
     if how == "rule":
         return _rule("bias_gelu_backward", compute)(dout, inner)
-    dx, db = bias_gelu_backward_c1(_dev(dout), inner)
-    return mark(dx, compute), db
+    dout = _dev(dout)
+    o16 = _new16(dout, compute)
+    dx, db = bias_gelu_backward_c1(dout, inner, o16=o16)
+    return twin(mark(dx, compute), o16, compute), db

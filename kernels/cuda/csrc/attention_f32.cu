@@ -1,10 +1,11 @@
 /*
 Flash attention in float32, forward and backward, register-tiled for head size 64 (attention kernels v3: the op's
-version C3; the backward's version 4: C4). fp32 stays fp32: every product is an FFMA on the CUDA cores (no TF32, no tensor cores), as PyTorch's
-memory-efficient SDPA kernel runs fp32.
+version C3; the backward's version 4: C4). fp32 stays fp32: every product is an FFMA on the CUDA cores (no TF32,
+no tensor cores), as PyTorch's memory-efficient SDPA kernel runs fp32.
 Oracle: refbert.ops.attention_forward / attention_backward (Python launchers: kernels/cuda/cuda_c.py
-attention_forward_c3 / attention_backward_c3 / attention_backward_c4; the math and the Numba versions: kernels/cuda/attention.py; the
-scalar flash v1 in attention_forward.cu / attention_backward.cu is the explanation of this one).
+attention_forward_c3 / attention_backward_c3 / attention_backward_c4; the math and the Numba versions:
+kernels/cuda/attention.py; the scalar flash v1 in attention_forward.cu / attention_backward.cu is the explanation
+of this one).
 
 q, k, v, out, dout, dq, dk, dv: (B, T, C) float32, C = H * 64, head h = columns h*64 .. h*64 + 63, every row 16-byte
 aligned (the launcher checks). mask: float32 at mask[b*sb + h*sh + i*si + j*sj] (stride 0 on a broadcast axis;
@@ -269,12 +270,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_D_v3_f32(const float*
 }
 
 // dk, dv of the block's 64 keys (versions 3 and 4); PARTS (version 4): also the block's share of dq for every query
-// tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x
+// tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x; sm: the kernel's
+// dynamic shared memory (A3_BWD_SMEM bytes)
 template <bool PARTS>
 __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv,
                                         const float* __restrict__ dout, const float* __restrict__ Dr,
-                                        float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
-    DYN_SHARED(float, sm);
+                                        float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
+                                        float* sm) {
     float *Ks = sm, *Vs = sm + A3_TILE, *Qs = sm + 2 * A3_TILE, *dOs = sm + 3 * A3_TILE, *Pa = sm + 4 * A3_TILE,
           *Pb = sm + 5 * A3_TILE, *mrow = sm + 6 * A3_TILE, *lrow = mrow + 64, *drow = lrow + 64;
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
@@ -377,7 +379,8 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
 extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
     A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
     const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
-    a3_dkdv<false>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr);
+    DYN_SHARED(float, sm);
+    a3_dkdv<false>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr, sm);
 }
 
 // dq: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
@@ -455,7 +458,8 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dq_v3_f32_hs64(
 extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v4_f32_hs64(
     A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
     const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
-    a3_dkdv<true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts);
+    DYN_SHARED(float, sm);
+    a3_dkdv<true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm);
 }
 
 // dq[b, i, h 64 + d] = scale * sum_kt parts[kt][b H + h][i][d], kt = 0, 1, .. in order (the same sum every run): a
@@ -625,7 +629,8 @@ int main(int argc, char** argv) {
         if (kv_diff) { printf("  %zu elements differ\n", kv_diff); exit(EXIT_FAILURE); }
         cudaCheck(cudaMemcpy(gq, gq4.data(), n * 4, cudaMemcpyHostToDevice));   // v4's dq, judged on the host
         validate_result(gq, small ? dq.data() : gq3.data(), small ? "v4 dq" : "v4 dq against v3", n, 1e-4f, 1e-3f);
-        const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd), ms_b4 = benchmark_kernel(10, bwd4);
+        const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd);
+        const float ms_b4 = benchmark_kernel(10, bwd4);
         const double fl = 4.0 * B * H * (double)T * T * A3_HS;
         printf("  v3 f32: forward %.4f ms %.1f TFLOP/s | backward %.4f ms %.1f TFLOP/s (2.5x the forward's FLOPs)\n",
                ms_f, fl / ms_f / 1e9, ms_b, 2.5 * fl / ms_b / 1e9);

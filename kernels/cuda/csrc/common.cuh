@@ -110,6 +110,31 @@ __host__ __device__ __forceinline__ float round_kind(float x, int kind) {
 
 __host__ __device__ __forceinline__ float rnd(float x, int rk) { return rk < 0 ? x : round_kind(x, rk); }
 
+// r on the compute grid (r == R(r)) -> its 16-bit storage pattern (exact): the tensor-core GEMM operand's bits
+__host__ __device__ __forceinline__ unsigned short bits16(float r, int kind) {
+    const u32 u = BITS_F(r);
+    if (kind == 0) return (unsigned short)(u >> 16);
+    const u32 sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (unsigned short)(sign | 0x7E00u);          // NaN: the quiet half NaN
+    if (a >= 0x7F800000u) return (unsigned short)(sign | 0x7C00u);         // inf
+    if (a >= 0x38800000u) return (unsigned short)(sign | ((a >> 13) - (112u << 10)));   // normal: exponent -112
+    return (unsigned short)(sign | (u32)(F_BITS(a) * 16777216.0f));   // subnormal: r / 2^-24, exact
+}
+
+// A kernel's "twin": beside a float32 output on the grid, its 16-bit bits for the GEMM that reads it next
+// (kernels/cuda/mixed.py twin), o16 non-null and rk >= 0. Four consecutive ones (e % 4 == 0) in one 8-byte store.
+__device__ __forceinline__ void put16(unsigned short* o16, size_t e, float r, int rk) {
+    if (rk >= 0 && o16) o16[e] = bits16(r, rk);
+}
+__device__ __forceinline__ void put16x2(unsigned short* o16, size_t e, float r0, float r1, int rk) {   // e even
+    if (rk >= 0 && o16) *reinterpret_cast<u32*>(o16 + e) = bits16(r0, rk) | ((u32)bits16(r1, rk) << 16);
+}
+__device__ __forceinline__ void put16x4(unsigned short* o16, size_t e, float4 r, int rk) {
+    if (rk >= 0 && o16)
+        *reinterpret_cast<uint2*>(o16 + e) = make_uint2(bits16(r.x, rk) | ((u32)bits16(r.y, rk) << 16),
+                                                        bits16(r.z, rk) | ((u32)bits16(r.w, rk) << 16));
+}
+
 // A kernel taking rk at run time calls its (force-inlined) body with rk a literal, RKC, in each branch: the body is
 // compiled three times with rk constant, so the float32 one (-1) is the code it was before mixed precision (a
 // run-time rk left in the body tripled its size in branches, and made the dropout kinds of layernorm v2 3.5x

@@ -48,7 +48,8 @@ template <int TANH> __device__ __forceinline__ float dgelu_f(float u) {
 // forward: out = gelu(x + b) over n = R * I elements; a thread per 4 (vec) or 1 element
 template <int TANH>
 __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const float* __restrict__ b, int has_b,
-                                         long long n, int I, int vec, int rk, float* __restrict__ out) {
+                                         long long n, int I, int vec, int rk, float* __restrict__ out,
+                                         unsigned short* __restrict__ o16) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const long long e = 4 * t;
@@ -56,11 +57,15 @@ __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const floa
         const float4 v = rnd4(ld4(x + e), rk);
         const int j = (int)(e % I);
         const float4 bb = has_b ? rnd4(ld4(b + j), rk) : make_float4(0.f, 0.f, 0.f, 0.f);
-        st4(out + e, rnd4(make_float4(gelu_f<TANH>(v.x + bb.x), gelu_f<TANH>(v.y + bb.y), gelu_f<TANH>(v.z + bb.z),
-                                      gelu_f<TANH>(v.w + bb.w)), rk));
+        const float4 o = rnd4(make_float4(gelu_f<TANH>(v.x + bb.x), gelu_f<TANH>(v.y + bb.y),
+                                          gelu_f<TANH>(v.z + bb.z), gelu_f<TANH>(v.w + bb.w)), rk);
+        st4(out + e, o);
+        put16x4(o16, e, o, rk);
     } else {
         if (t >= n) return;
-        out[t] = rnd(gelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
+        const float o = rnd(gelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
+        out[t] = o;
+        put16(o16, t, o, rk);
     }
 }
 
@@ -89,7 +94,8 @@ __device__ __forceinline__ void gelu_bwd(const float* __restrict__ dout, const f
 template <int TANH>
 __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
                                               const float* __restrict__ b, int R, int I, int per, int rk,
-                                              float* __restrict__ dx, float* __restrict__ parts) {
+                                              float* __restrict__ dx, float* __restrict__ parts,
+                                              unsigned short* __restrict__ o16) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (j >= I) return;
     const float bj = rnd(b[j], rk);
@@ -98,7 +104,9 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * I + j;
         const float d = rnd(dout[e], rk) * dgelu_f<TANH>(rnd(x[e], rk) + bj);
-        dx[e] = rnd(d, rk);                                          // (the sum for db: d before rounding)
+        const float dr = rnd(d, rk);                                 // (the sum for db: d before rounding)
+        dx[e] = dr;
+        put16(o16, e, dr, rk);
         s += d;
     }
     parts[(size_t)chunk * I + j] = s;
@@ -107,8 +115,8 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
 #define GELU_KERNELS(NAME, TANH)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gelu_fwd_v1_##NAME(                                        \
         const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int vec,       \
-        int rk, float* __restrict__ out) {                                                                      \
-        RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out))                                            \
+        int rk, float* __restrict__ out, unsigned short* __restrict__ o16) {                                    \
+        RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out, o16))                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
@@ -117,8 +125,8 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) bias_gelu_bwd_v1_##NAME(                                   \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int R, int I, \
-        int per, int rk, float* __restrict__ dx, float* __restrict__ parts) {                                   \
-        RK_DISPATCH(bias_gelu_bwd<TANH>(dout, x, b, R, I, per, RKC, dx, parts))                                  \
+        int per, int rk, float* __restrict__ dx, float* __restrict__ parts, unsigned short* __restrict__ o16) { \
+        RK_DISPATCH(bias_gelu_bwd<TANH>(dout, x, b, R, I, per, RKC, dx, parts, o16))                             \
     }
 GELU_KERNELS(erf, 0)
 GELU_KERNELS(tanh, 1)
@@ -175,23 +183,48 @@ int main() {
             const int grid = (int)((threads + 255) / 256);
             printf("gelu v1 %s R=%d I=%d\n", tanh_ ? "tanh" : "erf", R, I);
             // erfcf / expf within 2 ulp, the float32 chain of the tanh form: a few ulp of O(1) values
-            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_);
+            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out.data(), "bias_gelu out", n, 1e-6f, 2e-5f);
-            LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts);
+            LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts,
+                   (unsigned short*)nullptr);
             LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(ddx, dx.data(), "bias_gelu dx", n, 1e-6f, 2e-5f);
             validate_result(ddb, db.data(), "bias_gelu db", I, 1e-5f * R, 2e-5f);
-            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_);
+            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr);
             LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, -1, ddx);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out_nb.data(), "gelu out", n, 1e-6f, 2e-5f);
             validate_result(ddx, dx_nb.data(), "gelu dx", n, 1e-6f, 2e-5f);
+            {                                        // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
+                unsigned short *o16, *d16;
+                cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
+                std::vector<float> o(n), g(n);
+                std::vector<unsigned short> ob(n), gb(n);
+                for (int rk = 0; rk < 2; rk++) {
+                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, rk, dout_, o16);
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, rk, ddx, parts, d16);
+                    cudaCheck(cudaDeviceSynchronize());
+                    cudaCheck(cudaMemcpy(o.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(g.data(), ddx, n * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(ob.data(), o16, n * 2, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(gb.data(), d16, n * 2, cudaMemcpyDeviceToHost));
+                    size_t bad = 0;
+                    for (long long e = 0; e < n; e++)
+                        bad += (ob[e] != bits16(o[e], rk)) + (gb[e] != bits16(g[e], rk)) +
+                               (round_kind(o[e], rk) != o[e]);
+                    printf("  twins rk=%d (bias_gelu out, dx): %s\n", rk, bad ? "WRONG" : "the stored values' bits");
+                    if (bad) exit(EXIT_FAILURE);
+                }
+                cudaFree(o16); cudaFree(d16);
+            }
             if (n >= (1 << 20)) {
-                float ms_f = benchmark_kernel(20, [&]() { LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_); });
+                float ms_f = benchmark_kernel(20, [&]() {
+                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr); });
                 float ms_b = benchmark_kernel(20, [&]() {
-                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts);
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts,
+                   (unsigned short*)nullptr);
                     LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
                 });
                 printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, 2.0 * n * 4 / ms_f / 1e6,

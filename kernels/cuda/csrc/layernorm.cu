@@ -223,7 +223,8 @@ __device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u
 template <int KIND>
 __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, int vec, float* __restrict__ out,
-                                          float* __restrict__ mean, float* __restrict__ rstd) {
+                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                          unsigned short* __restrict__ o16) {
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;                                             // warp-uniform
     const size_t row = (size_t)r * C;
@@ -255,13 +256,18 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
             const float4 ww = rnd4(ld4(w + c), rk), bb = rnd4(ld4(b + c), rk);
-            st4(out + row + c, rnd4(make_float4((v.x - m) * rs * ww.x + bb.x, (v.y - m) * rs * ww.y + bb.y,
-                                                (v.z - m) * rs * ww.z + bb.z, (v.w - m) * rs * ww.w + bb.w), rk));
+            const float4 o = rnd4(make_float4((v.x - m) * rs * ww.x + bb.x, (v.y - m) * rs * ww.y + bb.y,
+                                              (v.z - m) * rs * ww.z + bb.z, (v.w - m) * rs * ww.w + bb.w), rk);
+            st4(out + row + c, o);
+            put16x4(o16, row + c, o, rk);
         }
     } else {
-        for (int c = lane; c < C; c += 32)
-            out[row + c] = rnd((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs * rnd(w[c], rk)
-                               + rnd(b[c], rk), rk);
+        for (int c = lane; c < C; c += 32) {
+            const float o = rnd((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs * rnd(w[c], rk)
+                                + rnd(b[c], rk), rk);
+            out[row + c] = o;
+            put16(o16, row + c, o, rk);
+        }
     }
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
 }
@@ -269,7 +275,8 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
 template <int KIND>
 __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w,
                                              const float* __restrict__ mean, const float* __restrict__ rstd, int R,
-                                             int C, int vec, float* __restrict__ dx, float* __restrict__ da) {
+                                             int C, int vec, float* __restrict__ dx, float* __restrict__ da,
+                                             unsigned short* __restrict__ o16) {   // o16: da's twin (KIND 2), else dx's
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;
     const size_t row = (size_t)r * C;
@@ -293,6 +300,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     }
     c1 = warp_sum(c1) / C;
     c2 = warp_sum(c2) / C;
+    unsigned short* const t16 = rk >= 0 && o16 ? o16 + row : nullptr;     // the twin's row (or none)
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
@@ -301,18 +309,26 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
                                          (__fmul_rn(g.y, ww.y) - ((v.y - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.z, ww.z) - ((v.z - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.w, ww.w) - ((v.w - m) * rs * c1 + c2)) * rs);
-            st4(dx + row + c, rnd4(d, rk));
+            float4 t = rnd4(d, rk);                                 // dx; then the twin's values
+            st4(dx + row + c, t);
             if (KIND == 2) {
                 const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                st4(da + row + c, rnd4(make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w), rk));
+                t = rnd4(make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w), rk);
+                st4(da + row + c, t);
             }
+            put16x4(t16, c, t, rk);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
             const float xh = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs;
             const float d = (__fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk)) - (xh * c1 + c2)) * rs;
-            dx[row + c] = rnd(d, rk);
-            if (KIND == 2) da[row + c] = rnd(d * keep_z(row + c, seed, stream, thresh, dscale), rk);
+            float t = rnd(d, rk);                                   // dx; then the twin's value
+            dx[row + c] = t;
+            if (KIND == 2) {
+                t = rnd(d * keep_z(row + c, seed, stream, thresh, dscale), rk);
+                da[row + c] = t;
+            }
+            put16(t16, c, t, rk);
         }
     }
 }
@@ -339,14 +355,17 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
 #define LN2_KERNELS(NAME, KIND)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
-        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
-        RK_DISPATCH(ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, vec, out, mean, rstd)) \
+        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,                            \
+        unsigned short* __restrict__ o16) {                                                                     \
+        RK_DISPATCH(ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, vec, out, mean, rstd,  \
+                                    o16))                                                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v2_##NAME(                                \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
-        const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da) { \
+        const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da,  \
+        unsigned short* __restrict__ o16) {                                                                     \
         RK_DISPATCH(ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, RKC, w, mean, rstd, R, C, vec, dx,  \
-                                       da))                                                                     \
+                                       da, o16))                                                                \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
@@ -369,7 +388,7 @@ LN2_KERNELS(drop, 2)
 template <int KIND, int NV>
 __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, float* __restrict__ out, float* __restrict__ mean,
-                                          float* __restrict__ rstd) {
+                                          float* __restrict__ rstd, unsigned short* __restrict__ o16) {
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;                                             // warp-uniform
     const size_t row = (size_t)r * C;
@@ -396,8 +415,10 @@ __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w,
         const int c = lane * 4 + 128 * i;
         if (c < C) {
             const float4 ww = rnd4(ld4(w + c), rk), bb = rnd4(ld4(b + c), rk);
-            st4(out + row + c, rnd4(make_float4((v[i].x - m) * rs * ww.x + bb.x, (v[i].y - m) * rs * ww.y + bb.y,
-                                                (v[i].z - m) * rs * ww.z + bb.z, (v[i].w - m) * rs * ww.w + bb.w), rk));
+            const float4 o = rnd4(make_float4((v[i].x - m) * rs * ww.x + bb.x, (v[i].y - m) * rs * ww.y + bb.y,
+                                              (v[i].z - m) * rs * ww.z + bb.z, (v[i].w - m) * rs * ww.w + bb.w), rk);
+            st4(out + row + c, o);
+            put16x4(o16, row + c, o, rk);
         }
     }
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
@@ -405,11 +426,12 @@ __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w,
 
 #define LN3_CASE(KIND, N)                                                                                        \
     case N: RK_DISPATCH(ln_fwd_v3<KIND, N>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, out, mean,  \
-                                           rstd)) break;
+                                           rstd, o16)) break;
 #define LN3_KERNEL(NAME, KIND)                                                                                   \
     extern "C" __global__ void __maxnreg__(96) layernorm_fwd_v3_##NAME(                                         \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int nv,    \
-        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {                          \
+        float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,                            \
+        unsigned short* __restrict__ o16) {                                                                     \
         switch (nv) {                     /* even nv only: the launcher rounds ceil(C / 128) up (c < C masks) */ \
             LN3_CASE(KIND, 2) LN3_CASE(KIND, 4) LN3_CASE(KIND, 6) LN3_CASE(KIND, 8)                             \
         }                                                                                                       \
@@ -481,7 +503,7 @@ struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db
 
 // one version's forward + backward; v1 has kind 0 only
 void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, float dscale, float eps, int R,
-         int C, int per, int chunks) {
+         int C, int per, int chunks, int rk = -1, unsigned short* o16 = nullptr, unsigned short* d16 = nullptr) {
     const int vec = (C & 3) == 0, grid = (R + 7) / 8;
     const dim3 pgrid((C + 255) / 256, chunks);
     if (version == 1) {
@@ -497,14 +519,14 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
         auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
         if (version == 3)
-            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C,
-                   ((C + 255) / 256) * 2, d.out, d.mean, d.rstd);
+            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C,
+                   ((C + 255) / 256) * 2, d.out, d.mean, d.rstd, o16);
         else
-            LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.b, eps, R, C, vec, d.out,
-                   d.mean, d.rstd);
-        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.w, d.mean, d.rstd, R, C, vec,
-               d.dx, d.da);
-        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, -1, d.mean, d.rstd, R, C, per, d.pw,
+            LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C, vec, d.out,
+                   d.mean, d.rstd, o16);
+        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.mean, d.rstd, R, C, vec,
+               d.dx, d.da, d16);
+        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean, d.rstd, R, C, per, d.pw,
                d.pb);
         LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
     }
@@ -557,6 +579,28 @@ int main() {
                 if (kind == 2) validate_result(d.da, ref.da.data(), "da", n, 1e-5f, 1e-4f);
                 validate_result(d.dw, ref.dw.data(), "dw", C, 1e-4f + 1e-6f * R, 1e-4f);
                 validate_result(d.db, ref.db.data(), "db", C, 1e-4f + 1e-6f * R, 1e-4f);
+                if (version >= 2) {                  // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
+                    unsigned short *o16, *d16;
+                    cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
+                    std::vector<float> o(n), g(n);
+                    std::vector<unsigned short> ob(n), gb(n);
+                    for (int rk = 0; rk < 2; rk++) {
+                        run(version, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, rk, o16, d16);
+                        cudaCheck(cudaDeviceSynchronize());
+                        cudaCheck(cudaMemcpy(o.data(), d.out, n * 4, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(g.data(), kind == 2 ? d.da : d.dx, n * 4, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(ob.data(), o16, n * 2, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(gb.data(), d16, n * 2, cudaMemcpyDeviceToHost));
+                        size_t bad = 0;
+                        for (size_t e = 0; e < n; e++)
+                            bad += (ob[e] != bits16(o[e], rk)) + (gb[e] != bits16(g[e], rk)) +
+                                   (round_kind(o[e], rk) != o[e]);
+                        printf("  twins rk=%d (out, %s): %s\n", rk, kind == 2 ? "da" : "dx",
+                               bad ? "WRONG" : "the stored values' bits");
+                        if (bad) exit(EXIT_FAILURE);
+                    }
+                    cudaFree(o16); cudaFree(d16);
+                }
                 if (timing && R * C >= 1 << 20) {
                     float ms = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale, eps,
                                                                 R, C, per, chunks); });

@@ -32,17 +32,6 @@ On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM
 #include "common.cuh"
 #include "flash_tc.cuh"
 
-// r on the compute grid (r == R(r)) -> its 16-bit storage pattern
-__host__ __device__ __forceinline__ unsigned short bits16(float r, int kind) {
-    const u32 u = BITS_F(r);
-    if (kind == 0) return (unsigned short)(u >> 16);
-    const u32 sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (unsigned short)(sign | 0x7E00u);          // NaN: the quiet half NaN
-    if (a >= 0x7F800000u) return (unsigned short)(sign | 0x7C00u);         // inf
-    if (a >= 0x38800000u) return (unsigned short)(sign | ((a >> 13) - (112u << 10)));   // normal: exponent -112
-    return (unsigned short)(sign | (u32)(F_BITS(a) * 16777216.0f));   // subnormal: r / 2^-24, exact
-}
-
 extern "C" __global__ void __launch_bounds__(256) round_v1(const float* x, long long n, int kind, float* out) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
         out[e] = round_kind(x[e], kind);
@@ -130,13 +119,18 @@ extern "C" __global__ void __launch_bounds__(256) heads_v1(const float* __restri
 }
 
 // merge_v1: y (B, H, T, hs) float32 -> out (B, T, H hs) = R(y f), f = (1 / l[b, h, t]) g with rows (the forward's
-// normalisation: (1 / l) (1 / (1 - p))), else f = g
+// normalisation: (1 / l) (1 / (1 - p))), else f = g; o16 (null: none): out's twin, its bits (the next linear's
+// GEMM operand)
 extern "C" __global__ void __launch_bounds__(256) merge_v1(const float* __restrict__ y, long long n, int T, int H,
                                                            int hs, const float* __restrict__ l, int rows, float g,
-                                                           int kind, float* __restrict__ out) {
+                                                           int kind, float* __restrict__ out,
+                                                           unsigned short* __restrict__ o16) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
         const float f = rows ? __fmul_rn(1.0f / l[e / hs], g) : g;    // l's row e / hs = (b H + h) T + t
-        out[btc(e, T, H, hs)] = round_kind(__fmul_rn(y[e], f), kind);
+        const long long o = btc(e, T, H, hs);
+        const float r = round_kind(__fmul_rn(y[e], f), kind);
+        out[o] = r;
+        put16(o16, o, r, kind);
     }
 }
 
@@ -245,7 +239,8 @@ __device__ __forceinline__ float s3_score(float s, float scale, const float* mas
 
 // forward: out = R((sum_j keep R(pt) v_j) (1 / l) rp), m, l per row; grid (ceil(T / 64), B H), block 128
 template <typename T>
-__device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__ out, float* __restrict__ m_out,
+__device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__ out,
+                                       unsigned short* __restrict__ o16, float* __restrict__ m_out,
                                        float* __restrict__ l_out) {
     __shared__ __align__(16) T Ks[2][64 * TC_LD];
     __shared__ __align__(16) T Vs[2][64 * TC_LD];
@@ -328,11 +323,14 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
         if (ir[r] >= Tn) continue;
         const float f = __fmul_rn(1.0f / lrow[r], rp);
-        float* op = out + base + (size_t)ir[r] * C + t4 * 2;
+        const size_t o = base + (size_t)ir[r] * C + t4 * 2;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            op[n * 8] = round_kind(__fmul_rn(y[n][2 * r], f), kind);
-            op[n * 8 + 1] = round_kind(__fmul_rn(y[n][2 * r + 1], f), kind);
+            const float r0 = round_kind(__fmul_rn(y[n][2 * r], f), kind);
+            const float r1 = round_kind(__fmul_rn(y[n][2 * r + 1], f), kind);
+            out[o + n * 8] = r0;
+            out[o + n * 8 + 1] = r1;
+            put16x2(o16, o + n * 8, r0, r1, kind);
         }
         if (t4 == 0) {
             m_out[(size_t)bh * Tn + ir[r]] = mrow[r];
@@ -346,7 +344,8 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
 template <typename T>
 __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
                                         const T* __restrict__ dout, const float* __restrict__ Dr, float rp, float gq,
-                                        float* __restrict__ dk, float* __restrict__ dv) {
+                                        float* __restrict__ dk, float* __restrict__ dv,
+                                        unsigned short* __restrict__ dk16, unsigned short* __restrict__ dv16) {
     __shared__ __align__(16) T Qs[2][64 * TC_LD];
     __shared__ __align__(16) T Os[2][64 * TC_LD];
     __shared__ float Ms[2][64], Ls[2][64], Dsm[2][64];
@@ -417,14 +416,19 @@ __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m,
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (jr[r] >= Tn) continue;
-        float* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
-        float* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
+        const size_t o = base + (size_t)jr[r] * C + t4 * 2;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            kp[n * 8] = round_kind(__fmul_rn(dka[n][2 * r], gq), kind);
-            kp[n * 8 + 1] = round_kind(__fmul_rn(dka[n][2 * r + 1], gq), kind);
-            vp[n * 8] = round_kind(__fmul_rn(dva[n][2 * r], rp), kind);
-            vp[n * 8 + 1] = round_kind(__fmul_rn(dva[n][2 * r + 1], rp), kind);
+            const float k0 = round_kind(__fmul_rn(dka[n][2 * r], gq), kind);
+            const float k1 = round_kind(__fmul_rn(dka[n][2 * r + 1], gq), kind);
+            const float v0 = round_kind(__fmul_rn(dva[n][2 * r], rp), kind);
+            const float v1 = round_kind(__fmul_rn(dva[n][2 * r + 1], rp), kind);
+            dk[o + n * 8] = k0;
+            dk[o + n * 8 + 1] = k1;
+            dv[o + n * 8] = v0;
+            dv[o + n * 8 + 1] = v1;
+            put16x2(dk16, o + n * 8, k0, k1, kind);
+            put16x2(dv16, o + n * 8, v0, v1, kind);
         }
     }
 }
@@ -433,7 +437,7 @@ __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m,
 template <typename T>
 __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
                                       const T* __restrict__ dout, const float* __restrict__ Dr, float gq,
-                                      float* __restrict__ dq) {
+                                      float* __restrict__ dq, unsigned short* __restrict__ dq16) {
     __shared__ __align__(16) T Ks[2][64 * TC_LD];
     __shared__ __align__(16) T Vs[2][64 * TC_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -499,30 +503,34 @@ __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, c
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;
-        float* qp = dq + base + (size_t)ir[r] * C + t4 * 2;
+        const size_t o = base + (size_t)ir[r] * C + t4 * 2;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            qp[n * 8] = round_kind(__fmul_rn(dqa[n][2 * r], gq), kind);
-            qp[n * 8 + 1] = round_kind(__fmul_rn(dqa[n][2 * r + 1], gq), kind);
+            const float q0 = round_kind(__fmul_rn(dqa[n][2 * r], gq), kind);
+            const float q1 = round_kind(__fmul_rn(dqa[n][2 * r + 1], gq), kind);
+            dq[o + n * 8] = q0;
+            dq[o + n * 8 + 1] = q1;
+            put16x2(dq16, o + n * 8, q0, q1, kind);
         }
     }
 }
 
 #define S3_CALL q, k, v, mask, sb, sh, si, sj, Tn, H, scale, seed, stream, thresh, kind
 #define INST_S3(T, NAME)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) s3_fwd_##NAME(S3_ARGS(T), float rp, float* out, float* m,  \
-                                                                    float* l) {                                 \
-        s3_fwd<T>(S3_CALL, rp, out, m, l);                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) s3_fwd_##NAME(S3_ARGS(T), float rp, float* out,            \
+                                                                    unsigned short* o16, float* m, float* l) {  \
+        s3_fwd<T>(S3_CALL, rp, out, o16, m, l);                                                                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) s3_dkdv_##NAME(S3_ARGS(T), const float* m, const float* l, \
                                                                      const T* dout, const float* Dr, float rp,   \
-                                                                     float gq, float* dk, float* dv) {           \
-        s3_dkdv<T>(S3_CALL, m, l, dout, Dr, rp, gq, dk, dv);                                                    \
+                                                                     float gq, float* dk, float* dv,             \
+                                                                     unsigned short* dk16, unsigned short* dv16) { \
+        s3_dkdv<T>(S3_CALL, m, l, dout, Dr, rp, gq, dk, dv, dk16, dv16);                                        \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) s3_dq_##NAME(S3_ARGS(T), const float* m, const float* l,   \
                                                                    const T* dout, const float* Dr, float gq,     \
-                                                                   float* dq) {                                 \
-        s3_dq<T>(S3_CALL, m, l, dout, Dr, gq, dq);                                                              \
+                                                                   float* dq, unsigned short* dq16) {           \
+        s3_dq<T>(S3_CALL, m, l, dout, Dr, gq, dq, dq16);                                                        \
     }
 INST_S3(__nv_bfloat16, bf16)
 INST_S3(__half, f16)
