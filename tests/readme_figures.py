@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # unit spellings -> one canonical name; "x" and "×" are the same ratio, "min" and "minutes" the same minutes
 UNITS = {"ns": "ns", "ms": "ms", "s": "s", "min": "min", "minutes": "min", "us": "us", "µs": "us", "GB/s": "GB/s",
          "GFLOP/s": "GFLOP/s", "TFLOP/s": "TFLOP/s", "MiB": "MiB", "GiB": "GiB", "kB": "kB", "%": "%", "×": "×",
-         "x": "×", "ulp": "ulp", "nats": "nats", "tokens/s": "tokens/s", "steps/s": "steps/s",
+         "x": "×", "ulp": "ulp", "u": "u", "nats": "nats", "tokens/s": "tokens/s", "steps/s": "steps/s",
          "CPU-minutes": "CPU-minutes", "CPU-seconds": "CPU-seconds"}
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 _SPACED = "|".join(sorted((re.escape(u) for u in UNITS if u not in ("x", "×", "%")), key=len, reverse=True))

@@ -206,12 +206,13 @@ def test_lt_constants_match_the_header(tmp_path):
     if header is None or shutil.which("gcc") is None:
         pytest.skip("cublasLt.h is not on this machine (CUBLASLT_H=<path>)")
     src = tmp_path / "lt.c"
-    src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include <cublasLt.h>\n#define O(f) '
-                   'offsetof(cublasLtMatmulHeuristicResult_t, f)\nint main(){printf("%zu %zu %zu %zu %d %d %d %d %d %d '
-                   '%d %d", sizeof(cublasLtMatmulHeuristicResult_t), O(workspaceSize), O(state), O(wavesCount), '
-                   'CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB, CUBLASLT_MATMUL_DESC_EPILOGUE, '
-                   'CUBLASLT_MATMUL_DESC_BIAS_POINTER, CUBLASLT_EPILOGUE_BIAS, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, '
-                   'CUBLAS_COMPUTE_32F, CUDA_R_32F); return 0;}\n')
+    values = ["sizeof(cublasLtMatmulHeuristicResult_t)", "O(workspaceSize)", "O(state)", "O(wavesCount)",
+              "CUBLASLT_MATMUL_DESC_TRANSA", "CUBLASLT_MATMUL_DESC_TRANSB", "CUBLASLT_MATMUL_DESC_EPILOGUE",
+              "CUBLASLT_MATMUL_DESC_BIAS_POINTER", "CUBLASLT_EPILOGUE_BIAS", "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
+              "CUBLAS_COMPUTE_32F", "CUDA_R_32F"] + [f"CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{m}_BYTES" for m in "ABCD"]
+    src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include <cublasLt.h>\n"
+                   "#define O(f) offsetof(cublasLtMatmulHeuristicResult_t, f)\nint main() {\n"
+                   + "".join(f'    printf("%lld ", (long long)({v}));\n' for v in values) + "    return 0;\n}\n")
     inc = ["-I", str(header.parent)] + [a for d in ("/usr/local/cuda/include", "/usr/local/cuda-13.0/include")
                                         if Path(d).exists() for a in ("-I", d)]
     res = subprocess.run(["gcc", str(src), *inc, "-o", str(tmp_path / "lt")], capture_output=True, text=True)
@@ -219,13 +220,13 @@ def test_lt_constants_match_the_header(tmp_path):
     got = [int(t) for t in subprocess.run([str(tmp_path / "lt")], capture_output=True, text=True).stdout.split()]
     assert got == [96, 64, 72, 76, blas.LT_DESC_TRANSA, blas.LT_DESC_TRANSB, blas.LT_DESC_EPILOGUE,
                    blas.LT_DESC_BIAS_POINTER, blas.LT_EPILOGUE_BIAS, blas.LT_PREF_MAX_WORKSPACE_BYTES,
-                   blas.CUBLAS_COMPUTE_32F, blas.CUDA_R_32F], got
+                   blas.CUBLAS_COMPUTE_32F, blas.CUDA_R_32F, *(blas.LT_PREF_MIN_ALIGNMENT[m] for m in "ABCD")], got
 
 
 def test_gpu_lt_bias_gemm_equals_gemm_and_add():
     """On a GPU: cublasLt loads and passes its self-check, and gemm_bias at BERT-base's linear shapes equals cuBLAS's
     GEMM followed by the add (float32 sums of 768 / 3072 products in possibly another order: 1e-5 relative to
-    the row's scale)."""
+    the largest output)."""
     if cudachild.run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120).returncode:
         pytest.skip("no CUDA GPU usable through CuPy")
     out = cudachild.check(cudachild.run("""

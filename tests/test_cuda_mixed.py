@@ -131,6 +131,17 @@ _OPS = """
         assert frac <= 0.02, (what, frac)
         return frac
 
+    def close_scale(got, ref, compute, what):
+        # the one-element paths' check (C = 37): within one compute-dtype ulp at the tensor's scale (an element that
+        # cancels far below its tensor's largest carries the float32 noise of terms of that size, many of its own
+        # ulps: LayerNorm's dx), at most 2% of elements apart at all (a rounding left out moves about a third)
+        got, ref = np.asarray(H(got), np.float32), np.asarray(ref, np.float32)
+        assert got.shape == ref.shape and np.array_equal(ops.round_compute(got, compute), got), what
+        scale = max(float(np.abs(ref).max()), 1e-30)
+        ulp = 2.0 ** np.floor(np.log2(scale)) * (2.0 ** -7 if compute == "bfloat16" else 2.0 ** -10)
+        assert float(np.abs(got.astype(np.float64) - ref).max()) <= ulp, what
+        assert float((got != ref).mean()) <= 0.02, (what, float((got != ref).mean()))
+
     def close_f32(got, ref, what):
         got, ref = np.asarray(H(got), np.float64), np.asarray(ref, np.float64)
         scale = max(float(np.abs(ref).max()), 1e-30)
@@ -174,17 +185,22 @@ _OPS = """
         # the fused ops (K1 on device arrays: the rounding inside the CUDA C kernels; the rule on NumPy's), against
         # the spec: refbert.mixed's rule around the oracle's float32 op (dropout 0.2 draws the same Philox stream)
         from refbert import mixed as MX
-        xr = r.standard_normal((4, 6, 24)).astype(np.float32)
-        ar = r.standard_normal((4, 6, 24)).astype(np.float32)
-        wr, br = (1 + 0.1 * r.standard_normal(24)).astype(np.float32), r.standard_normal(24).astype(np.float32)
-        dr = r.standard_normal((4, 6, 24)).astype(np.float32)
-        cases = [("layernorm", (xr, wr, br), {}, ("w", "b")),
-                 ("residual_layernorm", (xr, ar, wr, br), {}, ("w", "b")),
-                 ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=True), ("w", "b")),
-                 ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=False), ("w", "b")),
-                 ("gelu", (xr,), {}, ()), ("bias_gelu", (xr, br), {}, ("b",)),
-                 ("bias_gelu", (xr, br), dict(approximate="tanh"), ("b",))]
-        for op, args, kw, params in cases:
+        cases = []
+        for width in (24, 37):                   # the kernels' float4 paths, and their one-element paths (C % 4 != 0)
+            rw = r if width == 24 else np.random.default_rng(37)   # (the 37 draws its own: the others' inputs stay)
+            xr = rw.standard_normal((4, 6, width)).astype(np.float32)
+            ar = rw.standard_normal((4, 6, width)).astype(np.float32)
+            wr = (1 + 0.1 * rw.standard_normal(width)).astype(np.float32)
+            br = rw.standard_normal(width).astype(np.float32)
+            dr = rw.standard_normal((4, 6, width)).astype(np.float32)
+            ulps = close_ulp if width == 24 else close_scale
+            cases += [("layernorm", (xr, wr, br), {}, ("w", "b"), dr, ulps),
+                      ("residual_layernorm", (xr, ar, wr, br), {}, ("w", "b"), dr, ulps),
+                      ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=True), ("w", "b"), dr, ulps),
+                      ("dropout_residual_layernorm", (xr, ar, wr, br), dict(p=0.2, train=False), ("w", "b"), dr, ulps),
+                      ("gelu", (xr,), {}, (), dr, ulps), ("bias_gelu", (xr, br), {}, ("b",), dr, ulps),
+                      ("bias_gelu", (xr, br), dict(approximate="tanh"), ("b",), dr, ulps)]
+        for op, args, kw, params, dr, ulps in cases:
             kd, ks = dict(kw), dict(kw)
             if "p" in kw:
                 kd["rng"], ks["rng"] = DropoutRNG(5), DropoutRNG(5)
@@ -192,7 +208,7 @@ _OPS = """
             out, cache = fwd(*(B.to_device(a) for a in args), **kd, compute=compute)
             spec_f = MX.wrap_forward(getattr(ops, op + "_forward"), op + "_forward", compute)
             ref, rc = spec_f(*args, **ks)
-            close_ulp(out, ref, compute, f"{op} {kw} out")
+            ulps(out, ref, compute, f"{op} {kw} out")
             got = getattr(M, op + "_backward_mixed")(B.to_device(dr), cache)
             want = MX.wrap_backward(getattr(ops, op + "_backward"), op + "_backward", compute)(dr, rc)
             got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
@@ -202,11 +218,11 @@ _OPS = """
                     assert H(g).dtype == np.float32
                     close_f32(g, w_, f"{op} d{name}")
                 else:
-                    close_ulp(g, w_, compute, f"{op} {kw} d{name}")
+                    ulps(g, w_, compute, f"{op} {kw} d{name}")
         print("OPS OK", compute)
     want = "S1" if B.MODE == "sim" else "S2"             # the array-operation version on NumPy arrays
     if B.MODE != "sim":                                   # the kernels rounded (no rule around them)
-        assert VV.RAN[("layernorm", "float16", "K1")] == 1 and VV.RAN[("bias_gelu", "bfloat16", "K1")] == 2, VV.RAN
+        assert VV.RAN[("layernorm", "float16", "K1")] == 2 and VV.RAN[("bias_gelu", "bfloat16", "K1")] == 4, VV.RAN
     assert VV.RAN[("linear", "bfloat16", "M1")] == 2 and VV.RAN[("attention", "float16", want)] == 2, VV.RAN
 """
 
@@ -366,7 +382,8 @@ _ROWS = """
     from refbert_kernels.cuda import cuda_c as K, attention as A, emulate as E
     E.COUNTS.reset()
     wide = B.to_device(np.zeros((65536, 1, 64), np.float32))
-    for name, fwd in (("S3", lambda a: M.attention_forward_s3(a, a, a, 1)), ("C3", lambda a: K.attention_forward_c3(a, a, a, 1)),
+    for name, fwd in (("S3", lambda a: M.attention_forward_s3(a, a, a, 1)),
+                      ("C3", lambda a: K.attention_forward_c3(a, a, a, 1)),
                       ("Numba", lambda a: A.attention_forward(a, a, a, 1))):
         try:
             fwd(wide)

@@ -166,8 +166,8 @@ def _raw_batched(a, b, ta, tb, out, kind=None):
 
 def usable():
     """(True, None) when the GEMMs run through ctypes here; (False, why) otherwise. Checked once per process:
-    every transposition of a 5 x 7 x 3 float32 GEMM and a batched one against cupy.matmul (the same sums of three
-    products: rtol 1e-6)."""
+    every transposition of a 5 x 7 x 3 float32 GEMM, the same summed into an array (beta = 1), and a batched one
+    against NumPy (the same sums of three products: rtol 1e-6)."""
     if not _STATE["checked"]:
         _STATE["checked"] = True
         try:
@@ -184,6 +184,10 @@ def usable():
                     got = _raw_gemm(cupy.asarray(a), cupy.asarray(b), ta, tb, cupy.empty((5, 7), np.float32)).get()
                     if not np.allclose(got, want, rtol=1e-6, atol=1e-6):
                         raise RuntimeError(f"the self-check GEMM (ta={ta}, tb={tb}) differs from NumPy's")
+                    acc = rng.standard_normal((5, 7)).astype(np.float32)      # beta = 1 (gemm's acc)
+                    got = _raw_gemm(cupy.asarray(a), cupy.asarray(b), ta, tb, cupy.asarray(acc), None, True).get()
+                    if not np.allclose(got, want + acc, rtol=1e-6, atol=1e-6):
+                        raise RuntimeError(f"the self-check GEMM into a sum (ta={ta}, tb={tb}) differs from NumPy's")
                     a3, b3 = np.stack([a, -a]), np.stack([b, 2 * b])
                     got = _raw_batched(cupy.asarray(a3), cupy.asarray(b3), ta, tb,
                                        cupy.empty((2, 5, 7), np.float32)).get()

@@ -33,12 +33,13 @@ precision="bf16-mixed")` runs:
     marks             every array these functions write is on the compute grid: refbert.mixed.mark remembers it
                       (weakly), and the rule's R skips it when it comes back as an input.
     twins             the ops whose output a linear reads next (the K1 layernorms and bias + GELU, their backwards'
-                      da and dx, S2's output and its dq, dk, dv) also write that output's 16-bit bits, in the same
+                      da and dx, S2's and S3's outputs and dq, dk, dv) also write that output's 16-bit bits, in the same
                       kernel (common.cuh put16): the linear takes them as its GEMM operand instead of a round16
                       pass over the float32 array (a pass that read 4 bytes and wrote 2 an element; the producer
                       writes 2 more). twin() / twin_of() keep them while the float32 array lives;
                       REFBERT_MIXED_TWINS=0 turns them off (the same bits either way: round16 of an array on the
-                      grid is exact). Not yet in S3 or the weights (round16 once a step, in the forward).
+                      grid is exact). S3's output and gradients have twins too; the weights do not (round16
+                      once a step, in the forward), nor a linear's own output.
 
 Where the arrays are the emulator's, everything runs as on a GPU (csrc/mixed.cu, the K1 kernels, the 16-bit GEMM
 operands and twins) but the GEMM itself: the array module's float32 matmul of the operands' values (blas.gemm,
