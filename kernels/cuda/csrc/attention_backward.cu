@@ -227,79 +227,21 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
 // (common.cuh keys_all_padding) skips every query tile whose rows all met a real key in the forward (m > PAD_MIN)
 template <typename T, bool SKIP>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
-    __shared__ __align__(16) T Qs[2][64 * TC_LD];
-    __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
-    __shared__ float Ms[2][64], Ls[2][64], Dsm[2][64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
-    // the key tile's k and v, staged through the second buffers, kept as A fragments
-    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
-    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 ka[4][4], va[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();                                          // the staging buffers are refilled below
-    float dka[8][4], dva[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
-    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
     const bool keypad = SKIP && mask && si == 0 && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
-    auto load = [&](int buf, int i0) {
-        tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
-        tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
-        if (tid < 64) {
-            const bool ok = i0 + tid < Tn;
-            Ms[buf][tid] = ok ? m[(size_t)bh * Tn + i0 + tid] : 0.f;
-            Ls[buf][tid] = ok ? linv[(size_t)bh * Tn + i0 + tid] : 0.f;
-            Dsm[buf][tid] = ok ? Dr[(size_t)bh * Tn + i0 + tid] : 0.f;
-        }
-    };
-    load(0, 0);
-    cp_async_commit();
-    const int ntiles = (Tn + 63) / 64;
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, i0 = it * 64;
-        if (it + 1 < ntiles) load(cur ^ 1, i0 + 64);          // the next query tile streams in meanwhile
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        if (keypad && !__syncthreads_or(tid < 64 && Ms[cur][tid] <= PAD_MIN)) {   // (keypad: block-uniform)
-            COUNT_SKIP(tid);
-            __syncthreads();
-            continue;
-        }
-        float s[8][4], dp[8][4];
-        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
-        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // (V dout^T): keys x queries
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
-                float pz = 0.f, ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    const float x = s[n][e] * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
-                    const float p = __expf(x - Ms[cur][ii]) * Ls[cur][ii];
-                    const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                    pz = p * z;
-                    ds = p * (dp[n][e] * z - Dsm[cur][ii]);
-                }
-                s[n][e] = pz;
-                dp[n][e] = ds;
-            }
-        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += (z P)^T dout
-        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += dS^T q
-        __syncthreads();                                      // this tile's buffers may be refilled next
-    }
+    float dka[8][4], dva[8][4];
+    // (flash_tc.cuh: S^T, dP^T per query tile; here p = exp(x - m) linv, pz = p z, ds = p (dp z - D))
+    tc_bwd_keys<T>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
+                   [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
+                       const float x = s * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
+                       const float p = __expf(x - mi) * li;
+                       const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                       pz = p * z;
+                       ds = p * (dp * z - D);
+                   });
+    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (jr[r] >= Tn) continue;
@@ -319,23 +261,9 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
 // tile met a real key in the forward (m > PAD_MIN), key tiles of padding are skipped
 template <typename T, bool SKIP>
 __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
-    __shared__ __align__(16) T Ks[2][64 * TC_LD];
-    __shared__ __align__(16) T Vs[2][64 * TC_LD];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
-    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile's q and dout, staged
-    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 qa[4][4], oa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();
     const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};   // this thread's two query rows
     float mi[2], li[2], Di[2];
 #pragma unroll
@@ -347,46 +275,17 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
     }
     const bool rows_real = SKIP && mask && si == 0 && !__syncthreads_or(mi[0] <= PAD_MIN || mi[1] <= PAD_MIN);
     float dqa[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
-    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
-    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
-    cp_async_commit();
-    const int ntiles = (Tn + 63) / 64;
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * 64;
-        if (it + 1 < ntiles) {
-            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
-            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        if (rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid)) {   // (rows_real: block-uniform)
-            COUNT_SKIP(tid);
-            __syncthreads();
-            continue;
-        }
-        float s[8][4], dp[8][4];
-        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
-        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dout V^T
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
-                float ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    const float x = s[n][e] * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
-                    const float p = __expf(x - mi[r]) * li[r];
-                    const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                    ds = p * (dp[n][e] * z - Di[r]);
-                }
-                dp[n][e] = ds;
-            }
-        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += dS K
-        __syncthreads();
-    }
+    // (flash_tc.cuh: S, dP per key tile; here ds = p (dp z - D), p = exp(x - m) linv)
+    tc_bwd_queries<T>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa,
+                      [&](int j0) {                       // (rows_real: block-uniform)
+                          return rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
+                      },
+                      [&](float s, float dp, int i, int j, float mr, float lr, float D) {
+                          const float x = s * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
+                          const float p = __expf(x - mr) * lr;
+                          const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                          return p * (dp * z - D);
+                      });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;

@@ -1,5 +1,6 @@
 // The tensor-core flash kernels' building blocks (mma.sync m16n8k16 on 64 x 64 tiles of head size 64, fragments as
-// common.cuh's mma16816 documents): attention_backward.cu versions 2-3 and mixed.cu's S3 (the spec's attention).
+// common.cuh's mma16816 documents) and the backward's two passes built on them (tc_bwd_keys, tc_bwd_queries):
+// attention_backward.cu versions 2-3 and mixed.cu's S3 (the spec's attention).
 // 128 threads a block, 4 warps of 16 rows; g = lane / 4, t4 = lane % 4.
 #pragma once
 #include "common.cuh"
@@ -69,6 +70,153 @@ __device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4
             tc_frag_b(b, Y, kk * 16, n * 8, g, t4);
             mma16816(acc[n], a, b, T());
         }
+    }
+}
+
+
+// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-3 (float16 / bfloat16
+// storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
+// score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
+// these. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64; rows past T read as zeros.
+
+// pass 1, per 64-key tile j0 (grid (ceil(T / 64), B * H), block 128): the block's k and v kept as A fragments; for
+// each 64-query tile (q, dout and the rows' r0, r1, r2 double-buffered through cp.async), S^T = k q^T and
+// dP^T = v dout^T, then elem(s, dp, i, j, r0_i, r1_i, r2_i, pz, ds) for every real (key j, query i) pair gives the
+// operands of dV += pz^T dout and dK += ds^T q (pz = ds = 0 elsewhere). keypad (block-uniform: this key tile is
+// all padding, attention_backward.cu v3): a query tile whose rows all met a real key in the forward
+// (r0 = m > PAD_MIN) is skipped, its p exactly 0.
+template <typename T, class Elem>
+__device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
+                                            const T* __restrict__ v, const T* __restrict__ dout,
+                                            const float* __restrict__ r0, const float* __restrict__ r1,
+                                            const float* __restrict__ r2, float r1_pad, int Tn, int C, size_t base,
+                                            int bh, int j0, bool keypad, float (&dka)[8][4], float (&dva)[8][4],
+                                            Elem elem) {
+    __shared__ __align__(16) T Qs[2][64 * TC_LD];
+    __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
+    __shared__ float R0[2][64], R1[2][64], R2[2][64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    // the key tile's k and v, staged through the second buffers, kept as A fragments
+    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
+    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 ka[4][4], va[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();                                          // the staging buffers are refilled below
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
+    auto load = [&](int buf, int i0) {
+        tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
+        tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
+        if (tid < 64) {
+            const bool ok = i0 + tid < Tn;
+            R0[buf][tid] = ok ? r0[(size_t)bh * Tn + i0 + tid] : 0.f;
+            R1[buf][tid] = ok ? r1[(size_t)bh * Tn + i0 + tid] : r1_pad;
+            R2[buf][tid] = ok ? r2[(size_t)bh * Tn + i0 + tid] : 0.f;
+        }
+    };
+    load(0, 0);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, i0 = it * 64;
+        if (it + 1 < ntiles) load(cur ^ 1, i0 + 64);          // the next query tile streams in meanwhile
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (keypad && !__syncthreads_or(tid < 64 && R0[cur][tid] <= PAD_MIN)) {   // (keypad: block-uniform)
+            COUNT_SKIP(tid);
+            __syncthreads();
+            continue;
+        }
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
+        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dout^T: keys x queries
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
+                float pz = 0.f, ds = 0.f;
+                if (i < Tn && j < Tn) elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds);
+                s[n][e] = pz;
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += pz^T dout
+        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += ds^T q
+        __syncthreads();                                      // this tile's buffers may be refilled next
+    }
+}
+
+// pass 2, per 64-query tile i0 (the same grid and block): the block's q and dout kept as A fragments, the rows'
+// r0, r1, r2 in registers (ri[r], r = 0, 1: the thread's rows i0 + warp * 16 + g + 8 r); for each 64-key tile (k, v
+// double-buffered) that skip(j0) does not pass (block-uniform), S = q k^T and dP = dout v^T, elem(s, dp, i, j,
+// r0_i, r1_i, r2_i) gives ds for every real pair (0 elsewhere), dQ += ds k
+template <typename T, class Skip, class Elem>
+__device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T* __restrict__ k,
+                                               const T* __restrict__ v, const T* __restrict__ dout,
+                                               const float (&r0)[2], const float (&r1)[2], const float (&r2)[2],
+                                               int Tn, int C, size_t base, int i0, float (&dqa)[8][4], Skip skip,
+                                               Elem elem) {
+    __shared__ __align__(16) T Ks[2][64 * TC_LD];
+    __shared__ __align__(16) T Vs[2][64 * TC_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile's q and dout, staged
+    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[4][4], oa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
+        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();
+    const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};   // this thread's two query rows
+#pragma unroll
+    for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
+    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) {
+            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
+            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (skip(j0)) {                                       // (block-uniform)
+            COUNT_SKIP(tid);
+            __syncthreads();
+            continue;
+        }
+        float s[8][4], dp[8][4];
+        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
+        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dP = dout V^T
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
+                float ds = 0.f;
+                if (i < Tn && j < Tn) ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r]);
+                dp[n][e] = ds;
+            }
+        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += ds K
+        __syncthreads();
     }
 }
 

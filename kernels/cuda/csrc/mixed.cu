@@ -346,73 +346,20 @@ __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m,
                                         const T* __restrict__ dout, const float* __restrict__ Dr, float rp, float gq,
                                         float* __restrict__ dk, float* __restrict__ dv,
                                         unsigned short* __restrict__ dk16, unsigned short* __restrict__ dv16) {
-    __shared__ __align__(16) T Qs[2][64 * TC_LD];
-    __shared__ __align__(16) T Os[2][64 * TC_LD];
-    __shared__ float Ms[2][64], Ls[2][64], Dsm[2][64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
     const long long mb = b * sb + h * sh;
-    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
-    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 ka[4][4], va[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();
     float dka[8][4], dva[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.f;
+    // (flash_tc.cuh: S^T, dP^T per query tile; here P = exp(s' - m) / l, pz = keep P, dS' = P (keep dP - D))
+    tc_bwd_keys<T>(q, k, v, dout, m, l, Dr, 1.f, Tn, C, base, bh, j0, false, dka, dva,
+                   [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
+                       const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mi) / li;
+                       const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
+                       pz = z ? P : 0.f;
+                       ds = __fmul_rn(P, (z ? dp : 0.f) - D);
+                   });
     const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
-    auto load = [&](int buf, int i0) {
-        tc_load_tile(Qs[buf], q + base, i0, Tn, C, tid);
-        tc_load_tile(Os[buf], dout + base, i0, Tn, C, tid);
-        if (tid < 64) {
-            const bool ok = i0 + tid < Tn;
-            Ms[buf][tid] = ok ? m[(size_t)bh * Tn + i0 + tid] : 0.f;
-            Ls[buf][tid] = ok ? l[(size_t)bh * Tn + i0 + tid] : 1.f;
-            Dsm[buf][tid] = ok ? Dr[(size_t)bh * Tn + i0 + tid] : 0.f;
-        }
-    };
-    load(0, 0);
-    cp_async_commit();
-    const int ntiles = (Tn + 63) / 64;
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, i0 = it * 64;
-        if (it + 1 < ntiles) load(cur ^ 1, i0 + 64);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        float s[8][4], dp[8][4];
-        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
-        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dO^T
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
-                float pk = 0.f, ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    const float P = expf(s3_score(s[n][e], scale, mask, mb, si, sj, i, j, Tn) - Ms[cur][ii]) /
-                                    Ls[cur][ii];
-                    const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
-                    pk = z ? P : 0.f;
-                    ds = __fmul_rn(P, (z ? dp[n][e] : 0.f) - Dsm[cur][ii]);
-                }
-                s[n][e] = pk;
-                dp[n][e] = ds;
-            }
-        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += (keep R(P))^T dO
-        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += R(dS')^T q
-        __syncthreads();
-    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (jr[r] >= Tn) continue;
@@ -438,24 +385,10 @@ template <typename T>
 __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
                                       const T* __restrict__ dout, const float* __restrict__ Dr, float gq,
                                       float* __restrict__ dq, unsigned short* __restrict__ dq16) {
-    __shared__ __align__(16) T Ks[2][64 * TC_LD];
-    __shared__ __align__(16) T Vs[2][64 * TC_LD];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
     const long long mb = b * sb + h * sh;
-    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);
-    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 qa[4][4], oa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();
     const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     float mi[2], li[2], Di[2];
 #pragma unroll
@@ -466,40 +399,13 @@ __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, c
         Di[r] = ok ? Dr[(size_t)bh * Tn + ir[r]] : 0.f;
     }
     float dqa[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
-    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
-    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
-    cp_async_commit();
-    const int ntiles = (Tn + 63) / 64;
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * 64;
-        if (it + 1 < ntiles) {
-            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
-            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        float s[8][4], dp[8][4];
-        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
-        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dP = dO V^T
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1, j = j0 + n * 8 + t4 * 2 + (e & 1), i = ir[r];
-                float ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    const float P = expf(s3_score(s[n][e], scale, mask, mb, si, sj, i, j, Tn) - mi[r]) / li[r];
-                    const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
-                    ds = __fmul_rn(P, (z ? dp[n][e] : 0.f) - Di[r]);
-                }
-                dp[n][e] = ds;
-            }
-        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += R(dS') K
-        __syncthreads();
-    }
+    // (flash_tc.cuh: S, dP per key tile; here dS' = P (keep dP - D), P = exp(s' - m) / l)
+    tc_bwd_queries<T>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, [](int) { return false; },
+                      [&](float s, float dp, int i, int j, float mr, float lr, float D) {
+                          const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mr) / lr;
+                          const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
+                          return __fmul_rn(P, (z ? dp : 0.f) - D);
+                      });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;
