@@ -265,16 +265,40 @@ _MODEL = """
         for t in [oc.prediction_logits, oc.seq_relationship_logits, *oc.hidden_states, *oc.attentions]:
             assert np.array_equal(ops.round_compute(np.asarray(t, np.float32), compute), t)
         ulp1 = 2.0 ** -7 if compute == "bfloat16" else 2.0 ** -10
-        worst = 0.0
-        for name, ref in gn.items():
-            scale = max(float(np.abs(ref).max()), 1e-30)
-            err = float(np.abs(np.asarray(gc[name], np.float64) - ref).max()) / (scale * ulp1)
-            assert err <= 2.0, (precision, name, err)
-            worst = max(worst, err)
+
+        def worst_of(gc, but=()):
+            return max(float(np.abs(np.asarray(gc[name], np.float64) - ref).max())
+                       / (max(float(np.abs(ref).max()), 1e-30) * ulp1) for name, ref in gn.items()
+                       if not any(b in name for b in but))
+        # a GPU: 2 ulps at each tensor's scale (module docstring); the emulator: its GEMMs are NumPy's float32
+        # matmul of the same values as the spec's, only the kernels' own float32 sums (layernorm's statistics, the
+        # softmax's row sums) come in another order: a quarter ulp (observed 0), which a rounding left out exceeds
+        bound = 0.25 if B_.MODE == "emu" else 2.0
+        worst = worst_of(gc)
+        assert worst <= bound, (precision, worst)
         how = mc.ops.how
         assert how["linear_forward"] == how["attention_forward"] == "own", how
         assert VV.RAN.get(("linear", compute, "M1")) and VV.RAN.get(("attention", compute, "S2")), VV.RAN
         print("MODEL OK", precision, f"worst gradient {worst:.3f} ulp of the compute dtype at its scale")
+    if B_.MODE == "emu":                                  # the bound can fail: every linear's R(b) left out
+        from refbert_kernels.cuda import mixed as M
+        launch = M._launch
+
+        def unrounded_bias(name, threads, args, xp):
+            if not name.startswith("bias_round"):
+                return launch(name, threads, args, xp)
+            y, b = args[0], args[1]
+            y += b.reshape(1, -1)                           # R(y + b) below, b itself unrounded
+            M._round_(y, compute)
+        M._launch = unrounded_bias
+        precision, compute = "bf16-mixed", "bfloat16"
+        oc, gc, _, _ = run("cuda", precision)
+        on, gn, _, _ = run("numpy", precision)
+        M._launch = launch
+        ulp1 = 2.0 ** -7
+        # (judged without the key biases: their gradient is zero in exact arithmetic, its "scale" rounding noise)
+        w = worst_of(gc, but=("attention.self.key.bias",))
+        print("R(b) LEFT OUT", f"worst gradient {w:.3f} ulp", "caught" if w > 0.25 else "MISSED")
 """
 
 
@@ -282,6 +306,7 @@ _MODEL = """
 def test_whole_model_mixed_equals_the_numpy_spec(mode):
     out = _child(_MODEL, mode)
     assert "MODEL OK bf16-mixed" in out and "MODEL OK fp16-mixed" in out, out
+    assert mode != "emu" or ("R(b) LEFT OUT" in out and "caught" in out), out
 
 
 # S3: the spec's attention as tensor-core flash kernels (csrc/mixed.cu s3_*: mma.sync, on the emulator through
