@@ -54,7 +54,8 @@ PY=${PYTHON:-python3}
 T_MAINS=${T_MAINS:-120}
 T_TESTS=${T_TESTS:-150}
 T_CHECK=${T_CHECK:-200}
-T_BENCH=${T_BENCH:-200}                 # preflight (~20 s) + 200 + 200 at worst; ~5.5 minutes as measured
+T_BENCH=${T_BENCH:-240}                 # preflight (~20 s) + 200 + 240 at worst; ~5.5 minutes as measured before
+#                                         the A/B rows (adds unfused, no twins) and C4 were added
 T_VERIFY=${T_VERIFY:-150}
 T_TRAIN=${T_TRAIN:-150}
 T_S3=${T_S3:-120}
