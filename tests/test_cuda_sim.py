@@ -203,6 +203,44 @@ def test_sim_storage_dtypes_returned():
     """))
 
 
+def test_sim_shared_arrays_are_one_per_block_under_a_thread_switch():
+    """The simulator makes a block's cuda.shared.array by a look-up and a store, unlocked: a thread switch between
+    the two (forced here by a slow np.empty) gave each thread its own array, so a kernel reading its neighbour's
+    slot read garbage (it failed CI once, in attention v2's K tile). With refbert_kernels.cuda._common imported (the
+    lock) every thread of the block shares the one array; without it, the same kernel reads its own zeros."""
+    out = _check(_run("""
+        import sys, time
+        import numpy as np
+        from numba import cuda
+        from numba.cuda.simulator import kernelapi
+        unlocked = kernelapi.FakeCUDAShared.array
+        from refbert_kernels.cuda import _common  # noqa: F401  (the lock)
+        slow = np.empty
+
+        def empty(*a, **k):
+            time.sleep(0.01)                               # a switch between the look-up and the store
+            return slow(*a, **k)
+
+        @cuda.jit
+        def neighbour(out):
+            a = cuda.shared.array(8, np.int32)
+            t = cuda.threadIdx.x
+            a[t] = t
+            cuda.syncthreads()
+            out[t] = a[(t + 1) % 8]
+
+        for locked in (True, False):
+            if not locked:
+                kernelapi.FakeCUDAShared.array = unlocked
+            out = np.zeros(8, np.int32)
+            np.empty = empty
+            neighbour[1, 8](out)
+            np.empty = slow
+            print("LOCKED" if locked else "UNLOCKED", (out == (np.arange(8) + 1) % 8).all())
+    """))
+    assert "LOCKED True" in out and "UNLOCKED False" in out, out   # the fix, and the race it fixes
+
+
 @functools.lru_cache(maxsize=None)
 def _gpu_present():
     r = _run("from numba import cuda; print(cuda.is_available())", sim=False, timeout=120)

@@ -15,7 +15,10 @@ Storage and accumulation ("kind" names what a kernel reads and writes; factories
           (CuPy has no bfloat16 dtype: on CuPy, bf16 storage is not offered; a uint16 CuPy array is not taken
           for bf16, it is rejected like any other integer array.)
 
-Simulator shims (NUMBA_ENABLE_CUDASIM=1, checked once at import): the simulator has no warp shuffles and no
+Simulator shims (NUMBA_ENABLE_CUDASIM=1, checked once at import): the simulator makes a block's cuda.shared.array
+by looking its line up in a dict and adding it when missing, unlocked, so two threads of a block could each make
+their own "shared" array (a rare wrong result, seen once in CI: one thread's K tile its own); a lock makes it once
+(_lock_sim_shared). The simulator has no warp shuffles and no
 libdevice, so `shfl_xor` becomes a shared-memory exchange between two __syncthreads (every thread of the block
 must call it the same number of times: the kernels here keep shuffles in block-uniform control flow, with
 inactive warps still taking part, which a real warp shuffle with a full mask requires anyway), and the bit casts
@@ -223,6 +226,42 @@ def philox_word(i, stream, seed):
 
 # ----------------------------------------------------------------------------------------------------------------
 # warp and block reductions (block-uniform control flow: every thread of the block calls them)
+
+def _lock_sim_shared():
+    """cuda.shared.array in the simulator (numba-cuda's FakeCUDAShared.array, to 0.30 at least: get, then set, no
+    lock) made under one lock: the same array for every thread of a block. The caller's line identifies the array,
+    as there. Left alone where the simulator's internals are not what this reads."""
+    import sys
+    import threading
+    import traceback
+    try:
+        from numba.cuda.simulator import kernelapi
+    except ImportError:                                 # pragma: no cover
+        return
+    cls = kernelapi.FakeCUDAShared
+    orig = cls.array
+    if getattr(orig, "locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0 or not hasattr(self, "_allocations") or \
+                not hasattr(kernelapi, "types") or not hasattr(kernelapi, "numpy_support"):
+            return orig(self, shape, dtype, alignment)  # (dynamic shared memory: one buffer, no race)
+        if isinstance(dtype, kernelapi.types.Type):     # (as the simulator: a Numba type -> its NumPy dtype)
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+    array.locked = True
+    cls.array = array
+
+
+if SIM:
+    _lock_sim_shared()
 
 if SIM:
     import threading
