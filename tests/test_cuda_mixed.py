@@ -560,6 +560,7 @@ _TWINS = """
     import numpy as np
     import refbert
     from refbert import BertConfig, ops
+    from refbert.check import model_batch
     from refbert.model import to_numpy
     from refbert.philox import DropoutRNG
     from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
@@ -593,12 +594,7 @@ _TWINS = """
         print("TWINS OK", compute, len(made))
     cfg = BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                      max_position_embeddings=16)
-    ids = r.integers(4, 60, (2, 8))
-    am = np.ones((2, 8), np.int64)
-    am[1, 6:] = 0
-    lab = np.full((2, 8), -100)
-    lab[0, 2], lab[1, 1] = 7, 9
-    batch = dict(input_ids=ids, attention_mask=am, labels=lab, next_sentence_label=np.array([0, 1]))
+    batch = model_batch(cfg, "BertForPreTraining", B=2, T=8)      # (padding, two segments, -100 labels)
     runs = {}
     for on in ("1", "0"):
         os.environ["REFBERT_MIXED_TWINS"] = on

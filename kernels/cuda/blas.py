@@ -55,23 +55,29 @@ WORKSPACE_MB = 32   # cuBLAS's scratch memory, ours (cublasSetWorkspace after ev
 #                     size for Hopper. REFBERT_CUBLAS_WORKSPACE_MB=0 leaves cuBLAS its own.
 
 
-def _find():
-    """The libcublas CuPy's cuBLAS module loaded (its path from /proc/self/maps), opened again (the same copy)."""
-    from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+def _loaded(name):
+    """lib<name>.so as this process already has it (its path from /proc/self/maps), opened again (the same copy), or
+    else the one on the library path."""
     path = None
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                m = re.search(r"(/\S*/libcublas\.so[.\d]*)$", line.strip())
+                m = re.search(rf"(/\S*/lib{name}\.so[.\d]*)$", line.strip())
                 if m:
                     path = m.group(1)
                     break
     except OSError:
         pass
-    path = path or ctypes.util.find_library("cublas")
+    path = path or ctypes.util.find_library(name)
     if path is None:
-        raise OSError("no libcublas in this process's memory map and none on the library path")
-    lib = ctypes.CDLL(path)
+        raise OSError(f"no lib{name} in this process's memory map and none on the library path")
+    return ctypes.CDLL(path)
+
+
+def _find():
+    """The libcublas CuPy's cuBLAS module loaded."""
+    from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+    lib = _loaded("cublas")
     vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.cublasSetStream_v2.argtypes = [vp, vp]
     lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
@@ -286,17 +292,8 @@ _LT = {"lib": None, "handle": None, "why": None, "checked": False, "plans": {}}
 
 
 def _find_lt():
-    path = None
-    with open("/proc/self/maps") as f:
-        for line in f:
-            m = re.search(r"(/\S*/libcublasLt\.so[.\d]*)$", line.strip())
-            if m:
-                path = m.group(1)
-                break
-    path = path or ctypes.util.find_library("cublasLt")
-    if path is None:
-        raise OSError("no libcublasLt in this process's memory map and none on the library path")
-    lib = ctypes.CDLL(path)
+    """The libcublasLt beside that libcublas (loaded with it)."""
+    lib = _loaded("cublasLt")
     vp, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
     sig = {"cublasLtCreate": [vp], "cublasLtMatmulDescCreate": [vp, i, i],
            "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz], "cublasLtMatrixLayoutCreate": [vp, i, u64, u64, i64],

@@ -74,6 +74,50 @@ __device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4
 }
 
 
+// rows r0.. of x (and of y, where y is given) staged through X (Y) and kept as A fragments xa (ya): the 64 rows a
+// block holds fixed while it streams the other side's tiles; X and Y are free again on return
+template <typename T>
+__device__ __forceinline__ void tc_stage_frags(u32 (&xa)[4][4], u32 (&ya)[4][4], T* X, T* Y, const T* x, const T* y,
+                                               int r0, int Tn, int C) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    tc_load_tile(X, x, r0, Tn, C, tid);
+    if (y) tc_load_tile(Y, y, r0, Tn, C, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        tc_frag_a(xa[kk], X, warp * 16, kk * 16, g, t4);
+        if (y) tc_frag_a(ya[kk], Y, warp * 16, kk * 16, g, t4);
+    }
+    __syncthreads();                                          // the staging buffers may be refilled next
+}
+
+// every 64-key tile j0 of k (and of v, where Vs is given) in turn, double-buffered through cp.async: tile it + 1
+// streams in while body(cur, j0) works on Ks[cur] (Vs[cur]); a barrier before each body and one after it (its
+// buffers are refilled next)
+template <typename T, class Body>
+__device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * TC_LD], const T* k, const T* v, int Tn,
+                                             int C, Body body) {
+    const int tid = threadIdx.x;
+    tc_load_tile(Ks[0], k, 0, Tn, C, tid);
+    if (Vs) tc_load_tile(Vs[0], v, 0, Tn, C, tid);
+    cp_async_commit();
+    const int ntiles = (Tn + 63) / 64;
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * 64;
+        if (it + 1 < ntiles) {
+            tc_load_tile(Ks[cur ^ 1], k, j0 + 64, Tn, C, tid);
+            if (Vs) tc_load_tile(Vs[cur ^ 1], v, j0 + 64, Tn, C, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        body(cur, j0);
+        __syncthreads();
+    }
+}
+
 // The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-3 (float16 / bfloat16
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
 // score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
@@ -96,19 +140,8 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
     __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
     __shared__ float R0[2][64], R1[2][64], R2[2][64];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    // the key tile's k and v, staged through the second buffers, kept as A fragments
-    tc_load_tile(Qs[1], k + base, j0, Tn, C, tid);
-    tc_load_tile(Os[1], v + base, j0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 ka[4][4], va[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(ka[kk], Qs[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(va[kk], Os[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();                                          // the staging buffers are refilled below
+    u32 ka[4][4], va[4][4];                                   // the key tile's k and v, through the second buffers
+    tc_stage_frags(ka, va, Qs[1], Os[1], k + base, v + base, j0, Tn, C);
 #pragma unroll
     for (int n = 0; n < 8; n++)
 #pragma unroll
@@ -170,38 +203,15 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
     __shared__ __align__(16) T Ks[2][64 * TC_LD];
     __shared__ __align__(16) T Vs[2][64 * TC_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile's q and dout, staged
-    tc_load_tile(Vs[1], dout + base, i0, Tn, C, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 qa[4][4], oa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
-        tc_frag_a(oa[kk], Vs[1], warp * 16, kk * 16, g, t4);
-    }
-    __syncthreads();
+    u32 qa[4][4], oa[4][4];                                   // the query tile's q and dout, through the second buffers
+    tc_stage_frags(qa, oa, Ks[1], Vs[1], q + base, dout + base, i0, Tn, C);
     const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};   // this thread's two query rows
 #pragma unroll
     for (int n = 0; n < 8; n++) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
-    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
-    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
-    cp_async_commit();
-    const int ntiles = (Tn + 63) / 64;
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * 64;
-        if (it + 1 < ntiles) {
-            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
-            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+    tc_key_tiles<T>(Ks, Vs, k + base, v + base, Tn, C, [&](int cur, int j0) {
         if (skip(j0)) {                                       // (block-uniform)
             COUNT_SKIP(tid);
-            __syncthreads();
-            continue;
+            return;
         }
         float s[8][4], dp[8][4];
         tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
@@ -216,8 +226,7 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
                 dp[n][e] = ds;
             }
         tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += ds K
-        __syncthreads();
-    }
+    });
 }
 
 #endif  // HALF_TYPES

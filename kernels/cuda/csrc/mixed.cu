@@ -248,26 +248,12 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
     const long long mb = b * sb + h * sh;
-    tc_load_tile(Ks[1], q + base, i0, Tn, C, tid);            // the query tile, staged, kept as A fragments
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 qa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) tc_frag_a(qa[kk], Ks[1], warp * 16, kk * 16, g, t4);
-    __syncthreads();
+    u32 qa[4][4], unused[4][4];                               // the query tile, staged, kept as A fragments
+    tc_stage_frags<T>(qa, unused, Ks[1], nullptr, q + base, nullptr, i0, Tn, C);
     const int ir[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
-    const int ntiles = (Tn + 63) / 64;
     // pass 1: the row max of s'
     float mrow[2] = {-INFINITY, -INFINITY};
-    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
-    cp_async_commit();
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * 64;
-        if (it + 1 < ntiles) tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+    tc_key_tiles<T>(Ks, nullptr, k + base, nullptr, Tn, C, [&](int cur, int j0) {
         float s[8][4];
         tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);
 #pragma unroll
@@ -276,8 +262,7 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
             for (int e = 0; e < 4; e++)
                 mrow[e >> 1] = fmaxf(mrow[e >> 1], s3_score(s[n][e], scale, mask, mb, si, sj, ir[e >> 1],
                                                             j0 + n * 8 + t4 * 2 + (e & 1), Tn));
-        __syncthreads();
-    }
+    });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         mrow[r] = fmaxf(mrow[r], __shfl_xor_sync(0xffffffffu, mrow[r], 1));
@@ -287,18 +272,7 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
     float y[8][4], lrow[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < 8; n++) y[n][0] = y[n][1] = y[n][2] = y[n][3] = 0.f;
-    tc_load_tile(Ks[0], k + base, 0, Tn, C, tid);
-    tc_load_tile(Vs[0], v + base, 0, Tn, C, tid);
-    cp_async_commit();
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * 64;
-        if (it + 1 < ntiles) {
-            tc_load_tile(Ks[cur ^ 1], k + base, j0 + 64, Tn, C, tid);
-            tc_load_tile(Vs[cur ^ 1], v + base, j0 + 64, Tn, C, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+    tc_key_tiles<T>(Ks, Vs, k + base, v + base, Tn, C, [&](int cur, int j0) {
         float s[8][4];
         tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);
 #pragma unroll
@@ -315,8 +289,7 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
                 s[n][e] = pt;                                 // rounded to 16 bits as the P V operand
             }
         tc_acc_times<T>(y, s, Vs[cur], g, t4);
-        __syncthreads();
-    }
+    });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
