@@ -927,11 +927,20 @@ def run_mixed(args, timer):
                     loss.backward()
                 t = timer(step_hf, repeats=max(3, args.repeats // 2))
                 m.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                with torch.autocast("cuda", dtype=getattr(torch, dtype)):
+                    out = m(**tx)
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - before
+                out.loss.backward()
+                del out
+                m.zero_grad(set_to_none=True)
                 hf_ms = t * 1e3
                 floor = time_gemms16(timer, step_gemms(cfg, B, T, n, "all", "hf"), dtype)
                 rows.append(dict(base, impl=f"HF + PyTorch sdpa autocast {dtype}", ms=hf_ms, tokens_per_s=B * T / t,
-                                 floor_ms=floor * 1e3, note=f"eval loss {l_hf:.5f} (fp32 {l32:.5f}: rel "
-                                 f"{abs(l_hf - l32) / max(abs(l32), 1e-30):.1e})"))
+                                 floor_ms=floor * 1e3, held_mb=held / 2 ** 20, note=f"eval loss {l_hf:.5f} (fp32 "
+                                 f"{l32:.5f}: rel {abs(l_hf - l32) / max(abs(l32), 1e-30):.1e})"))
                 print(f"  mixed {shape} HF autocast {dtype}: {hf_ms:.2f} ms (GEMM floor {floor * 1e3:.2f} ms)",
                       flush=True)
                 torch.cuda.empty_cache()
@@ -952,6 +961,7 @@ def run_mixed(args, timer):
             floor = time_gemms16(timer, step_gemms(cfg, B, T, n, "all"), dtype) if torch is not None else None
             rows.append(dict(base, impl=f"refbert cuda {precision} (all)", ms=t * 1e3, tokens_per_s=B * T / t,
                              floor_ms=floor * 1e3 if floor else None, vs_hf=t * 1e3 / hf_ms if hf_ms else None,
+                             held_mb=_held_after_forward(ours, x) / 2 ** 20,
                              note=f"eval loss {l_ours:.5f} (fp32 {l32:.5f}: rel "
                              f"{abs(l_ours - l32) / max(abs(l32), 1e-30):.1e})"))
             print(f"  mixed {shape} refbert {precision}: {t * 1e3:.2f} ms" +
@@ -967,6 +977,7 @@ def run_mixed(args, timer):
                 try:
                     row = graph_row(timer, args, ours, dict(x, mlm_decode="all"), base,
                                     f"refbert cuda {precision} (all), no twins", floor, hf_ms, "vs_hf")
+                    row["held_mb"] = _held_after_forward(ours, x) / 2 ** 20     # what it keeps as float32
                 finally:
                     if had is None:
                         del os.environ["REFBERT_MIXED_TWINS"]
@@ -979,12 +990,26 @@ def run_mixed(args, timer):
     return rows, failed
 
 
+def _held_after_forward(ours, x):
+    """Device bytes a training forward (mlm_decode="all") leaves held for its backward (the memory pool's used bytes
+    after it, less before); the backward then runs, releasing them."""
+    cp = _xp()
+    cp.cuda.Device().synchronize()
+    before = _pool_bytes()
+    ours(**x, mlm_decode="all")
+    cp.cuda.Device().synchronize()
+    held = _pool_bytes() - before
+    ours.backward()
+    return held
+
+
 def mixed_md(rows):
-    head = ("impl", "shape", "ms (fwd + bwd)", "tokens/s", "x HF autocast", "16-bit GEMM floor ms", "x floor", "note")
+    head = ("impl", "shape", "ms (fwd + bwd)", "tokens/s", "x HF autocast", "16-bit GEMM floor ms", "x floor",
+            "MiB held after fwd", "note")
     return md_table(head, [(r["impl"], r.get("shape", ""), fmt(r.get("ms")), fmt(r.get("tokens_per_s"), ".0f"),
                             fmt(r.get("vs_hf"), ".2f"), fmt(r.get("floor_ms")),
                             fmt(r.get("ms") / r["floor_ms"] if r.get("ms") and r.get("floor_ms") else None, ".2f"),
-                            r.get("note", "")) for r in rows])
+                            fmt(r.get("held_mb"), ".0f"), r.get("note", "")) for r in rows])
 
 
 def launch_probe(step, repeats=200):

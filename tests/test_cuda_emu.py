@@ -250,6 +250,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                                                                              if p == "bf16" else ())], mixed
     assert all(r["ms"] > 0 and ("eval loss" in r["note"] or "replay = eager step within 0.0e+00" in r["note"])
                for r in mixed), mixed
+    assert all("held_mb" in r for r in mixed if r["impl"].endswith(("(all)", "no twins + CUDA graph"))), mixed
     data = json.loads((tmp_path / "cuda_step.json").read_text())
     impls = [r["impl"] for r in data["rows"]]
     assert {"refbert cuda fp32 (all)", "refbert cuda fp32 (labelled)", "refbert cuda fp32 (all) + CUDA graph",

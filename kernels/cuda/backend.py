@@ -653,14 +653,15 @@ def version_rows(dtypes=("float32",)):
 
 # ----------------------------------------------------------------------------------------------------------------
 # mixed precision (refbert.mixed finds these): R on device arrays, linear on tensor cores, the spec's attention,
-# the layernorms and GELUs with the rounding inside their CUDA C kernels
+# the layernorms, GELUs and the cross-entropy's backward with the rounding inside their CUDA C kernels
 
 from .mixed import (round_compute, linear_forward_mixed, linear_backward_mixed,  # noqa: E402,F401
                     attention_forward_mixed, attention_backward_mixed, attention_probs_mixed,
                     layernorm_forward_mixed, layernorm_backward_mixed, residual_layernorm_forward_mixed,
                     residual_layernorm_backward_mixed, dropout_residual_layernorm_forward_mixed,
                     dropout_residual_layernorm_backward_mixed, gelu_forward_mixed, gelu_backward_mixed,
-                    bias_gelu_forward_mixed, bias_gelu_backward_mixed)
+                    bias_gelu_forward_mixed, bias_gelu_backward_mixed, cross_entropy_forward_mixed,
+                    cross_entropy_backward_mixed)
 
 
 def describe():

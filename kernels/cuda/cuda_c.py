@@ -485,7 +485,8 @@ def layernorm_backward(dout, cache):
 
 
 class LayerNormCacheC2(NamedTuple):
-    """Version C2's cache: kind ("ln", "res", "drop"), the rows of x and a (float32 device arrays; a None for ln),
+    """Version C2's cache: kind ("ln", "res", "drop"), the rows of x and a (float32 device arrays, or in mixed
+    precision their 16-bit storage, uint16; a None for ln),
     the dropout call (seed, stream, thresh, scale) or None, w, mean and rstd (R,), and the shape of x. s is
     recomputed by the backward (and the keep factors regenerated), never stored."""
     kind: str
@@ -511,6 +512,31 @@ def null16(xp):
 _NULL16 = {}
 
 
+def null32(xp):
+    """A float32 kernel argument the kernel does not read (its input comes as 16-bit storage instead): zero-size,
+    a null pointer."""
+    a = _NULL32.get(id(xp))
+    if a is None:
+        a = _NULL32[id(xp)] = xp.empty(0, np.float32)
+    return a
+
+
+_NULL32 = {}
+
+
+def _in16(a, xp):
+    """(float32 argument, 16-bit argument) of a kernel input a forward kept either as float32 or, in mixed
+    precision, as its 16-bit storage (uint16: kernels/cuda/mixed.py "kept in 16 bits"); the other one null."""
+    if a is not None and a.dtype == np.uint16:
+        return null32(xp), a
+    return a, null16(xp)
+
+
+def _f32(a):
+    """The dtype a kept input stands for: float32 for 16-bit storage, else its own."""
+    return np.dtype(np.float32) if a.dtype == np.uint16 else a.dtype
+
+
 def _twin16(o16, like, xp):
     """o16 for a kernel: a uint16 array of like's size (the twin, kernels/cuda/mixed.py), or null16."""
     if o16 is None:
@@ -521,10 +547,12 @@ def _twin16(o16, like, xp):
     return o16
 
 
-def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None):
+def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None, k16=(None, None)):
     """Version 2's forward (layernorm.cu v2), or version 3's (v3: the row in registers, nv = ceil(C / 128) float4 a
     lane rounded up to even: the kernel has bodies for 2, 4, 6, 8) where it applies: the float4 path and C <= 1024.
-    Either leaves version 2's cache (the backward is version 2's). o16 (rk >= 0): out's twin, written beside it."""
+    Either leaves version 2's cache (the backward is version 2's). o16 (rk >= 0): out's twin, written beside it;
+    k16 (rk >= 0): uint16 buffers (or None) the kernel writes the 16-bit storage of R(x), R(a) into (what the
+    backward may read instead of x, a: the caller puts them in the cache)."""
     xp = C.xp_of(x)
     Cc = x.shape[-1]
     x2 = xp.ascontiguousarray(x).reshape(-1, Cc)
@@ -541,14 +569,18 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None):
         kernel("layernorm.cu", f"layernorm_fwd_v{3 if v3 else 2}_{kind}", xp)(
             ((R + 7) // 8,), (256,), (x2, x2 if a2 is None else a2, seed, stream, thr, _f(scale), _i(rk), w, b,
                                       _f(eps), _i(R), _i(Cc), _i(2 * -(-Cc // 256) if v3 else vec), out2, mean, rstd,
-                                      _twin16(o16, out2, xp)))
+                                      _twin16(o16, out2, xp), _twin16(k16[0], out2, xp), _twin16(k16[1], out2, xp)))
     return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 
+LN_DWDB = os.environ.get("REFBERT_LN_DWDB", "3")   # "2": layernorm's dw, db partials by version 2 (A/B runs)
+
+
 def _ln2_backward(dout, cache, o16=None):
-    """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx."""
+    """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx. The cache's x2,
+    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so."""
     kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
-    C.dout("layernorm", dout, shape, x2.dtype)
+    C.dout("layernorm", dout, shape, _f32(x2))
     xp = C.xp_of(x2)
     R, Cc = x2.shape
     dx = xp.empty(shape, np.float32)
@@ -559,16 +591,18 @@ def _ln2_backward(dout, cache, o16=None):
     d2 = xp.ascontiguousarray(dout).reshape(R, Cc)
     dx2 = dx.reshape(R, Cc)
     da2 = dx2 if da is None else da.reshape(R, Cc)
-    a = x2 if a2 is None else a2
     vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
+    (x32, x16), (a32, a16) = _in16(x2, xp), _in16(x2 if a2 is None else a2, xp)
     kernel("layernorm.cu", f"layernorm_bwd_dx_v2_{kind}", xp)(
-        ((R + 7) // 8,), (256,), (d2, x2, a, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc),
-                                  _i(vec), dx2, da2, _twin16(o16, dx2, xp)))
+        ((R + 7) // 8,), (256,), (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc),
+                                  _i(vec), dx2, da2, _twin16(o16, dx2, xp), x16, a16))
     per, chunks = C.chunks(R)
     pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
-    kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(
-        ((Cc + 255) // 256, chunks), (256,), (d2, x2, a, seed, stream, thr, _f(scale), _i(rk), mean, rstd, _i(R),
-                                              _i(Cc), _i(per), pw, pb))
+    args = (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), mean, rstd, _i(R), _i(Cc), _i(per), pw, pb, x16, a16)
+    if vec and LN_DWDB != "2":                       # version 3's partials: four columns a thread (the float4 path)
+        kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v3_{kind}", xp)(((Cc // 4 + 63) // 64, chunks), (64,), args)
+    else:
+        kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(((Cc + 255) // 256, chunks), (256,), args)
     dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
     kernel("layernorm.cu", "column_sum2", xp)(((Cc + 255) // 256,), (256,), (pw, pb, _i(chunks), _i(Cc), dw, db))
     return dx, da, dw, db
@@ -697,7 +731,8 @@ def dropout_backward_c1(dout, cache):
 # gelu, bias + gelu (C1)
 
 class GeluCacheC(NamedTuple):
-    """x as rows (R, I), the bias (None: gelu), approximate, the shape of x."""
+    """x as rows (R, I) (float32, or in mixed precision its 16-bit storage, uint16), the bias (None: gelu),
+    approximate, the shape of x."""
     x2: Any
     b: Any
     approximate: str
@@ -709,7 +744,9 @@ def _gelu_name(approximate):
     return "tanh" if approximate == "tanh" else "erf"
 
 
-def _gelu_run(x, b, approximate, rk=-1, o16=None):
+def _gelu_run(x, b, approximate, rk=-1, o16=None, k16=None):
+    """The forward (gelu.cu v1) and its cache. o16 (rk >= 0): out's twin; k16 (rk >= 0): a uint16 buffer the kernel
+    writes the 16-bit storage of R(x) into (what the backward may read instead of x: the caller caches it)."""
     xp = C.xp_of(x)
     I = x.shape[-1] if b is not None else max(x.size, 1)
     x2 = xp.ascontiguousarray(x).reshape(-1, I)
@@ -722,7 +759,7 @@ def _gelu_run(x, b, approximate, rk=-1, o16=None):
         threads = n // 4 if vec else n
         kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
             ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), _i(rk),
-                                                out2, _twin16(o16, out2, xp)))
+                                                out2, _twin16(o16, out2, xp), _twin16(k16, out2, xp)))
     return out, GeluCacheC(x2, b, approximate, x.shape, rk)
 
 
@@ -740,7 +777,7 @@ def gelu_backward_c1(dout, cache):
     if not isinstance(cache, GeluCacheC):
         return G.gelu_backward_v2(dout, cache)
     x2, _, approximate, shape, rk = cache
-    C.dout("gelu", dout, shape, x2.dtype)
+    C.dout("gelu", dout, shape, _f32(x2))
     xp = C.xp_of(x2)
     dx = xp.empty(shape, np.float32)
     n = x2.size
@@ -750,8 +787,10 @@ def gelu_backward_c1(dout, cache):
         I = x2.shape[1]
         vec = I % 4 == 0 and _aligned(d2, x2, dx2)
         threads = n // 4 if vec else n
+        x32, x16 = _in16(x2, xp)
         kernel("gelu.cu", f"gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
-            ((threads + 255) // 256,), (256,), (d2, x2, x2, _i(0), np.int64(n), _i(I), _i(vec), _i(rk), dx2))
+            ((threads + 255) // 256,), (256,), (d2, x32, null32(xp), _i(0), np.int64(n), _i(I), _i(vec), _i(rk), dx2,
+                                                x16))
     return dx
 
 
@@ -771,7 +810,7 @@ def bias_gelu_backward_c1(dout, cache, o16=None):
     if not isinstance(cache, GeluCacheC):
         return G.bias_gelu_backward_v2(dout, cache)
     x2, b, approximate, shape, rk = cache
-    C.dout("gelu", dout, shape, x2.dtype)            # the oracle's bias_gelu backward checks as gelu_backward
+    C.dout("gelu", dout, shape, _f32(x2))            # the oracle's bias_gelu backward checks as gelu_backward
     xp = C.xp_of(x2)
     R, I = x2.shape
     dx = xp.empty(shape, np.float32)
@@ -780,9 +819,10 @@ def bias_gelu_backward_c1(dout, cache, o16=None):
     per, chunks = C.chunks(R)
     parts = xp.empty((chunks, I), np.float32)
     db = xp.empty(I, np.float32)
+    x32, x16 = _in16(x2, xp)
     kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
-        ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x2, b, _i(R), _i(I), _i(per),
-                                             _i(rk), dx.reshape(R, I), parts, _twin16(o16, dx, xp)))
+        ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x32, b, _i(R), _i(I), _i(per),
+                                             _i(rk), dx.reshape(R, I), parts, _twin16(o16, dx, xp), x16))
     kernel("gelu.cu", "colsum_final_v1", xp)(((I + 255) // 256,), (256,), (parts, _i(chunks), _i(I), db))
     return dx, db
 
@@ -874,7 +914,9 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
     return loss, CrossEntropyCacheC(z2, y, int(ignore_index), m, s, count, logits.shape)
 
 
-def cross_entropy_backward_c1(dloss, cache):
+def cross_entropy_backward_c1(dloss, cache, rk=-1, o16=None):
+    """dz (the logits' shape) of version C1 / C2. rk >= 0 (mixed precision): dz rounded to the compute dtype in the
+    kernel, o16 its twin; the cache's z2 may be 16-bit storage (uint16), read so."""
     from . import cross_entropy as X
     if not isinstance(cache, CrossEntropyCacheC):
         return X.cross_entropy_backward_v2(dloss, cache)
@@ -891,8 +933,10 @@ def cross_entropy_backward_c1(dloss, cache):
         else:
             dptr, on_dev, dval = count, 0, float(np.float32(dloss))
         vec = Vn % 4 == 0 and _aligned(z2, dz)
-        kernel("cross_entropy.cu", "ce_bwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore), _i(vec), m, s,
-                                                                   count, dptr, _i(on_dev), _f(dval), dz))
+        z32, z16 = _in16(z2, xp)
+        kernel("cross_entropy.cu", "ce_bwd_v1", xp)((N,), (256,), (z32, y, _i(N), _i(Vn), np.int64(ignore), _i(vec), m,
+                                                                   s, count, dptr, _i(on_dev), _f(dval), dz, _i(rk),
+                                                                   z16, _twin16(o16, dz, xp)))
     return dz.reshape(shape)
 
 

@@ -10,8 +10,10 @@ precision="bf16-mixed")` runs:
     linear (M1)       out = R(x2 @ R(w)^T + R(b)): x2 and w rounded into 16-bit storage (csrc/mixed.cu round16_v2,
                       v1 where it must), one cuBLAS GEMM with 16-bit inputs, float32 accumulation and a float32
                       result (cublasGemmEx, CUBLAS_COMPUTE_32F: tensor cores), then bias_round_v2 (v1) adds R(b)
-                      and rounds, in place. Backward: dout rounded into 16-bit storage (and into float32 for the
-                      bias), dx = R(dout2 @ R(w)) (a GEMM, then round_v2), dw = dout2^T @ x2 in float32 (a GEMM with a float32
+                      and rounds, in place (and writes the output's twin). Backward: dout rounded into 16-bit
+                      storage (and into float32 for the bias), dx = R(dout2 @ R(w)) (a GEMM, then round_v2; with
+                      dx_into, the gradient of x from its other paths, dx_into + R(...) in one add_round pass),
+                      dw = dout2^T @ x2 in float32 (a GEMM with a float32
                       result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
                       column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
                       call, never per use.
@@ -28,18 +30,29 @@ precision="bf16-mixed")` runs:
     fused ops (K1)    layernorm, residual_layernorm, dropout_residual_layernorm, gelu, bias_gelu: their CUDA C
                       versions (layernorm.cu v2, gelu.cu v1) with the rounding inside (rk: every compute-dtype
                       value rounded as it is loaded, every activation written rounded as it is stored): the
-                      generic rule's arithmetic without its rounding passes. The other fused ops (softmax, dropout,
-                      cross_entropy) and the small ones run the generic rule around their float32 versions.
+                      generic rule's arithmetic without its rounding passes; cross_entropy: version C2's forward
+                      on R(logits), its backward (cross_entropy.cu ce_bwd_v1 with rk) writing R(dz) and its twin.
+                      The other fused ops (softmax, dropout) and the small ones run the generic rule around their
+                      float32 versions.
     marks             every array these functions write is on the compute grid: refbert.mixed.mark remembers it
                       (weakly), and the rule's R skips it when it comes back as an input.
     twins             the ops whose output a linear reads next (the K1 layernorms and bias + GELU, their backwards'
-                      da and dx, S2's and S3's outputs and dq, dk, dv) also write that output's 16-bit bits, in the same
-                      kernel (common.cuh put16): the linear takes them as its GEMM operand instead of a round16
-                      pass over the float32 array (a pass that read 4 bytes and wrote 2 an element; the producer
-                      writes 2 more). twin() / twin_of() keep them while the float32 array lives;
+                      da and dx, S2's and S3's outputs and dq, dk, dv, the cross-entropy's dz) also write that
+                      output's 16-bit bits, in the same kernel (common.cuh put16): the linear takes them as its
+                      GEMM operand instead of a round16 pass over the float32 array (a pass that read 4 bytes and
+                      wrote 2 an element; the producer writes 2 more). A linear's own output has one too (its
+                      bias_round / round16 epilogue writes it): what its reader keeps (below), and S3's q, k, v
+                      operands. twin() / twin_of() keep them while the float32 array lives;
                       REFBERT_MIXED_TWINS=0 turns them off (the same bits either way: round16 of an array on the
-                      grid is exact). S3's output and gradients have twins too; the weights do not (round16
-                      once a step, in the forward), nor a linear's own output.
+                      grid is exact). The weights have none (round16 once a step, in the forward).
+    kept in 16 bits   what a forward keeps for its backward is 16-bit storage, not float32 (issue 14 item 3): the
+                      K1 layernorms keep x and a, the GELUs x, the attention its output (for D), the cross-entropy
+                      its logits, each as the input's twin where it has one (a linear reading the same array shares
+                      it: a layer's input is kept once, for q, k, v and the residual), else (the layernorms and
+                      GELUs) written by the forward kernel as it reads the input (common.cuh keep16); their
+                      backward kernels read 2 bytes an element (ld_in, IN16) where they read 4, and the float32
+                      activation is freed once the forward has read it. The same values (R(x) in either form), so
+                      the same bits: REFBERT_MIXED_TWINS=0 keeps float32 again.
 
 Where the arrays are the emulator's, everything runs as on a GPU (csrc/mixed.cu, the K1 kernels, the 16-bit GEMM
 operands and twins) but the GEMM itself: the array module's float32 matmul of the operands' values (blas.gemm,
@@ -137,12 +150,16 @@ def settle(x, compute):
     return x if on_grid(x, compute) else mark(round_compute(x, compute), compute)
 
 
-def _round_(y, compute):
-    """R(y) in place (y a contiguous float32 device array), y returned."""
+def _round_(y, compute, o16=None):
+    """R(y) in place (y a contiguous float32 device array), y returned; o16 (uint16, y's size): y's twin written
+    beside it in the same pass (round16 with its float32 output in place)."""
     if not C.on_device(y):
         y[...] = ops.round_compute(y, compute)
         return y
-    if y.size:
+    if y.size and o16 is not None:
+        _rounding("round16", y.size, (y, np.int64(y.size), _kind(compute), np.int32(1), y, o16), (y, o16),
+                  C.xp_of(y))
+    elif y.size:
         _rounding("round", y.size, (y, np.int64(y.size), _kind(compute), y), (y,), C.xp_of(y))
     return y
 
@@ -161,12 +178,26 @@ def _gemm_ex():
 _TWINS = {}
 
 
+def _twins_on(like):
+    """Twins (and 16-bit kept inputs) for an array like `like`: GEMM operands are 16-bit (not the simulator), twins
+    are on (REFBERT_MIXED_TWINS unset or 1) and it has elements."""
+    return _gemm_ex() and os.environ.get("REFBERT_MIXED_TWINS", "1") != "0" and like.size > 0
+
+
 def _new16(like, compute):
-    """A twin buffer for an output like `like` (uint16, its size), or None where GEMM operands are not 16-bit (the
-    simulator) or twins are off (REFBERT_MIXED_TWINS=0)."""
-    if not _gemm_ex() or os.environ.get("REFBERT_MIXED_TWINS", "1") == "0" or not like.size:
-        return None
-    return C.xp_of(like).empty(like.shape, np.uint16)
+    """A twin buffer for an output like `like` (uint16, its size), or None where twins are off (_twins_on)."""
+    return C.xp_of(like).empty(like.shape, np.uint16) if _twins_on(like) else None
+
+
+def _kept16(x, compute):
+    """(what a forward keeps of its input x for the backward in 16 bits, the buffer its kernel must write that into
+    or None): x's twin where it has one (nothing to write), else a new buffer the kernel fills from R(x) as it reads
+    x (common.cuh keep16); (None, None) where twins are off (the backward then reads x as float32)."""
+    bits = twin_of(x, compute)
+    if bits is not None:
+        return bits, None
+    buf = _new16(x, compute)
+    return buf, buf
 
 
 def _or_null(bits, xp):
@@ -254,6 +285,8 @@ def _shared_operand(x, x2, compute):
     if bits is not None:
         return bits.reshape(x2.shape)
     _, x16 = operand(x2, compute)
+    if on_grid(x, compute) and _twins_on(x):
+        twin(x, x16.reshape(x.shape), compute)          # x on the grid: x16 is its storage (a later op may keep it)
     try:
         _LAST_X[0] = (weakref.ref(x), compute, x16)
     except TypeError:                                   # (an array type without weak references: no sharing)
@@ -271,11 +304,12 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     x16 = _shared_operand(x, x2, compute)
     _, w16 = operand(w, compute)
     out = gemm(x16, w16, False, True, compute)                          # (N, C_out) float32
+    o16 = _new16(out, compute)                       # out's twin: what its reader keeps (or a linear reads) in 16 bits
     if b is None:
-        _round_(out, compute)
+        _round_(out, compute, o16)
     elif C.on_device(out):
         b = xp.ascontiguousarray(b)
-        args = (out, b, np.int64(out.shape[0]), np.int32(out.shape[1]), _kind(compute))
+        args = (out, b, np.int64(out.shape[0]), np.int32(out.shape[1]), _kind(compute), _or_null(o16, xp))
         if _v2(out.shape[1], (out, b)):
             _launch("bias_round_v2", out.size // 4, args, xp)
         else:
@@ -284,13 +318,17 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
         out = ops.round_compute(out + ops.round_compute(b, compute), compute)
     _ran("linear", compute, "M1")
     out = mark(out.reshape(*x.shape[:-1], w.shape[0]), compute)
-    return out, LinearCache(x16, w16, b is not None, x.shape, compute)
+    return twin(out, None if o16 is None else o16.reshape(out.shape), compute), LinearCache(x16, w16, b is not None,
+                                                                                           x.shape, compute)
 
 
-def linear_backward_mixed(dout, cache):
+def linear_backward_mixed(dout, cache, dx_into=None):
     """dx = R(R(dout2) @ R(w)), dw = R(dout2)^T @ R(x2) (float32), db = column sums of R(dout2) (float32). A dout
     that a mixed op wrote (refbert.mixed.mark: on the grid) is its own R(dout2) for db: only its 16-bit operand is
-    made."""
+    made. dx_into (refbert.ops.linear_backward; x's shape, float32): dx is returned as dx_into + R(dout2 @ R(w)),
+    the spec's sum of the rounded gradient and the other paths', in one pass (add_round) into a new array (float32,
+    off the grid: the next op rounds it as it reads it); dx_into itself is not changed (it may be marked on the
+    grid, or have a twin)."""
     from .backend import _dev, column_sum
     if not isinstance(cache, LinearCache):
         raise ValueError(f"linear: argument 'cache' expected the cache of the cuda backend's linear_forward_mixed, "
@@ -306,9 +344,31 @@ def linear_backward_mixed(dout, cache):
         d32, d16 = dout2, operand(dout2, compute)[1]     # R(dout) is dout (a mixed op's output): no float32 copy
     else:
         d32, d16 = operand(dout2, compute, want32=has_b)
-    dx = mark(_round_(gemm(d16, w16, False, False, compute), compute).reshape(shape), compute)
+    y = gemm(d16, w16, False, False, compute)                         # (N, C_in) float32
+    if dx_into is None:
+        dx = mark(_round_(y, compute).reshape(shape), compute)
+    else:
+        dx = _add_round(y, dx_into, shape, compute)
     dw = gemm(d16, x16, True, False, compute)
     return (dx, dw, column_sum(d32)) if has_b else (dx, dw)
+
+
+linear_backward_mixed.dx_into = True
+
+
+def _add_round(y, into, shape, compute):
+    """into + R(y) as a new float32 array of `shape` (csrc/mixed.cu add_round_v2, v1 where it must)."""
+    from .backend import _dev
+    into = _dev(into)
+    V.dout("linear", C.stub(into), shape, F32, name="dx_into", what="x's, the input")
+    xp = C.xp_of(y)
+    if not C.on_device(y):
+        return into + ops.round_compute(y.reshape(shape), compute)
+    acc = xp.ascontiguousarray(into).reshape(y.shape)
+    out = xp.empty(y.shape, F32)
+    if y.size:
+        _rounding("add_round", y.size, (y, acc, np.int64(y.size), _kind(compute), out), (y, acc, out), xp)
+    return out.reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -516,6 +576,26 @@ def _merge(y, shape, l, g, compute, xp):
     return twin(mark(out, compute), o16, compute)
 
 
+def _kept_out(out, compute):
+    """What the attention cache keeps of its output for D (the backward's row sums of dO o O): the output's twin
+    (16-bit storage) where it has one, else the float32 output."""
+    bits = twin_of(out, compute)
+    return out if bits is None else bits
+
+
+def _D(dout, out, shape, kp, compute, xp):
+    """D = rowsum(R(dO) o O) (1 - p) per (b, h, t), (B H T,) float32 (csrc/mixed.cu D_v1): dout and out (B, T, C),
+    out float32 or its 16-bit storage (_kept_out)."""
+    from .cuda_c import _in16
+    B, T, H, hs = shape
+    rows = B * H * T
+    D = xp.empty(rows, F32)
+    o32, o16 = _in16(out, xp)
+    _warps("D_v1", rows, (dout, o32, np.int64(rows), np.int32(T), np.int32(H), np.int32(hs), kp, _kind(compute), D,
+                          o16), xp)
+    return D
+
+
 def _mask_args(mask4):
     from .cuda_c import _mask_strides
     return (mask4, *_mask_strides(mask4))
@@ -544,7 +624,8 @@ def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
     out = _merge(O, shape, l, rp, compute, xp)
     _ran("attention", compute, "S2")
-    return out, S2Cache(qh, kh, vh, out, m, l, mask4, drop, 1.0 / math.sqrt(hs), p, compute, shape)
+    return out, S2Cache(qh, kh, vh, _kept_out(out, compute), m, l, mask4, drop, 1.0 / math.sqrt(hs), p, compute,
+                        shape)
 
 
 def attention_backward_s2(dout, cache):
@@ -558,9 +639,7 @@ def attention_backward_s2(dout, cache):
     rows, as16 = B * H * T, _gemm_ex()
     dO = _heads(dout, shape, compute, xp)
     kp = np.float32(1.0 - p)
-    D = xp.empty(rows, F32)
-    _warps("D_v1", rows, (xp.ascontiguousarray(dout), out, np.int64(rows), np.int32(T), np.int32(H), np.int32(hs),
-                          kp, _kind(compute), D), xp)
+    D = _D(xp.ascontiguousarray(dout), out, shape, kp, compute, xp)
     s = gemm_batched(qh, kh, False, True, compute)                    # (B H, T, T)
     dP = gemm_batched(dO, vh, False, True, compute)                   # (B H, T, T)
     dS32, dS16 = _buffers(xp, (B * H, T, T), as16)
@@ -662,7 +741,7 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
                                                        rp, out, _or_null(o16, xp), m, l), xp)
     _check_rows(m, l)
     _ran("attention", compute, "S3")
-    cache = S3Cache(q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
+    cache = S3Cache(q16, k16, v16, _kept_out(out, compute), m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
     return twin(mark(out, compute), o16, compute), cache
 
 
@@ -678,9 +757,7 @@ def attention_backward_s3(dout, cache):
     dout = xp.ascontiguousarray(dout)
     rows = B * H * T
     kp = np.float32(1.0 - p)
-    D = xp.empty(rows, F32)
-    _warps("D_v1", rows, (dout, out, np.int64(rows), np.int32(T), np.int32(H), np.int32(hs), kp, _kind(compute), D),
-           xp)
+    D = _D(dout, out, shape, kp, compute, xp)
     d16 = _storage16(dout, compute)
     rp = np.float32(1.0) / kp if kp > 0 else np.float32(0.0)
     g = np.float32(scale) * rp
@@ -755,6 +832,21 @@ def _k1(op, compute):
     return int(_kind(compute))
 
 
+def _keep_ln(cache, kx, ka):
+    """Version C2's cache with x and a (where kept: kx, ka not None) as their 16-bit storage: the float32 arrays
+    are no longer held, and the backward kernels read 2 bytes an element where they read 4."""
+    if kx is not None:
+        cache = cache._replace(x2=kx.reshape(cache.x2.shape))
+    if ka is not None and cache.a2 is not None:
+        cache = cache._replace(a2=ka.reshape(cache.a2.shape))
+    return cache
+
+
+def _keep_gelu(cache, kx):
+    """The GELU cache with x as its 16-bit storage (kx not None): see _keep_ln."""
+    return cache if kx is None else cache._replace(x2=kx.reshape(cache.x2.shape))
+
+
 def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
     from .cuda_c import _ln2_forward
     from .layernorm import _check_ln
@@ -763,8 +855,9 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
         return out, Fused("rule", cache, compute)
     _check_ln(x, w, b)
     o16 = _new16(x, compute)
-    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute), o16=o16)
-    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
+    (kx, wx) = _kept16(x, compute)
+    out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute), o16=o16, k16=(wx, None))
+    return twin(mark(out, compute), o16, compute), Fused("K1", _keep_ln(cache, kx, None), compute)
 
 
 def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
@@ -777,8 +870,10 @@ def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     _check_ln(x, w, b)
     o16 = _new16(x, compute)
-    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute), o16=o16)
-    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
+    (kx, wx), (ka, wa) = _kept16(x, compute), _kept16(a, compute)
+    out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute), o16=o16,
+                              k16=(wx, wa))
+    return twin(mark(out, compute), o16, compute), Fused("K1", _keep_ln(cache, kx, ka), compute)
 
 
 def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True,
@@ -795,9 +890,10 @@ def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=N
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
     _check_ln(x, w, b)
     o16 = _new16(x, compute)
+    (kx, wx), (ka, wa) = _kept16(x, compute), _kept16(a, compute)
     out, cache = _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop,
-                              _k1("dropout_residual_layernorm", compute), o16=o16)
-    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
+                              _k1("dropout_residual_layernorm", compute), o16=o16, k16=(wx, wa))
+    return twin(mark(out, compute), o16, compute), Fused("K1", _keep_ln(cache, kx, ka), compute)
 
 
 def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
@@ -808,8 +904,9 @@ def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
         return out, Fused("rule", cache, compute)
     C.floats("gelu", x=x)
     _check_approximate(approximate)
-    out, cache = _gelu_run(x, None, approximate, _k1("gelu", compute))
-    return mark(out, compute), Fused("K1", cache, compute)
+    kx, wx = _kept16(x, compute)
+    out, cache = _gelu_run(x, None, approximate, _k1("gelu", compute), k16=wx)
+    return mark(out, compute), Fused("K1", _keep_gelu(cache, kx), compute)
 
 
 def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
@@ -823,8 +920,40 @@ def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
     V.shape("bias_gelu", "b", C.stub(b), (x.shape[-1],), "(I,)")
     _check_approximate(approximate)
     o16 = _new16(x, compute)
-    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute), o16=o16)
-    return twin(mark(out, compute), o16, compute), Fused("K1", cache, compute)
+    kx, wx = _kept16(x, compute)
+    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute), o16=o16, k16=wx)
+    return twin(mark(out, compute), o16, compute), Fused("K1", _keep_gelu(cache, kx), compute)
+
+
+def cross_entropy_forward_mixed(logits, labels, ignore_index=-100, compute="bfloat16"):
+    """The spec's cross-entropy (refbert.mixed's rule: R(logits) in, the float32 loss out) with CUDA C version 2's
+    forward; its cache keeps the logits' twin (16-bit storage) where they have one (a linear's output does), so the
+    float32 logits (B T V in HF's full-logits mode) are not held for the backward."""
+    from .backend import _dev
+    from .cuda_c import _ce_forward
+    logits = _dev(logits)
+    if not _k1_ok(logits):
+        loss, cache = _rule("cross_entropy_forward", compute)(logits, labels, ignore_index)
+        return loss, Fused("rule", cache, compute)
+    logits = settle(logits, compute)                 # R(logits): a mixed op's output is on the grid already
+    loss, cache = _ce_forward("C2", logits, labels, ignore_index)
+    bits = twin_of(logits, compute)
+    if bits is not None:
+        cache = cache._replace(z2=bits.reshape(cache.z2.shape))
+    _k1("cross_entropy", compute)
+    return loss, Fused("K1", cache, compute)
+
+
+def cross_entropy_backward_mixed(dloss, cache):
+    """dz = R((softmax - onehot) dloss / n), rounded in the kernel (cross_entropy.cu ce_bwd_v1 with rk) with its
+    twin beside it (the decoder's GEMM operand); dloss stays float32 (a loss's gradient)."""
+    from .cuda_c import cross_entropy_backward_c1
+    how, inner, compute = _fused_cache("cross_entropy", cache)
+    if how == "rule":
+        return _rule("cross_entropy_backward", compute)(dloss, inner)
+    o16 = _new16(inner.z2, compute)
+    dz = cross_entropy_backward_c1(dloss, inner, rk=int(_kind(compute)), o16=o16)
+    return twin(mark(dz, compute), None if o16 is None else o16.reshape(dz.shape), compute)
 
 
 def _fused_cache(op, cache):

@@ -135,6 +135,23 @@ __device__ __forceinline__ void put16x4(unsigned short* o16, size_t e, float4 r,
                                                         bits16(r.z, rk) | ((u32)bits16(r.w, rk) << 16));
 }
 
+// 16-bit storage -> its float32 value (exact): bits16's inverse, bf16 (kind 0) or IEEE half (kind 1)
+__host__ __device__ __forceinline__ float from16(unsigned short h, int kind) {
+    if (kind == 0) return F_BITS((u32)h << 16);
+    const u32 sign = (u32)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+    if (e == 0x1Fu) return F_BITS(sign | 0x7F800000u | (f << 13));                   // inf, NaN
+    if (e) return F_BITS(sign | ((e + 112u) << 23) | (f << 13));                      // normal: exponent + 112
+    return F_BITS(sign | BITS_F((float)f * 5.9604644775390625e-8f));                  // subnormal, 0: f 2^-24
+}
+
+// An input a mixed-precision kernel reads either as float32 (p16 null: rounded by rnd on the way in) or as the
+// 16-bit storage its forward kept (kernels/cuda/mixed.py "kept in 16 bits"): IN16 says which, a compile-time
+// constant (RK16_DISPATCH below); the values are the same, R(x).
+template <int IN16>
+__device__ __forceinline__ float ld_in(const float* p, const unsigned short* p16, size_t e, int rk) {
+    return IN16 ? from16(p16[e], rk) : rnd(p[e], rk);
+}
+
 // A kernel taking rk at run time calls its (force-inlined) body with rk a literal, RKC, in each branch: the body is
 // compiled three times with rk constant, so the float32 one (-1) is the code it was before mixed precision (a
 // run-time rk left in the body tripled its size in branches, and made the dropout kinds of layernorm v2 3.5x
@@ -143,6 +160,18 @@ __device__ __forceinline__ void put16x4(unsigned short* o16, size_t e, float4 r,
     if (rk < 0) { constexpr int RKC = -1; __VA_ARGS__; }                                                        \
     else if (rk == 0) { constexpr int RKC = 0; __VA_ARGS__; }                                                   \
     else { constexpr int RKC = 1; __VA_ARGS__; }
+
+// RK_DISPATCH with IN16 too: 1 where in16 (the kernel's inputs given as 16-bit storage) and rk >= 0, else 0 (five
+// bodies: the float32 one never reads 16-bit storage)
+#define RK16_DISPATCH(in16, ...)                                                                                 \
+    if (rk < 0) { constexpr int RKC = -1, IN16 = 0; __VA_ARGS__; }                                              \
+    else if (rk == 0) {                                                                                         \
+        if (in16) { constexpr int RKC = 0, IN16 = 1; __VA_ARGS__; }                                             \
+        else { constexpr int RKC = 0, IN16 = 0; __VA_ARGS__; }                                                  \
+    } else {                                                                                                    \
+        if (in16) { constexpr int RKC = 1, IN16 = 1; __VA_ARGS__; }                                             \
+        else { constexpr int RKC = 1, IN16 = 0; __VA_ARGS__; }                                                  \
+    }
 
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -240,6 +269,24 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ float4 rnd4(float4 v, int rk) {                  // rnd on each of four
     return rk < 0 ? v : make_float4(rnd(v.x, rk), rnd(v.y, rk), rnd(v.z, rk), rnd(v.w, rk));
+}
+
+template <int IN16>
+__device__ __forceinline__ float4 ld_in4(const float* p, const unsigned short* p16, size_t e, int rk) {
+    if (IN16) {                                                     // e % 4 == 0, p16 8-byte aligned
+        const uint2 u = *reinterpret_cast<const uint2*>(p16 + e);
+        return make_float4(from16((unsigned short)(u.x & 0xFFFFu), rk), from16((unsigned short)(u.x >> 16), rk),
+                           from16((unsigned short)(u.y & 0xFFFFu), rk), from16((unsigned short)(u.y >> 16), rk));
+    }
+    return rnd4(ld4(p + e), rk);
+}
+
+// what a forward keeps for its backward in 16 bits (k16 non-null, rk >= 0): the bits of R(p[e]) (of four at e)
+__device__ __forceinline__ void keep16(const float* p, unsigned short* k16, size_t e, int rk) {
+    if (rk >= 0 && k16) k16[e] = bits16(rnd(p[e], rk), rk);
+}
+__device__ __forceinline__ void keep16x4(const float* p, unsigned short* k16, size_t e, int rk) {
+    if (rk >= 0 && k16) put16x4(k16, e, rnd4(ld4(p + e), rk), rk);
 }
 
 __device__ __forceinline__ float4 keep4(u64 e, u64 seed, u64 stream, u64 thresh, float dscale) {

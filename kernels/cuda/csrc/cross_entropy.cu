@@ -176,20 +176,30 @@ extern "C" __global__ void __launch_bounds__(256) ce_loss_v1(const float* __rest
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) ce_bwd_v1(const float* __restrict__ z,
-                                                            const long long* __restrict__ y, int N, int V,
-                                                            long long ignore, int vec, const float* __restrict__ m_in,
-                                                            const float* __restrict__ s_in,
-                                                            const float* __restrict__ count,
-                                                            const float* __restrict__ dloss_ptr, int dloss_on_dev,
-                                                            float dloss_val, float* __restrict__ dz) {
+// rk >= 0 (mixed precision): z comes from z16 when IN16 (the forward's logits kept in 16 bits; z is not read), dz
+// is written rounded to the compute dtype (the spec's rounding of an activation's gradient) and, o16 non-null, its
+// twin beside it; rk = -1: float32, as before
+template <int IN16>
+__device__ __forceinline__ void ce_bwd(const float* __restrict__ z, const long long* __restrict__ y, int N, int V,
+                                       long long ignore, int vec, const float* __restrict__ m_in,
+                                       const float* __restrict__ s_in, const float* __restrict__ count,
+                                       const float* __restrict__ dloss_ptr, int dloss_on_dev, float dloss_val,
+                                       float* __restrict__ dz, int rk, const unsigned short* __restrict__ z16,
+                                       unsigned short* __restrict__ o16) {
     const int r = blockIdx.x, t = threadIdx.x;
     const long long label = y[r];
-    const float* zr = z + (size_t)r * V;
-    float* dr = dz + (size_t)r * V;
+    const size_t row = (size_t)r * V;
+    float* dr = dz + row;
+    unsigned short* const t16 = rk >= 0 && o16 ? o16 + row : nullptr;    // the twin's row (or none)
     if (label == ignore) {
-        if (vec) { for (int j = 4 * t; j < V; j += 1024) st4(dr + j, make_float4(0.f, 0.f, 0.f, 0.f)); }
-        else { for (int j = t; j < V; j += 256) dr[j] = 0.f; }
+        if (vec) {
+            for (int j = 4 * t; j < V; j += 1024) {
+                st4(dr + j, make_float4(0.f, 0.f, 0.f, 0.f));
+                put16x4(t16, j, make_float4(0.f, 0.f, 0.f, 0.f), rk);
+            }
+        } else {
+            for (int j = t; j < V; j += 256) { dr[j] = 0.f; put16(t16, j, 0.f, rk); }
+        }
         return;
     }
     const float g = (dloss_on_dev ? dloss_ptr[0] : dloss_val) / fmaxf(count[0], 1.f);
@@ -197,20 +207,38 @@ extern "C" __global__ void __launch_bounds__(256) ce_bwd_v1(const float* __restr
     const bool ok = label >= 0 && label < V;
     if (vec) {
         for (int j = 4 * t; j < V; j += 1024) {
-            const float4 v = ld4(zr + j);
+            const float4 v = ld_in4<IN16>(z, z16, row + j, rk);
             float4 o = make_float4(expf((v.x - m) - s), expf((v.y - m) - s), expf((v.z - m) - s), expf((v.w - m) - s));
             if (j == label) o.x -= 1.f;
             if (j + 1 == label) o.y -= 1.f;
             if (j + 2 == label) o.z -= 1.f;
             if (j + 3 == label) o.w -= 1.f;
-            st4(dr + j, ok ? make_float4(o.x * g, o.y * g, o.z * g, o.w * g) : make_float4(NAN, NAN, NAN, NAN));
+            const float4 d = rnd4(ok ? make_float4(o.x * g, o.y * g, o.z * g, o.w * g)
+                                     : make_float4(NAN, NAN, NAN, NAN), rk);
+            st4(dr + j, d);
+            put16x4(t16, j, d, rk);
         }
     } else {
         for (int j = t; j < V; j += 256) {
-            const float p = expf((zr[j] - m) - s) - (j == label ? 1.f : 0.f);   // z - m first: m + s would round
-            dr[j] = ok ? p * g : NAN;                                         // away s's bits near a 1e4 logit
+            const float p = expf((ld_in<IN16>(z, z16, row + j, rk) - m) - s) - (j == label ? 1.f : 0.f);
+            const float d = rnd(ok ? p * g : NAN, rk);                // (z - m first: m + s would round away s's
+            dr[j] = d;                                                // bits near a 1e4 logit)
+            put16(t16, j, d, rk);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_bwd_v1(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int vec, const float* __restrict__ m_in,
+                                                            const float* __restrict__ s_in,
+                                                            const float* __restrict__ count,
+                                                            const float* __restrict__ dloss_ptr, int dloss_on_dev,
+                                                            float dloss_val, float* __restrict__ dz, int rk,
+                                                            const unsigned short* __restrict__ z16,
+                                                            unsigned short* __restrict__ o16) {
+    RK16_DISPATCH(z16 != nullptr, ce_bwd<IN16>(z, y, N, V, ignore, vec, m_in, s_in, count, dloss_ptr, dloss_on_dev,
+                                               dloss_val, dz, RKC, z16, o16))
 }
 
 #ifdef HOST_CODE
@@ -273,7 +301,8 @@ int main() {
             printf("cross_entropy v2 N=%d V=%d splits=%d\n", N, V, sp);
             validate_result(loss, &loss_ref, "loss", 1, 1e-6f, 1e-5f);
             validate_result(count, &count_ref, "count", 1, 1e-30f, 0.f);
-            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 1, dl[0], ddz);   // its m, s
+            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 1, dl[0], ddz, -1,
+                   (const unsigned short*)nullptr, (unsigned short*)nullptr);   // its m, s
             cudaCheck(cudaDeviceSynchronize());
             validate_result(ddz, dz.data(), "dz from its m, s", n, 1e-7f, 1e-5f);
             if (n >= (1 << 20) && N <= 1024) {
@@ -288,17 +317,49 @@ int main() {
         printf("cross_entropy v1 N=%d V=%d kept=%d\n", N, V, kept_n);
         fwd();
         for (int on_dev = 0; on_dev < 2; on_dev++) {
-            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, on_dev, dl[0], ddz);
+            LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, on_dev, dl[0], ddz, -1,
+                   (const unsigned short*)nullptr, (unsigned short*)nullptr);
             cudaCheck(cudaDeviceSynchronize());
             // expf / logf within 2 ulp, float32 sums in another order (and an online max): 1e-5 relative
             validate_result(ddz, dz.data(), on_dev ? "dz (dloss on the device)" : "dz", n, 1e-7f, 1e-5f);
         }
         validate_result(loss, &loss_ref, "loss", 1, 1e-6f, 1e-5f);
         validate_result(count, &count_ref, "count", 1, 1e-30f, 0.f);
+        {   // mixed precision (rk 0 / 1): dz rounded to the compute dtype with its twin; the logits read from their
+            // 16-bit storage give the same bits as from float32 (the grid's values both ways)
+            std::vector<float> zr(n), d1(n), d2(n);
+            std::vector<unsigned short> zb(n), t1(n), t2(n);
+            unsigned short *z16, *o16;
+            cudaCheck(cudaMalloc(&z16, n * 2)); cudaCheck(cudaMalloc(&o16, n * 2));
+            size_t bad = 0;
+            for (int rk = 0; rk < 2; rk++) {
+                for (size_t e = 0; e < n; e++) { zr[e] = round_kind(z[e], rk); zb[e] = bits16(zr[e], rk); }
+                cudaCheck(cudaMemcpy(dz_, zr.data(), n * 4, cudaMemcpyHostToDevice));
+                cudaCheck(cudaMemcpy(z16, zb.data(), n * 2, cudaMemcpyHostToDevice));
+                fwd();
+                LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 1, dl[0], ddz, rk,
+                       (const unsigned short*)nullptr, o16);
+                cudaCheck(cudaMemcpy(d1.data(), ddz, n * 4, cudaMemcpyDeviceToHost));
+                cudaCheck(cudaMemcpy(t1.data(), o16, n * 2, cudaMemcpyDeviceToHost));
+                cudaCheck(cudaMemset(ddz, 0, n * 4));
+                LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 1, dl[0], ddz, rk,
+                       (const unsigned short*)z16, o16);
+                cudaCheck(cudaMemcpy(d2.data(), ddz, n * 4, cudaMemcpyDeviceToHost));
+                cudaCheck(cudaMemcpy(t2.data(), o16, n * 2, cudaMemcpyDeviceToHost));
+                for (size_t e = 0; e < n; e++)
+                    bad += (BITS_F(d1[e]) != BITS_F(d2[e])) + (t1[e] != t2[e]) + (t1[e] != bits16(d1[e], rk)) +
+                           (round_kind(d1[e], rk) != d1[e] && d1[e] == d1[e]);
+            }
+            printf("  mixed dz (rounded, twin; logits kept in 16 bits): %s\n", bad ? "WRONG" : "the same bits");
+            if (bad) exit(EXIT_FAILURE);
+            cudaFree(z16); cudaFree(o16);
+            cudaCheck(cudaMemcpy(dz_, z, n * 4, cudaMemcpyHostToDevice));
+        }
         if (n >= (1 << 20)) {
             float ms_f = benchmark_kernel(20, fwd);
             float ms_b = benchmark_kernel(20, [&]() {
-                LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 0, 1.f, ddz); });
+                LAUNCH(ce_bwd_v1, N, 256, dz_, dy, N, V, ignore, vec, m, s, count, ddl, 0, 1.f, ddz, -1,
+                       (const unsigned short*)nullptr, (unsigned short*)nullptr); });
             printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, n * 4.0 / ms_f / 1e6, ms_b,
                    2.0 * n * 4 / ms_b / 1e6);
         }

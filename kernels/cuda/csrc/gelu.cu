@@ -49,7 +49,7 @@ template <int TANH> __device__ __forceinline__ float dgelu_f(float u) {
 template <int TANH>
 __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const float* __restrict__ b, int has_b,
                                          long long n, int I, int vec, int rk, float* __restrict__ out,
-                                         unsigned short* __restrict__ o16) {
+                                         unsigned short* __restrict__ o16, unsigned short* __restrict__ k16) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const long long e = 4 * t;
@@ -61,41 +61,45 @@ __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const floa
                                           gelu_f<TANH>(v.z + bb.z), gelu_f<TANH>(v.w + bb.w)), rk);
         st4(out + e, o);
         put16x4(o16, e, o, rk);
+        if (rk >= 0 && k16) put16x4(k16, e, v, rk);                 // x kept in 16 bits for the backward
     } else {
         if (t >= n) return;
         const float o = rnd(gelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
         out[t] = o;
         put16(o16, t, o, rk);
+        keep16(x, k16, t, rk);
     }
 }
 
 // backward of gelu without a bias (or any elementwise use): dx = dout gelu'(x + b)
-template <int TANH>
+template <int TANH, int IN16>
 __device__ __forceinline__ void gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
                                          const float* __restrict__ b, int has_b, long long n, int I, int vec,
-                                         int rk, float* __restrict__ dx) {
+                                         int rk, float* __restrict__ dx, const unsigned short* __restrict__ x16) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (vec) {
         const long long e = 4 * t;
         if (e >= n) return;
-        const float4 v = rnd4(ld4(x + e), rk), g = rnd4(ld4(dout + e), rk);
+        const float4 v = ld_in4<IN16>(x, x16, e, rk), g = rnd4(ld4(dout + e), rk);
         const int j = (int)(e % I);
         const float4 bb = has_b ? rnd4(ld4(b + j), rk) : make_float4(0.f, 0.f, 0.f, 0.f);
         st4(dx + e, rnd4(make_float4(g.x * dgelu_f<TANH>(v.x + bb.x), g.y * dgelu_f<TANH>(v.y + bb.y),
                                      g.z * dgelu_f<TANH>(v.z + bb.z), g.w * dgelu_f<TANH>(v.w + bb.w)), rk));
     } else {
         if (t >= n) return;
-        dx[t] = rnd(rnd(dout[t], rk) * dgelu_f<TANH>(rnd(x[t], rk) + (has_b ? rnd(b[t % I], rk) : 0.f)), rk);
+        dx[t] = rnd(rnd(dout[t], rk) * dgelu_f<TANH>(ld_in<IN16>(x, x16, t, rk) + (has_b ? rnd(b[t % I], rk) : 0.f)),
+                    rk);
     }
 }
 
 // backward of bias + GELU, fused: grid (ceil(I / 256), chunks); thread (chunk, column j) over rows
 // [chunk * per, ...): dx[r, j] = dout[r, j] gelu'(x[r, j] + b[j]), parts[chunk, j] = the sum of those
-template <int TANH>
+template <int TANH, int IN16>
 __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, const float* __restrict__ x,
                                               const float* __restrict__ b, int R, int I, int per, int rk,
                                               float* __restrict__ dx, float* __restrict__ parts,
-                                              unsigned short* __restrict__ o16) {
+                                              unsigned short* __restrict__ o16,
+                                              const unsigned short* __restrict__ x16) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (j >= I) return;
     const float bj = rnd(b[j], rk);
@@ -103,7 +107,7 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
     const int r1 = min(R, (chunk + 1) * per);
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * I + j;
-        const float d = rnd(dout[e], rk) * dgelu_f<TANH>(rnd(x[e], rk) + bj);
+        const float d = rnd(dout[e], rk) * dgelu_f<TANH>(ld_in<IN16>(x, x16, e, rk) + bj);
         const float dr = rnd(d, rk);                                 // (the sum for db: d before rounding)
         dx[e] = dr;
         put16(o16, e, dr, rk);
@@ -115,18 +119,19 @@ __device__ __forceinline__ void bias_gelu_bwd(const float* __restrict__ dout, co
 #define GELU_KERNELS(NAME, TANH)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) gelu_fwd_v1_##NAME(                                        \
         const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int vec,       \
-        int rk, float* __restrict__ out, unsigned short* __restrict__ o16) {                                    \
-        RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out, o16))                                       \
+        int rk, float* __restrict__ out, unsigned short* __restrict__ o16, unsigned short* __restrict__ k16) {  \
+        RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out, o16, k16))                                  \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
-        long long n, int I, int vec, int rk, float* __restrict__ dx) {                                          \
-        RK_DISPATCH(gelu_bwd<TANH>(dout, x, b, has_b, n, I, vec, RKC, dx))                                       \
+        long long n, int I, int vec, int rk, float* __restrict__ dx, const unsigned short* __restrict__ x16) {  \
+        RK16_DISPATCH(x16 != nullptr, gelu_bwd<TANH, IN16>(dout, x, b, has_b, n, I, vec, RKC, dx, x16))          \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) bias_gelu_bwd_v1_##NAME(                                   \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int R, int I, \
-        int per, int rk, float* __restrict__ dx, float* __restrict__ parts, unsigned short* __restrict__ o16) { \
-        RK_DISPATCH(bias_gelu_bwd<TANH>(dout, x, b, R, I, per, RKC, dx, parts, o16))                             \
+        int per, int rk, float* __restrict__ dx, float* __restrict__ parts, unsigned short* __restrict__ o16,   \
+        const unsigned short* __restrict__ x16) {                                                               \
+        RK16_DISPATCH(x16 != nullptr, bias_gelu_bwd<TANH, IN16>(dout, x, b, R, I, per, RKC, dx, parts, o16, x16)) \
     }
 GELU_KERNELS(erf, 0)
 GELU_KERNELS(tanh, 1)
@@ -183,28 +188,29 @@ int main() {
             const int grid = (int)((threads + 255) / 256);
             printf("gelu v1 %s R=%d I=%d\n", tanh_ ? "tanh" : "erf", R, I);
             // erfcf / expf within 2 ulp, the float32 chain of the tanh form: a few ulp of O(1) values
-            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr);
+            LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr, (unsigned short*)nullptr);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out.data(), "bias_gelu out", n, 1e-6f, 2e-5f);
             LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts,
-                   (unsigned short*)nullptr);
+                   (unsigned short*)nullptr, (const unsigned short*)nullptr);
             LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(ddx, dx.data(), "bias_gelu dx", n, 1e-6f, 2e-5f);
             validate_result(ddb, db.data(), "bias_gelu db", I, 1e-5f * R, 2e-5f);
-            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr);
-            LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, -1, ddx);
+            LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr, (unsigned short*)nullptr);
+            LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, -1, ddx, (const unsigned short*)nullptr);
             cudaCheck(cudaDeviceSynchronize());
             validate_result(dout_, out_nb.data(), "gelu out", n, 1e-6f, 2e-5f);
             validate_result(ddx, dx_nb.data(), "gelu dx", n, 1e-6f, 2e-5f);
             {                                        // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
-                unsigned short *o16, *d16;
-                cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
+                unsigned short *o16, *d16, *k16;
+                cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2)); cudaCheck(cudaMalloc(&k16, n * 2));
                 std::vector<float> o(n), g(n);
                 std::vector<unsigned short> ob(n), gb(n);
                 for (int rk = 0; rk < 2; rk++) {
-                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, rk, dout_, o16);
-                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, rk, ddx, parts, d16);
+                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, rk, dout_, o16, (unsigned short*)nullptr);
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, rk, ddx, parts, d16,
+                           (const unsigned short*)nullptr);
                     cudaCheck(cudaDeviceSynchronize());
                     cudaCheck(cudaMemcpy(o.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
                     cudaCheck(cudaMemcpy(g.data(), ddx, n * 4, cudaMemcpyDeviceToHost));
@@ -216,15 +222,36 @@ int main() {
                                (round_kind(o[e], rk) != o[e]);
                     printf("  twins rk=%d (bias_gelu out, dx): %s\n", rk, bad ? "WRONG" : "the stored values' bits");
                     if (bad) exit(EXIT_FAILURE);
+                    // x kept in 16 bits by the forward (bits16(R(x))), read so by both backwards: the same bits
+                    std::vector<float> pw((size_t)chunks * I), pn((size_t)chunks * I), gn(n), g2(n), g2n(n);
+                    cudaCheck(cudaMemcpy(pw.data(), parts, pw.size() * 4, cudaMemcpyDeviceToHost));
+                    LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, rk, ddx, (const unsigned short*)nullptr);
+                    cudaCheck(cudaMemcpy(g2.data(), ddx, n * 4, cudaMemcpyDeviceToHost));
+                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, rk, dout_, o16, k16);
+                    LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, rk, ddx, parts, d16,
+                           (const unsigned short*)k16);
+                    cudaCheck(cudaDeviceSynchronize());
+                    cudaCheck(cudaMemcpy(gn.data(), ddx, n * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(pn.data(), parts, pn.size() * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(ob.data(), k16, n * 2, cudaMemcpyDeviceToHost));
+                    LAUNCH(bwd, grid, 256, ddo, dx_, db_, 0, n, I, vec, rk, ddx, (const unsigned short*)k16);
+                    cudaCheck(cudaMemcpy(g2n.data(), ddx, n * 4, cudaMemcpyDeviceToHost));
+                    bad = 0;
+                    for (long long e = 0; e < n; e++)
+                        bad += (ob[e] != bits16(round_kind(x[e], rk), rk)) + (BITS_F(gn[e]) != BITS_F(g[e])) +
+                               (BITS_F(g2n[e]) != BITS_F(g2[e]));
+                    for (size_t e = 0; e < pw.size(); e++) bad += BITS_F(pn[e]) != BITS_F(pw[e]);
+                    printf("  kept in 16 bits rk=%d: %s\n", rk, bad ? "WRONG" : "x kept; dx, db parts the same bits");
+                    if (bad) exit(EXIT_FAILURE);
                 }
-                cudaFree(o16); cudaFree(d16);
+                cudaFree(o16); cudaFree(d16); cudaFree(k16);
             }
             if (n >= (1 << 20)) {
                 float ms_f = benchmark_kernel(20, [&]() {
-                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr); });
+                    LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr, (unsigned short*)nullptr); });
                 float ms_b = benchmark_kernel(20, [&]() {
                     LAUNCH(fused, dim3((I + 255) / 256, chunks), 256, ddo, dx_, db_, R, I, per, -1, ddx, parts,
-                   (unsigned short*)nullptr);
+                   (unsigned short*)nullptr, (const unsigned short*)nullptr);
                     LAUNCH(colsum_final_v1, (I + 255) / 256, 256, parts, chunks, I, ddb);
                 });
                 printf("  forward %.4f ms %.0f GB/s | backward %.4f ms %.0f GB/s\n", ms_f, 2.0 * n * 4 / ms_f / 1e6,

@@ -26,7 +26,14 @@ Versions:
      block. `vec` (a launch argument) selects the float4 path: C % 4 == 0 and every pointer 16-byte aligned.
   3  the forward of version 2 with the row in registers (nv = ceil(C / 128) rounded up to even float4 per lane,
      C <= 1024 on the float4 path): x and a read once and the keep factors drawn once instead of in each of three passes; the same
-     sums in the same order, so the same bits as version 2; its backward is version 2's
+     sums in the same order, so the same bits as version 2; its backward is version 2's, but for the dw, db
+     partials (layernorm_bwd_dwdb_partial_v3, the float4 path): four consecutive columns a thread, one Philox call
+     for their four keep factors (version 2's partials drew one per element), the same per-column sums in the same
+     row order (the same bits where the compiler contracts both alike: CPU threads; on a GPU within float32
+     rounding). The launchers run it wherever the float4 path applies, for versions 2 and 3 (REFBERT_LN_DWDB=2
+     keeps version 2's partials); this main times version 2 with version 2's partials, version 3 with these
+  mixed precision (rk >= 0): every version reads and writes on the compute grid; the forward may keep x and a in
+     16 bits (kx16, ka16: common.cuh keep16) and the backward read them so (x16, a16: IN16), the same values
 
 Build and run standalone (validates every version against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o layernorm layernorm.cu && ./layernorm
@@ -195,19 +202,24 @@ extern "C" __global__ void column_sum(const float* __restrict__ parts, int chunk
 // ----------------------------------------------------------------------------------------------------------------
 // version 2: the residual sum and its dropout fused (KIND 0 = ln: s = x, 1 = res: s = x + a, 2 = drop)
 
-template <int KIND>
+template <int KIND, int IN16 = 0>
 __device__ __forceinline__ float s1(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
-                                    float dscale, int rk) {
-    float v = rnd(x[e], rk);
-    if (KIND >= 1) v = v + (KIND == 2 ? rnd(a[e], rk) * keep_z(e, seed, stream, thresh, dscale) : rnd(a[e], rk));
+                                    float dscale, int rk, const unsigned short* x16 = nullptr,
+                                    const unsigned short* a16 = nullptr) {
+    float v = ld_in<IN16>(x, x16, e, rk);
+    if (KIND >= 1) {
+        const float u = ld_in<IN16>(a, a16, e, rk);
+        v = v + (KIND == 2 ? u * keep_z(e, seed, stream, thresh, dscale) : u);
+    }
     return v;
 }
-template <int KIND>
+template <int KIND, int IN16 = 0>
 __device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u64 seed, u64 stream, u64 thresh,
-                                     float dscale, int rk) {         // elements e .. e + 3, e % 4 == 0
-    float4 v = rnd4(ld4(x + e), rk);
+                                     float dscale, int rk, const unsigned short* x16 = nullptr,
+                                     const unsigned short* a16 = nullptr) {   // elements e .. e + 3, e % 4 == 0
+    float4 v = ld_in4<IN16>(x, x16, e, rk);
     if (KIND >= 1) {
-        float4 u = rnd4(ld4(a + e), rk);
+        float4 u = ld_in4<IN16>(a, a16, e, rk);
         if (KIND == 2) {
             const float4 z = keep4(e, seed, stream, thresh, dscale);
             u = make_float4(u.x * z.x, u.y * z.y, u.z * z.z, u.w * z.w);
@@ -224,7 +236,8 @@ template <int KIND>
 __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, int vec, float* __restrict__ out,
                                           float* __restrict__ mean, float* __restrict__ rstd,
-                                          unsigned short* __restrict__ o16) {
+                                          unsigned short* __restrict__ o16, unsigned short* __restrict__ kx16,
+                                          unsigned short* __restrict__ ka16) {
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;                                             // warp-uniform
     const size_t row = (size_t)r * C;
@@ -233,9 +246,15 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
             s += (v.x + v.y) + (v.z + v.w);
+            keep16x4(x, kx16, row + c, rk);                         // what the backward reads, in 16 bits (here,
+            if (KIND >= 1) keep16x4(a, ka16, row + c, rk);          // where the fewest registers are live)
         }
     } else {
-        for (int c = lane; c < C; c += 32) s += s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+        for (int c = lane; c < C; c += 32) {
+            s += s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            keep16(x, kx16, row + c, rk);
+            if (KIND >= 1) keep16(a, ka16, row + c, rk);
+        }
     }
     const float m = warp_sum(s) / C;
     float q = 0.f;                                                  // second pass: sum (s - m)^2
@@ -272,11 +291,13 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
 }
 
-template <int KIND>
+template <int KIND, int IN16>
 __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w,
                                              const float* __restrict__ mean, const float* __restrict__ rstd, int R,
                                              int C, int vec, float* __restrict__ dx, float* __restrict__ da,
-                                             unsigned short* __restrict__ o16) {   // o16: da's twin (KIND 2), else dx's
+                                             unsigned short* __restrict__ o16,     // da's twin (KIND 2), else dx's
+                                             const unsigned short* __restrict__ x16,
+                                             const unsigned short* __restrict__ a16) {
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;
     const size_t row = (size_t)r * C;
@@ -284,7 +305,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     float c1 = 0.f, c2 = 0.f;
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
             const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
             const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
                         w3 = __fmul_rn(g.w, ww.w);
@@ -294,7 +315,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     } else {
         for (int c = lane; c < C; c += 32) {
             const float wd = __fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk));
-            c1 += wd * ((s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs);
+            c1 += wd * ((s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16) - m) * rs);
             c2 += wd;
         }
     }
@@ -303,7 +324,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     unsigned short* const t16 = rk >= 0 && o16 ? o16 + row : nullptr;     // the twin's row (or none)
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
-            const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+            const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
             const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
             const float4 d = make_float4((__fmul_rn(g.x, ww.x) - ((v.x - m) * rs * c1 + c2)) * rs,
                                          (__fmul_rn(g.y, ww.y) - ((v.y - m) * rs * c1 + c2)) * rs,
@@ -320,7 +341,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
         }
     } else {
         for (int c = lane; c < C; c += 32) {
-            const float xh = (s1<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk) - m) * rs;
+            const float xh = (s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16) - m) * rs;
             const float d = (__fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk)) - (xh * c1 + c2)) * rs;
             float t = rnd(d, rk);                                   // dx; then the twin's value
             dx[row + c] = t;
@@ -334,10 +355,12 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
 }
 
 // dw, db partials: grid (ceil(C / 256), chunks), a thread per column over rows [chunk * per, ...), s recomputed
-template <int KIND>
+template <int KIND, int IN16>
 __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,
                                            const float* __restrict__ rstd, int R, int C, int per,
-                                           float* __restrict__ dw_part, float* __restrict__ db_part) {
+                                           float* __restrict__ dw_part, float* __restrict__ db_part,
+                                           const unsigned short* __restrict__ x16,
+                                           const unsigned short* __restrict__ a16) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (c >= C) return;
     float sw = 0.f, sb = 0.f;
@@ -345,34 +368,85 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * C + c;
         const float g = rnd(dout[e], rk);
-        sw += g * (s1<KIND>(x, a, e, seed, stream, thresh, dscale, rk) - mean[r]) * rstd[r];
+        sw += g * (s1<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16) - mean[r]) * rstd[r];
         sb += g;
     }
     dw_part[(size_t)chunk * C + c] = sw;
     db_part[(size_t)chunk * C + c] = sb;
 }
 
+// dw, db partials, version 3: version 2's sums, column by column in the same row order (the same bits), four
+// consecutive columns a thread (C % 4 == 0, 16-byte aligned: the float4 path): one Philox call for the four keep
+// factors where version 2 made one per element (four calls, three of their words unused), float4 loads of dout, x
+// and a (or 8-byte loads of their 16-bit storage), two rows' loads in flight before the two rows' adds (in row
+// order). Grid (ceil(C / 4 / 64), chunks), 64 threads: as many bytes in flight per SM as version 2's 256 threads
+// of one float each, and a quarter of the threads' instructions. (__launch_bounds__(64, 8): with (64) or (128) or
+// (256) ptxas spilled one kind's body or another at 40 registers, sm_90, CUDA 13.0; with a minimum of 8 blocks an
+// SM it takes 54-72 and spills none.)
+__device__ __forceinline__ void dwdb_add4(float4& sw, float4& sb, float4 g, float4 v, float m, float rs) {
+    sw.x += g.x * (v.x - m) * rs; sw.y += g.y * (v.y - m) * rs;     // version 2's sw += g (s - m) rs, sb += g
+    sw.z += g.z * (v.z - m) * rs; sw.w += g.w * (v.w - m) * rs;
+    sb.x += g.x; sb.y += g.y; sb.z += g.z; sb.w += g.w;
+}
+template <int KIND, int IN16>
+__device__ __forceinline__ void ln_dwdb_v3(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, int R, int C, int per,
+                                           float* __restrict__ dw_part, float* __restrict__ db_part,
+                                           const unsigned short* __restrict__ x16,
+                                           const unsigned short* __restrict__ a16) {
+    const int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x), chunk = blockIdx.y;
+    if (c >= C) return;
+    float4 sw = make_float4(0.f, 0.f, 0.f, 0.f), sb = sw;
+    const int r0 = chunk * per, r1 = min(R, (chunk + 1) * per);
+    int r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const size_t e0 = (size_t)r * C + c, e1 = e0 + C;
+        const float4 g0 = rnd4(ld4(dout + e0), rk), g1 = rnd4(ld4(dout + e1), rk);
+        const float4 v0 = s4<KIND, IN16>(x, a, e0, seed, stream, thresh, dscale, rk, x16, a16);
+        const float4 v1 = s4<KIND, IN16>(x, a, e1, seed, stream, thresh, dscale, rk, x16, a16);
+        dwdb_add4(sw, sb, g0, v0, mean[r], rstd[r]);
+        dwdb_add4(sw, sb, g1, v1, mean[r + 1], rstd[r + 1]);
+    }
+    if (r < r1) {
+        const size_t e = (size_t)r * C + c;
+        dwdb_add4(sw, sb, rnd4(ld4(dout + e), rk), s4<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16),
+                  mean[r], rstd[r]);
+    }
+    st4(dw_part + (size_t)chunk * C + c, sw);
+    st4(db_part + (size_t)chunk * C + c, sb);
+}
+
 #define LN2_KERNELS(NAME, KIND)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
         float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,                            \
-        unsigned short* __restrict__ o16) {                                                                     \
+        unsigned short* __restrict__ o16, unsigned short* __restrict__ kx16, unsigned short* __restrict__ ka16) { \
         RK_DISPATCH(ln_fwd_v2<KIND>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, vec, out, mean, rstd,  \
-                                    o16))                                                                       \
+                                    o16, kx16, ka16))                                                           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dx_v2_##NAME(                                \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
         const float* __restrict__ rstd, int R, int C, int vec, float* __restrict__ dx, float* __restrict__ da,  \
-        unsigned short* __restrict__ o16) {                                                                     \
-        RK_DISPATCH(ln_bwd_dx_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, RKC, w, mean, rstd, R, C, vec, dx,  \
-                                       da, o16))                                                                \
+        unsigned short* __restrict__ o16, const unsigned short* __restrict__ x16,                               \
+        const unsigned short* __restrict__ a16) {                                                               \
+        RK16_DISPATCH(x16 != nullptr, ln_bwd_dx_v2<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, w, mean, \
+                                                                 rstd, R, C, vec, dx, da, o16, x16, a16))       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
         const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
         const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
-        float* __restrict__ db_part) {                                                                          \
-        RK_DISPATCH(ln_dwdb_v2<KIND>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, R, C, per, dw_part, \
-                                     db_part))                                                                  \
+        float* __restrict__ db_part, const unsigned short* __restrict__ x16,                                    \
+        const unsigned short* __restrict__ a16) {                                                               \
+        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v2<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, \
+                                                               R, C, per, dw_part, db_part, x16, a16))          \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v3_##NAME(                       \
+        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
+        const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
+        float* __restrict__ db_part, const unsigned short* __restrict__ x16,                                    \
+        const unsigned short* __restrict__ a16) {                                                               \
+        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v3<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, \
+                                                               R, C, per, dw_part, db_part, x16, a16))          \
     }
 LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)
@@ -388,7 +462,8 @@ LN2_KERNELS(drop, 2)
 template <int KIND, int NV>
 __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, float* __restrict__ out, float* __restrict__ mean,
-                                          float* __restrict__ rstd, unsigned short* __restrict__ o16) {
+                                          float* __restrict__ rstd, unsigned short* __restrict__ o16,
+                                          unsigned short* __restrict__ kx16, unsigned short* __restrict__ ka16) {
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= R) return;                                             // warp-uniform
     const size_t row = (size_t)r * C;
@@ -419,6 +494,8 @@ __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w,
                                               (v[i].z - m) * rs * ww.z + bb.z, (v[i].w - m) * rs * ww.w + bb.w), rk);
             st4(out + row + c, o);
             put16x4(o16, row + c, o, rk);
+            keep16x4(x, kx16, row + c, rk);                         // (x and a read again here: L1 / L2 hits)
+            if (KIND >= 1) keep16x4(a, ka16, row + c, rk);
         }
     }
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
@@ -426,12 +503,12 @@ __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w,
 
 #define LN3_CASE(KIND, N)                                                                                        \
     case N: RK_DISPATCH(ln_fwd_v3<KIND, N>(x, a, seed, stream, thresh, dscale, RKC, w, b, eps, R, C, out, mean,  \
-                                           rstd, o16)) break;
+                                           rstd, o16, kx16, ka16)) break;
 #define LN3_KERNEL(NAME, KIND)                                                                                   \
     extern "C" __global__ void __maxnreg__(96) layernorm_fwd_v3_##NAME(                                         \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int nv,    \
         float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,                            \
-        unsigned short* __restrict__ o16) {                                                                     \
+        unsigned short* __restrict__ o16, unsigned short* __restrict__ kx16, unsigned short* __restrict__ ka16) { \
         switch (nv) {                     /* even nv only: the launcher rounds ceil(C / 128) up (c < C masks) */ \
             LN3_CASE(KIND, 2) LN3_CASE(KIND, 4) LN3_CASE(KIND, 6) LN3_CASE(KIND, 8)                             \
         }                                                                                                       \
@@ -503,7 +580,8 @@ struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db
 
 // one version's forward + backward; v1 has kind 0 only
 void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, float dscale, float eps, int R,
-         int C, int per, int chunks, int rk = -1, unsigned short* o16 = nullptr, unsigned short* d16 = nullptr) {
+         int C, int per, int chunks, int rk = -1, unsigned short* o16 = nullptr, unsigned short* d16 = nullptr,
+         unsigned short* kx = nullptr, unsigned short* ka = nullptr) {     // kx, ka: x, a kept in 16 bits
     const int vec = (C & 3) == 0, grid = (R + 7) / 8;
     const dim3 pgrid((C + 255) / 256, chunks);
     if (version == 1) {
@@ -518,16 +596,22 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
         auto bdx = kind == 0 ? layernorm_bwd_dx_v2_ln : kind == 1 ? layernorm_bwd_dx_v2_res : layernorm_bwd_dx_v2_drop;
         auto pw = kind == 0 ? layernorm_bwd_dwdb_partial_v2_ln
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
+        auto pw3 = kind == 0 ? layernorm_bwd_dwdb_partial_v3_ln
+                 : kind == 1 ? layernorm_bwd_dwdb_partial_v3_res : layernorm_bwd_dwdb_partial_v3_drop;
         if (version == 3)
             LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C,
-                   ((C + 255) / 256) * 2, d.out, d.mean, d.rstd, o16);
+                   ((C + 255) / 256) * 2, d.out, d.mean, d.rstd, o16, kx, ka);
         else
             LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C, vec, d.out,
-                   d.mean, d.rstd, o16);
+                   d.mean, d.rstd, o16, kx, ka);
         LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.mean, d.rstd, R, C, vec,
-               d.dx, d.da, d16);
-        LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean, d.rstd, R, C, per, d.pw,
-               d.pb);
+               d.dx, d.da, d16, (const unsigned short*)kx, (const unsigned short*)ka);
+        if (version == 3)                    // (v3: C % 4 == 0) four columns a thread, 64 threads a block
+            LAUNCH(pw3, dim3((C / 4 + 63) / 64, chunks), 64, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean,
+                   d.rstd, R, C, per, d.pw, d.pb, (const unsigned short*)kx, (const unsigned short*)ka);
+        else
+            LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean, d.rstd, R, C, per, d.pw,
+                   d.pb, (const unsigned short*)kx, (const unsigned short*)ka);
         LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
     }
     cudaCheck(cudaGetLastError());
@@ -535,7 +619,8 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
 
 int main() {
 #ifdef CPUSIM_SMALL
-    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {2, 260}};           // C = 1; tails of warps and float4 rows
+    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {2, 260}, {257, 52}};  // C = 1; tails of warps and float4
+                                                                                // rows; 5 rows a chunk (v3: pairs, a tail)
     const bool timing = false;
 #else
     const int shapes[][2] = {{1, 1}, {3, 37}, {67, 52}, {130, 772}, {4 * 512, 768}};
@@ -579,9 +664,33 @@ int main() {
                 if (kind == 2) validate_result(d.da, ref.da.data(), "da", n, 1e-5f, 1e-4f);
                 validate_result(d.dw, ref.dw.data(), "dw", C, 1e-4f + 1e-6f * R, 1e-4f);
                 validate_result(d.db, ref.db.data(), "db", C, 1e-4f + 1e-6f * R, 1e-4f);
+                if (version == 3) {                  // v3's partials against v2's: the same sums in the same order
+                    std::vector<float> w3(C), b3(C), w2(C), b2(C);
+                    cudaCheck(cudaMemcpy(w3.data(), d.dw, C * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(b3.data(), d.db, C * 4, cudaMemcpyDeviceToHost));
+                    run(2, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks);
+                    cudaCheck(cudaDeviceSynchronize());
+                    cudaCheck(cudaMemcpy(w2.data(), d.dw, C * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(b2.data(), d.db, C * 4, cudaMemcpyDeviceToHost));
+                    int diff = 0;                    // CPU threads: no contraction, bit for bit; a GPU's compiler may
+                    float worst = 0.f;               // contract the two differently: float32 rounding of the sums
+                    for (int c = 0; c < C; c++) {
+                        diff += (BITS_F(w3[c]) != BITS_F(w2[c])) + (BITS_F(b3[c]) != BITS_F(b2[c]));
+                        worst = std::max(worst, std::max(std::fabs(w3[c] - w2[c]), std::fabs(b3[c] - b2[c])));
+                    }
+#ifdef CPUSIM
+                    const bool same = diff == 0;
+#else
+                    const bool same = worst <= 1e-5f * R;
+#endif
+                    printf("  dw, db partials v3 against v2: %d of %d differ (largest %.2e): %s\n", diff, 2 * C,
+                           worst, same ? "ok" : "WRONG");
+                    if (!same) exit(EXIT_FAILURE);
+                }
                 if (version >= 2) {                  // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
-                    unsigned short *o16, *d16;
+                    unsigned short *o16, *d16, *kx, *ka;
                     cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
+                    cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
                     std::vector<float> o(n), g(n);
                     std::vector<unsigned short> ob(n), gb(n);
                     for (int rk = 0; rk < 2; rk++) {
@@ -598,8 +707,35 @@ int main() {
                         printf("  twins rk=%d (out, %s): %s\n", rk, kind == 2 ? "da" : "dx",
                                bad ? "WRONG" : "the stored values' bits");
                         if (bad) exit(EXIT_FAILURE);
+                        // x and a kept in 16 bits by the forward, read so by the backward: the same bits of
+                        // dx, da, dw, db as from the float32 inputs, and the kept bits are bits16(R(x)), bits16(R(a))
+                        std::vector<float> was[4] = {std::vector<float>(n), std::vector<float>(n),
+                                                     std::vector<float>(C), std::vector<float>(C)};
+                        const float* outs[4] = {d.dx, d.da, d.dw, d.db};
+                        for (int i = 0; i < 4; i++)
+                            cudaCheck(cudaMemcpy(was[i].data(), outs[i], was[i].size() * 4, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemset(d.dx, 0, n * 4)); cudaCheck(cudaMemset(d.da, 0, n * 4));
+                        run(version, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, rk, o16, d16,
+                            kx, ka);
+                        cudaCheck(cudaDeviceSynchronize());
+                        std::vector<unsigned short> kb[2] = {std::vector<unsigned short>(n),
+                                                             std::vector<unsigned short>(n)};
+                        cudaCheck(cudaMemcpy(kb[0].data(), kx, n * 2, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(kb[1].data(), ka, n * 2, cudaMemcpyDeviceToHost));
+                        bad = 0;
+                        for (int i = 0; i < 4; i++) {
+                            if (i == 1 && kind != 2) continue;                   // da: the dropout kind's only
+                            std::vector<float> now(was[i].size());
+                            cudaCheck(cudaMemcpy(now.data(), outs[i], now.size() * 4, cudaMemcpyDeviceToHost));
+                            for (size_t e = 0; e < now.size(); e++) bad += BITS_F(now[e]) != BITS_F(was[i][e]);
+                        }
+                        for (size_t e = 0; e < n; e++)
+                            bad += (kb[0][e] != bits16(round_kind(x[e], rk), rk)) +
+                                   (kind >= 1 && kb[1][e] != bits16(round_kind(a[e], rk), rk));
+                        printf("  kept in 16 bits rk=%d: %s\n", rk, bad ? "WRONG" : "x, a kept; dx, da, dw, db the same bits");
+                        if (bad) exit(EXIT_FAILURE);
                     }
-                    cudaFree(o16); cudaFree(d16);
+                    cudaFree(o16); cudaFree(d16); cudaFree(kx); cudaFree(ka);
                 }
                 if (timing && R * C >= 1 << 20) {
                     float ms = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale, eps,

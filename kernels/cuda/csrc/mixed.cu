@@ -13,7 +13,12 @@ four elements a thread, float4, where n is a multiple of 4 and the arrays 16-byt
                     pattern; float16: the IEEE half of R(x) (exact: R(x) is on the half grid), from integer
                     operations, so the CPU emulator runs it too (it has no cuda_fp16.h)
     bias_round_v1   y[r, c] = R(y[r, c] + R(b[c])) in place: linear's epilogue, out = R(x2 @ R(w)^T + R(b)) (the
-                    product summed in float32 by cuBLAS, the bias added in float32, one rounding)
+                    product summed in float32 by cuBLAS, the bias added in float32, one rounding); o16 non-null:
+                    y's twin (its 16-bit storage) beside it
+    add_round_v1    out = acc + R(y): a linear's backward with dx_into (refbert.ops.linear_backward), the gradient
+                    of its input from the other paths plus R(dx), the spec's rounded dx, in one pass (where a round
+                    pass and an add read and wrote the array twice); float32, not rounded (the sum of two terms
+                    on the grid is not: the next op rounds it as it reads it)
 
 The bit tricks, on the pattern u of x (uint32):
     bfloat16   u + 0x7FFF + ((u >> 16) & 1), low 16 bits cleared: a low half above 0x8000 carries into the kept
@@ -70,22 +75,47 @@ extern "C" __global__ void __launch_bounds__(256) round16_v2(const float* x, lon
     }
 }
 
+// y = R(y + R(b)) in place, b along the rows; o16 non-null: y's twin (its 16-bit storage) written beside it
 extern "C" __global__ void __launch_bounds__(256) bias_round_v2(float* __restrict__ y, const float* __restrict__ b,
-                                                                long long rows, int cols, int kind) {
+                                                                long long rows, int cols, int kind,
+                                                                unsigned short* __restrict__ o16) {
     const int c4 = cols >> 2;
     const long long n4 = rows * c4;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4; e += (long long)gridDim.x * blockDim.x) {
         const float4 bb = round4(reinterpret_cast<const float4*>(b)[e % c4], kind);
         const float4 v = reinterpret_cast<const float4*>(y)[e];
-        reinterpret_cast<float4*>(y)[e] = round4(make_float4(v.x + bb.x, v.y + bb.y, v.z + bb.z, v.w + bb.w), kind);
+        const float4 r = round4(make_float4(v.x + bb.x, v.y + bb.y, v.z + bb.z, v.w + bb.w), kind);
+        reinterpret_cast<float4*>(y)[e] = r;
+        put16x4(o16, 4 * e, r, kind);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256) bias_round_v1(float* __restrict__ y, const float* __restrict__ b,
-                                                                long long rows, int cols, int kind) {
+                                                                long long rows, int cols, int kind,
+                                                                unsigned short* __restrict__ o16) {
     for (long long r = blockIdx.x; r < rows; r += gridDim.x)              // a block per row (grid-stride)
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            y[r * cols + c] = round_kind(y[r * cols + c] + round_kind(b[c], kind), kind);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float v = round_kind(y[r * cols + c] + round_kind(b[c], kind), kind);
+            y[r * cols + c] = v;
+            put16(o16, r * cols + c, v, kind);
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256) add_round_v1(const float* __restrict__ y,
+                                                               const float* __restrict__ acc, long long n, int kind,
+                                                               float* __restrict__ out) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
+        out[e] = acc[e] + round_kind(y[e], kind);
+}
+
+extern "C" __global__ void __launch_bounds__(256) add_round_v2(const float* __restrict__ y,
+                                                               const float* __restrict__ acc, long long n, int kind,
+                                                               float* __restrict__ out) {
+    const long long n4 = n >> 2;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4; e += (long long)gridDim.x * blockDim.x) {
+        const float4 r = round4(reinterpret_cast<const float4*>(y)[e], kind), a = reinterpret_cast<const float4*>(acc)[e];
+        reinterpret_cast<float4*>(out)[e] = make_float4(a.x + r.x, a.y + r.y, a.z + r.z, a.w + r.w);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -134,19 +164,28 @@ extern "C" __global__ void __launch_bounds__(256) merge_v1(const float* __restri
     }
 }
 
-// D_v1: D[b, h, t] = (sum_c R(dout)[b, t, h c] O[b, t, h c]) (1 - p), a warp per (b, h, t); dout and O (B, T, H hs)
-extern "C" __global__ void __launch_bounds__(256) D_v1(const float* __restrict__ dout, const float* __restrict__ O,
-                                                       long long rows, int T, int H, int hs, float kp, int kind,
-                                                       float* __restrict__ D) {
+// D_v1: D[b, h, t] = (sum_c R(dout)[b, t, h c] O[b, t, h c]) (1 - p), a warp per (b, h, t); dout and O (B, T, H hs);
+// O16 non-null: O as the forward kept it, in 16 bits (O is then not read)
+template <int IN16>
+__device__ __forceinline__ void D_body(const float* __restrict__ dout, const float* __restrict__ O,
+                                       const unsigned short* __restrict__ O16, long long rows, int T, int H, int hs,
+                                       float kp, int kind, float* __restrict__ D) {
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);   // (b H + h) T + t
     const int lane = threadIdx.x & 31;
     if (r >= rows) return;
     const BHT q = bht(r, H, T);
     const long long base = ((q.b * T + q.t) * H + q.h) * hs;
     float acc = 0.f;
-    for (int c = lane; c < hs; c += 32) acc += __fmul_rn(round_kind(dout[base + c], kind), O[base + c]);
+    for (int c = lane; c < hs; c += 32)
+        acc += __fmul_rn(round_kind(dout[base + c], kind), IN16 ? from16(O16[base + c], kind) : O[base + c]);
     acc = warp_sum(acc);
     if (lane == 0) D[r] = __fmul_rn(acc, kp);
+}
+extern "C" __global__ void __launch_bounds__(256) D_v1(const float* __restrict__ dout, const float* __restrict__ O,
+                                                       long long rows, int T, int H, int hs, float kp, int kind,
+                                                       float* __restrict__ D, const unsigned short* __restrict__ O16) {
+    if (O16) D_body<1>(dout, O, O16, rows, T, H, hs, kp, kind, D);
+    else D_body<0>(dout, O, O16, rows, T, H, hs, kp, kind, D);
 }
 
 __device__ __forceinline__ float mask_at(const float* mask, long long mb, long long mh, long long mi, long long mj,
@@ -476,6 +515,29 @@ int main() {
                 printf("  %.4f ms, %.0f GB/s (4 bytes read, 4 + 2 written an element)\n", ms, 10.0 * n / ms / 1e6);
             }
         }
+    }
+    {   // add_round: out = acc + R(y), against the host's float32 sum of the same terms
+        float* acc = make_random_float(n, 8);
+        float* dacc;
+        cudaCheck(cudaMalloc(&dacc, n * 4));
+        cudaCheck(cudaMemcpy(dacc, acc, n * 4, cudaMemcpyHostToDevice));
+        const int grid4 = (int)std::min<long long>((n / 4 + 255) / 256, 65536);
+        for (int kind = 0; kind < 2; kind++)
+            for (int version = 1; version <= 2; version++) {
+                if (version == 1) LAUNCH(add_round_v1, grid, 256, dx, dacc, n, kind, dout);
+                else LAUNCH(add_round_v2, grid4, 256, dx, dacc, n, kind, dout);
+                cudaCheck(cudaDeviceSynchronize());
+                cudaCheck(cudaMemcpy(got.data(), dout, n * 4, cudaMemcpyDeviceToHost));
+                long long wrong = 0;
+                for (long long e = 0; e < n; e++) {
+                    const float want = ADD_RN(acc[e], round_kind(x[e], kind));
+                    wrong += std::memcmp(&got[e], &want, 4) != 0;
+                }
+                printf("add_round_v%d kind %d: %lld of %lld elements differ from the host's sums\n", version, kind,
+                       wrong, n);
+                bad += (int)wrong;
+            }
+        free(acc); cudaFree(dacc);
     }
     free(x); cudaFree(dx); cudaFree(dout); cudaFree(dbits);
     if (bad) { printf("mixed: FAILED\n"); return 1; }
