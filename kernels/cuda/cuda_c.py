@@ -500,28 +500,28 @@ class LayerNormCacheC2(NamedTuple):
     rk: int = -1        # mixed precision's rounding inside the kernels: -1 none, 0 bfloat16, 1 float16 (csrc rnd)
 
 
-def null16(xp):
-    """A kernel's "no twin" argument: a zero-size uint16 device array, whose pointer is null (CuPy's and the
-    emulator's alike); the kernels write a twin only through a non-null pointer (common.cuh put16)."""
-    a = _NULL16.get(id(xp))
+def _null(xp, dtype):
+    """A zero-size device array of dtype, made once per array module: its pointer is null (CuPy's and the
+    emulator's alike)."""
+    key = (id(xp), np.dtype(dtype).str)
+    a = _NULLS.get(key)
     if a is None:
-        a = _NULL16[id(xp)] = xp.empty(0, np.uint16)
+        a = _NULLS[key] = xp.empty(0, dtype)
     return a
 
 
-_NULL16 = {}
+_NULLS = {}
+
+
+def null16(xp):
+    """A kernel's "no twin" argument (a null uint16 pointer): the kernels write a twin only through a non-null
+    pointer (common.cuh put16), and read an input's 16-bit storage only through one (ld_in)."""
+    return _null(xp, np.uint16)
 
 
 def null32(xp):
-    """A float32 kernel argument the kernel does not read (its input comes as 16-bit storage instead): zero-size,
-    a null pointer."""
-    a = _NULL32.get(id(xp))
-    if a is None:
-        a = _NULL32[id(xp)] = xp.empty(0, np.float32)
-    return a
-
-
-_NULL32 = {}
+    """A float32 kernel argument the kernel does not read (its input comes as 16-bit storage instead): null."""
+    return _null(xp, np.float32)
 
 
 def _in16(a, xp):

@@ -207,8 +207,8 @@ def _or_null(bits, xp):
 
 
 def twin(x, bits, compute):
-    """Remember bits (uint16, x's size) as x's 16-bit storage in `compute` (x on the grid: round16(x)'s bits); x
-    returned. bits None: nothing remembered."""
+    """Remember bits (uint16, x's size, contiguous, any shape: readers reshape them) as x's 16-bit storage in
+    `compute` (x on the grid: round16(x)'s bits); x returned. bits None: nothing remembered."""
     if bits is not None:
         key = id(x)
         try:
@@ -318,8 +318,7 @@ def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
         out = ops.round_compute(out + ops.round_compute(b, compute), compute)
     _ran("linear", compute, "M1")
     out = mark(out.reshape(*x.shape[:-1], w.shape[0]), compute)
-    return twin(out, None if o16 is None else o16.reshape(out.shape), compute), LinearCache(x16, w16, b is not None,
-                                                                                           x.shape, compute)
+    return twin(out, o16, compute), LinearCache(x16, w16, b is not None, x.shape, compute)
 
 
 def linear_backward_mixed(dout, cache, dx_into=None):
@@ -953,7 +952,7 @@ def cross_entropy_backward_mixed(dloss, cache):
         return _rule("cross_entropy_backward", compute)(dloss, inner)
     o16 = _new16(inner.z2, compute)
     dz = cross_entropy_backward_c1(dloss, inner, rk=int(_kind(compute)), o16=o16)
-    return twin(mark(dz, compute), None if o16 is None else o16.reshape(dz.shape), compute)
+    return twin(mark(dz, compute), o16, compute)
 
 
 def _fused_cache(op, cache):
