@@ -650,6 +650,9 @@ int main() {
         for (int version = 1; version <= 3; version++)
             for (int kind = 0; kind < (version == 1 ? 1 : 3); kind++) {
                 if (version == 3 && ((C & 3) || C > 1024)) continue;      // v3: the float4 path, C <= 1024
+#ifdef CPUSIM_SMALL
+                if (R > 64 && version < 3) continue;         // (the 257-row shape: for v3's partials against v2's)
+#endif
                 printf("layernorm v%d kind %s R=%d C=%d\n", version, kind == 0 ? "ln" : kind == 1 ? "res" : "drop",
                        R, C);
                 LnRef ref = layernorm_cpu(kind, x, a, seed, stream, thresh, dscale, w, b, dout, eps, R, C);
@@ -687,7 +690,12 @@ int main() {
                            worst, same ? "ok" : "WRONG");
                     if (!same) exit(EXIT_FAILURE);
                 }
-                if (version >= 2) {                  // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
+#ifdef CPUSIM_SMALL
+                const bool mixed_checks = R <= 64;           // (the 257-row shape: for v3's partials only)
+#else
+                const bool mixed_checks = true;
+#endif
+                if (version >= 2 && mixed_checks) {                  // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
                     unsigned short *o16, *d16, *kx, *ka;
                     cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
                     cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
