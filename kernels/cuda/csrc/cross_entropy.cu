@@ -24,6 +24,8 @@ Versions:
      chunks' pairs in chunk order and writes what version 1 writes: for few rows (the MLM rows of a small batch)
      version 1 runs N blocks on a GPU with over a hundred SMs; the launcher takes splits = 1 (version 1's
      kernel) once N fills the GPU. Deterministic: every merge in a fixed order.
+  mixed precision (the backward's rk >= 0): dz rounded to the compute dtype in the kernel with its twin (o16), the
+     logits read from the 16-bit storage the forward's input already had (z16: IN16), the same values
 
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o cross_entropy cross_entropy.cu && ./cross_entropy

@@ -15,6 +15,8 @@ Versions:
      (chunk, column) walks its chunk's rows, writes du and keeps db's partial in a register (consecutive threads,
      consecutive columns: coalesced), then the fixed-order column sum. erfcf / expf (not the __expf intrinsic):
      the oracle's float32 tolerance (kernels/cuda/gelu.py) holds with them.
+  mixed precision (rk >= 0): every value read and written on the compute grid; the forward may write out's twin
+     (o16) and keep x in 16 bits (k16: common.cuh keep16), the backwards read x so (x16: IN16), the same values
 
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o gelu gelu.cu && ./gelu
