@@ -733,15 +733,7 @@ def run_step(args, timer):
                     m.zero_grad(set_to_none=True)
                     m(**tx).loss.backward()
                 t = timer(step_hf, repeats=max(3, args.repeats // 2))
-                m.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                out = m(**tx)
-                torch.cuda.synchronize()
-                held = torch.cuda.memory_allocated() - before
-                out.loss.backward()
-                del out
-                m.zero_grad(set_to_none=True)
+                held = _hf_held_after_forward(torch, m, tx)
                 floor = time_gemms(timer, step_gemms(cfg, B, T, n, "all", "hf"))
                 if impl == "sdpa":
                     sdpa_ms = t * 1e3
@@ -755,12 +747,7 @@ def run_step(args, timer):
                 ours(**x, mlm_decode=decode)
                 ours.backward()
             t = timer(step_ours, repeats=max(3, args.repeats // 2))
-            cp.cuda.Device().synchronize()
-            before = _pool_bytes()
-            ours(**x, mlm_decode=decode)
-            cp.cuda.Device().synchronize()
-            held = _pool_bytes() - before
-            ours.backward()
+            held = _held_after_forward(ours, x, decode)
             gemms = step_gemms(cfg, B, T, n, decode)
             floor = time_gemms(timer, gemms)
             rows.append(dict(base, impl=f"refbert cuda fp32 ({decode})", ms=t * 1e3, tokens_per_s=B * T / t,
@@ -926,16 +913,7 @@ def run_mixed(args, timer):
                         loss = m(**tx).loss
                     loss.backward()
                 t = timer(step_hf, repeats=max(3, args.repeats // 2))
-                m.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                with torch.autocast("cuda", dtype=getattr(torch, dtype)):
-                    out = m(**tx)
-                torch.cuda.synchronize()
-                held = torch.cuda.memory_allocated() - before
-                out.loss.backward()
-                del out
-                m.zero_grad(set_to_none=True)
+                held = _hf_held_after_forward(torch, m, tx, getattr(torch, dtype))
                 hf_ms = t * 1e3
                 floor = time_gemms16(timer, step_gemms(cfg, B, T, n, "all", "hf"), dtype)
                 rows.append(dict(base, impl=f"HF + PyTorch sdpa autocast {dtype}", ms=hf_ms, tokens_per_s=B * T / t,
@@ -990,16 +968,35 @@ def run_mixed(args, timer):
     return rows, failed
 
 
-def _held_after_forward(ours, x):
-    """Device bytes a training forward (mlm_decode="all") leaves held for its backward (the memory pool's used bytes
-    after it, less before); the backward then runs, releasing them."""
+def _held_after_forward(ours, x, decode="all"):
+    """Device bytes a training forward of refbert (mlm_decode=decode) leaves held for its backward (the memory pool's
+    used bytes after it, less before); the backward then runs, releasing them."""
     cp = _xp()
     cp.cuda.Device().synchronize()
     before = _pool_bytes()
-    ours(**x, mlm_decode="all")
+    ours(**x, mlm_decode=decode)
     cp.cuda.Device().synchronize()
     held = _pool_bytes() - before
     ours.backward()
+    return held
+
+
+def _hf_held_after_forward(torch, m, tx, autocast=None):
+    """The same for HF's model m (torch's allocated bytes), its forward under torch.autocast(autocast) when given;
+    the backward then runs and the gradients are dropped."""
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    if autocast is None:
+        out = m(**tx)
+    else:
+        with torch.autocast("cuda", dtype=autocast):
+            out = m(**tx)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    out.loss.backward()
+    del out
+    m.zero_grad(set_to_none=True)
     return held
 
 
