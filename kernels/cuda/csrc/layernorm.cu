@@ -209,7 +209,7 @@ __device__ __forceinline__ float s1(const float* x, const float* a, size_t e, u6
     float v = ld_in<IN16>(x, x16, e, rk);
     if (KIND >= 1) {
         const float u = ld_in<IN16>(a, a16, e, rk);
-        v = v + (KIND == 2 ? u * keep_z(e, seed, stream, thresh, dscale) : u);
+        v = v + (KIND == 2 ? __fmul_rn(u, keep_z(e, seed, stream, thresh, dscale)) : u);
     }
     return v;
 }
@@ -222,7 +222,7 @@ __device__ __forceinline__ float4 s4(const float* x, const float* a, size_t e, u
         float4 u = ld_in4<IN16>(a, a16, e, rk);
         if (KIND == 2) {
             const float4 z = keep4(e, seed, stream, thresh, dscale);
-            u = make_float4(u.x * z.x, u.y * z.y, u.z * z.z, u.w * z.w);
+            u = make_float4(__fmul_rn(u.x, z.x), __fmul_rn(u.y, z.y), __fmul_rn(u.z, z.z), __fmul_rn(u.w, z.w));
         }
         v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
     }
@@ -291,6 +291,16 @@ __device__ __forceinline__ void ln_fwd_v2(LN2_ARGS, const float* __restrict__ w,
     if (lane == 0) { mean[r] = m; rstd[r] = rs; }
 }
 
+// Version 2's backward (and version 3's dw, db partials) round every product on its own (__fmul_rn): with the
+// products written as a * b, ptxas may fuse a product and the add after it into one FMA in one of a kernel's bodies
+// (RK16_DISPATCH: float32 inputs, or their 16-bit storage) and not in another, so the two ways of reading the same
+// values gave dx, dw, db that differed in the last bits (seen on an H200: kind res at 67 x 52). Written so, every
+// body computes the same roundings, and so do CPU threads (cpusim.cuh: -ffp-contract=off).
+//   dx = (w dy - (xhat c1 + c2)) rstd,  xhat = (s - mean) rstd
+__device__ __forceinline__ float ln_dx1(float wd, float s, float m, float rs, float c1, float c2) {
+    return __fmul_rn(wd - (__fmul_rn(__fmul_rn(s - m, rs), c1) + c2), rs);
+}
+
 template <int KIND, int IN16>
 __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w,
                                              const float* __restrict__ mean, const float* __restrict__ rstd, int R,
@@ -309,13 +319,15 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
             const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
             const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
                         w3 = __fmul_rn(g.w, ww.w);
-            c1 += w0 * ((v.x - m) * rs) + w1 * ((v.y - m) * rs) + w2 * ((v.z - m) * rs) + w3 * ((v.w - m) * rs);
+            c1 += __fmul_rn(w0, __fmul_rn(v.x - m, rs)) + __fmul_rn(w1, __fmul_rn(v.y - m, rs)) +
+                  __fmul_rn(w2, __fmul_rn(v.z - m, rs)) + __fmul_rn(w3, __fmul_rn(v.w - m, rs));
             c2 += (w0 + w1) + (w2 + w3);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
             const float wd = __fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk));
-            c1 += wd * ((s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16) - m) * rs);
+            c1 += __fmul_rn(wd, __fmul_rn(s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16) - m,
+                                          rs));
             c2 += wd;
         }
     }
@@ -326,27 +338,28 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
             const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
-            const float4 d = make_float4((__fmul_rn(g.x, ww.x) - ((v.x - m) * rs * c1 + c2)) * rs,
-                                         (__fmul_rn(g.y, ww.y) - ((v.y - m) * rs * c1 + c2)) * rs,
-                                         (__fmul_rn(g.z, ww.z) - ((v.z - m) * rs * c1 + c2)) * rs,
-                                         (__fmul_rn(g.w, ww.w) - ((v.w - m) * rs * c1 + c2)) * rs);
+            const float4 d = make_float4(ln_dx1(__fmul_rn(g.x, ww.x), v.x, m, rs, c1, c2),
+                                         ln_dx1(__fmul_rn(g.y, ww.y), v.y, m, rs, c1, c2),
+                                         ln_dx1(__fmul_rn(g.z, ww.z), v.z, m, rs, c1, c2),
+                                         ln_dx1(__fmul_rn(g.w, ww.w), v.w, m, rs, c1, c2));
             float4 t = rnd4(d, rk);                                 // dx; then the twin's values
             st4(dx + row + c, t);
             if (KIND == 2) {
                 const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                t = rnd4(make_float4(d.x * z.x, d.y * z.y, d.z * z.z, d.w * z.w), rk);
+                t = rnd4(make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
+                                     __fmul_rn(d.w, z.w)), rk);
                 st4(da + row + c, t);
             }
             put16x4(t16, c, t, rk);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
-            const float xh = (s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16) - m) * rs;
-            const float d = (__fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk)) - (xh * c1 + c2)) * rs;
+            const float v = s1<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
+            const float d = ln_dx1(__fmul_rn(rnd(dout[row + c], rk), rnd(w[c], rk)), v, m, rs, c1, c2);
             float t = rnd(d, rk);                                   // dx; then the twin's value
             dx[row + c] = t;
             if (KIND == 2) {
-                t = rnd(d * keep_z(row + c, seed, stream, thresh, dscale), rk);
+                t = rnd(__fmul_rn(d, keep_z(row + c, seed, stream, thresh, dscale)), rk);
                 da[row + c] = t;
             }
             put16(t16, c, t, rk);
@@ -368,7 +381,8 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
     for (int r = chunk * per; r < r1; r++) {
         const size_t e = (size_t)r * C + c;
         const float g = rnd(dout[e], rk);
-        sw += g * (s1<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16) - mean[r]) * rstd[r];
+        sw += __fmul_rn(__fmul_rn(g, s1<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16) - mean[r]),
+                        rstd[r]);
         sb += g;
     }
     dw_part[(size_t)chunk * C + c] = sw;
@@ -384,8 +398,10 @@ __device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_A
 // (256) ptxas spilled one kind's body or another at 40 registers, sm_90, CUDA 13.0; with a minimum of 8 blocks an
 // SM it takes 54-72 and spills none.)
 __device__ __forceinline__ void dwdb_add4(float4& sw, float4& sb, float4 g, float4 v, float m, float rs) {
-    sw.x += g.x * (v.x - m) * rs; sw.y += g.y * (v.y - m) * rs;     // version 2's sw += g (s - m) rs, sb += g
-    sw.z += g.z * (v.z - m) * rs; sw.w += g.w * (v.w - m) * rs;
+    sw.x += __fmul_rn(__fmul_rn(g.x, v.x - m), rs);                // version 2's sw += g (s - m) rs, sb += g
+    sw.y += __fmul_rn(__fmul_rn(g.y, v.y - m), rs);
+    sw.z += __fmul_rn(__fmul_rn(g.z, v.z - m), rs);
+    sw.w += __fmul_rn(__fmul_rn(g.w, v.w - m), rs);
     sb.x += g.x; sb.y += g.y; sb.z += g.z; sb.w += g.w;
 }
 template <int KIND, int IN16>
@@ -581,15 +597,18 @@ struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db
 // one version's forward + backward; v1 has kind 0 only
 void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, float dscale, float eps, int R,
          int C, int per, int chunks, int rk = -1, unsigned short* o16 = nullptr, unsigned short* d16 = nullptr,
-         unsigned short* kx = nullptr, unsigned short* ka = nullptr) {     // kx, ka: x, a kept in 16 bits
+         unsigned short* kx = nullptr, unsigned short* ka = nullptr,        // kx, ka: x, a kept in 16 bits
+         int parts = 7) {                  // which kernels: 1 the forward, 2 dx, 4 the dw, db partials and their sum
     const int vec = (C & 3) == 0, grid = (R + 7) / 8;
     const dim3 pgrid((C + 255) / 256, chunks);
     if (version == 1) {
-        LAUNCH(layernorm_fwd_v1, grid, 256, d.x, d.w, d.b, eps, R, C, d.out, d.mean, d.rstd);
-        LAUNCH(layernorm_bwd_dx_v1, grid, 256, d.dout, d.x, d.w, d.mean, d.rstd, R, C, d.dx);
-        LAUNCH(layernorm_bwd_dwdb_partial, pgrid, 256, d.dout, d.x, d.mean, d.rstd, R, C, per, d.pw, d.pb);
-        LAUNCH(column_sum, (C + 255) / 256, 256, d.pw, chunks, C, d.dw);
-        LAUNCH(column_sum, (C + 255) / 256, 256, d.pb, chunks, C, d.db);
+        if (parts & 1) LAUNCH(layernorm_fwd_v1, grid, 256, d.x, d.w, d.b, eps, R, C, d.out, d.mean, d.rstd);
+        if (parts & 2) LAUNCH(layernorm_bwd_dx_v1, grid, 256, d.dout, d.x, d.w, d.mean, d.rstd, R, C, d.dx);
+        if (parts & 4) {
+            LAUNCH(layernorm_bwd_dwdb_partial, pgrid, 256, d.dout, d.x, d.mean, d.rstd, R, C, per, d.pw, d.pb);
+            LAUNCH(column_sum, (C + 255) / 256, 256, d.pw, chunks, C, d.dw);
+            LAUNCH(column_sum, (C + 255) / 256, 256, d.pb, chunks, C, d.db);
+        }
     } else {
         auto fwd = kind == 0 ? layernorm_fwd_v2_ln : kind == 1 ? layernorm_fwd_v2_res : layernorm_fwd_v2_drop;
         auto fwd3 = kind == 0 ? layernorm_fwd_v3_ln : kind == 1 ? layernorm_fwd_v3_res : layernorm_fwd_v3_drop;
@@ -598,21 +617,22 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
         auto pw3 = kind == 0 ? layernorm_bwd_dwdb_partial_v3_ln
                  : kind == 1 ? layernorm_bwd_dwdb_partial_v3_res : layernorm_bwd_dwdb_partial_v3_drop;
-        if (version == 3)
+        if ((parts & 1) && version == 3)
             LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C,
                    ((C + 255) / 256) * 2, d.out, d.mean, d.rstd, o16, kx, ka);
-        else
+        else if (parts & 1)
             LAUNCH(fwd, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C, vec, d.out,
                    d.mean, d.rstd, o16, kx, ka);
-        LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.mean, d.rstd, R, C, vec,
-               d.dx, d.da, d16, (const unsigned short*)kx, (const unsigned short*)ka);
-        if (version == 3)                    // (v3: C % 4 == 0) four columns a thread, 64 threads a block
+        if (parts & 2)
+            LAUNCH(bdx, grid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.mean, d.rstd, R, C, vec,
+                   d.dx, d.da, d16, (const unsigned short*)kx, (const unsigned short*)ka);
+        if ((parts & 4) && version == 3)     // (v3: C % 4 == 0) four columns a thread, 64 threads a block
             LAUNCH(pw3, dim3((C / 4 + 63) / 64, chunks), 64, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean,
                    d.rstd, R, C, per, d.pw, d.pb, (const unsigned short*)kx, (const unsigned short*)ka);
-        else
+        else if (parts & 4)
             LAUNCH(pw, pgrid, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.mean, d.rstd, R, C, per, d.pw,
                    d.pb, (const unsigned short*)kx, (const unsigned short*)ka);
-        LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
+        if (parts & 4) LAUNCH(column_sum2, (C + 255) / 256, 256, d.pw, d.pb, chunks, C, d.dw, d.db);
     }
     cudaCheck(cudaGetLastError());
 }
@@ -731,26 +751,53 @@ int main() {
                         cudaCheck(cudaMemcpy(kb[0].data(), kx, n * 2, cudaMemcpyDeviceToHost));
                         cudaCheck(cudaMemcpy(kb[1].data(), ka, n * 2, cudaMemcpyDeviceToHost));
                         bad = 0;
+                        const char* names[4] = {"dx", "da", "dw", "db"};
                         for (int i = 0; i < 4; i++) {
                             if (i == 1 && kind != 2) continue;                   // da: the dropout kind's only
                             std::vector<float> now(was[i].size());
                             cudaCheck(cudaMemcpy(now.data(), outs[i], now.size() * 4, cudaMemcpyDeviceToHost));
-                            for (size_t e = 0; e < now.size(); e++) bad += BITS_F(now[e]) != BITS_F(was[i][e]);
+                            size_t nb = 0;
+                            float big = 0.f;
+                            for (size_t e = 0; e < now.size(); e++) {
+                                nb += BITS_F(now[e]) != BITS_F(was[i][e]);
+                                big = std::max(big, std::fabs(now[e] - was[i][e]));
+                            }
+                            if (nb) printf("    %s: %zu of %zu differ (largest %.3e)\n", names[i], nb, now.size(), big);
+                            bad += nb;
                         }
-                        for (size_t e = 0; e < n; e++)
-                            bad += (kb[0][e] != bits16(round_kind(x[e], rk), rk)) +
-                                   (kind >= 1 && kb[1][e] != bits16(round_kind(a[e], rk), rk));
+                        size_t kbad[2] = {0, 0};
+                        for (size_t e = 0; e < n; e++) {
+                            kbad[0] += kb[0][e] != bits16(round_kind(x[e], rk), rk);
+                            kbad[1] += kind >= 1 && kb[1][e] != bits16(round_kind(a[e], rk), rk);
+                        }
+                        if (kbad[0] + kbad[1]) printf("    kept bits wrong: x %zu, a %zu of %zu\n", kbad[0], kbad[1], n);
+                        bad += kbad[0] + kbad[1];
                         printf("  kept in 16 bits rk=%d: %s\n", rk, bad ? "WRONG" : "x, a kept; dx, da, dw, db the same bits");
                         if (bad) exit(EXIT_FAILURE);
+                        if (timing && R * C >= 1 << 20) {   // the mixed bodies (twins written, x, a kept) part by part
+                            float ms[3];
+                            for (int i = 0; i < 3; i++)
+                                ms[i] = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale,
+                                                                         eps, R, C, per, chunks, rk, o16, d16, kx, ka,
+                                                                         1 << i); });
+                            printf("  v%d %s-mixed: forward %.4f, dx %.4f, dw db %.4f ms\n", version,
+                                   rk == 0 ? "bf16" : "fp16", ms[0], ms[1], ms[2]);
+                        }
                     }
                     cudaFree(o16); cudaFree(d16); cudaFree(kx); cudaFree(ka);
                 }
                 if (timing && R * C >= 1 << 20) {
-                    float ms = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale, eps,
-                                                                R, C, per, chunks); });
+                    float ms[4];
+                    for (int i = 0; i < 4; i++) {      // the whole, then each part (1 forward, 2 dx, 4 dw db)
+                        const int parts = i == 0 ? 7 : 1 << (i - 1);
+                        ms[i] = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale, eps,
+                                                                 R, C, per, chunks, -1, nullptr, nullptr, nullptr,
+                                                                 nullptr, parts); });
+                    }
                     // forward reads x (a), writes out; backward reads dout, x (a) twice, writes dx (da)
                     double bytes = (kind == 0 ? 7.0 : kind == 1 ? 9.0 : 10.0) * n * 4;
-                    printf("  v%d forward + backward %.4f ms, %.0f GB/s\n", version, ms, bytes / ms / 1e6);
+                    printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f, dx %.4f, dw db %.4f ms)\n",
+                           version, ms[0], bytes / ms[0] / 1e6, ms[1], ms[2], ms[3]);
                 }
             }
         free(x); free(a); free(dout); free(w); free(b);
