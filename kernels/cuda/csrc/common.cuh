@@ -92,9 +92,22 @@ __host__ __device__ __forceinline__ float round_bf16(float x) {
     return F_BITS((u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u);
 }
 
+// HW_HALF: on the GPU (the device pass of nvcc and NVRTC) the float16 conversions below are the hardware's cvt
+// (cvt.rn.f16.f32: IEEE round to nearest even, subnormals kept, 65520 and up to inf; cvt.f32.f16 exact), NaN
+// still as the bit code says; on the host (the mains' reference) and on CPU threads (CPUSIM) the bit code itself.
+// Why: the bit code's branches and integer steps made the fp16 bodies of memory-bound kernels compute-bound (an
+// H200, 2026-11-27: layernorm's dw, db partials 114 us a call in fp16-mixed against 24 us in bf16-mixed at
+// 4096 x 768). The mains check the device's conversions bit for bit against the host's bit code.
+#if defined(__CUDA_ARCH__) && !defined(CPUSIM)
+#define HW_HALF 1
+#endif
+
 __host__ __device__ __forceinline__ float round_f16(float x) {
     const u32 u = BITS_F(x), sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
     if (a > 0x7F800000u) return F_BITS(sign | 0x7FC00000u);                                  // NaN
+#ifdef HW_HALF
+    return __half2float(__float2half_rn(x));
+#else
     if (a < 0x38800000u) {                                                 // |x| < 2^-14: the subnormal halves
         const float s = ADD_RN(ADD_RN(F_BITS(a), 0.5f), -0.5f);
         return F_BITS(BITS_F(s) | sign);
@@ -102,6 +115,7 @@ __host__ __device__ __forceinline__ float round_f16(float x) {
     u32 r = (u + (0xFFFu + ((u >> 13) & 1u))) & 0xFFFFE000u;
     if ((r & 0x7FFFFFFFu) >= 0x47800000u) r = sign | 0x7F800000u;          // rounds to 2^16 or more: inf
     return F_BITS(r);
+#endif
 }
 
 __host__ __device__ __forceinline__ float round_kind(float x, int kind) {
@@ -116,9 +130,13 @@ __host__ __device__ __forceinline__ unsigned short bits16(float r, int kind) {
     if (kind == 0) return (unsigned short)(u >> 16);
     const u32 sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
     if (a > 0x7F800000u) return (unsigned short)(sign | 0x7E00u);          // NaN: the quiet half NaN
+#ifdef HW_HALF
+    return __half_as_ushort(__float2half_rn(r));                           // (exact: r is on the grid)
+#else
     if (a >= 0x7F800000u) return (unsigned short)(sign | 0x7C00u);         // inf
     if (a >= 0x38800000u) return (unsigned short)(sign | ((a >> 13) - (112u << 10)));   // normal: exponent -112
     return (unsigned short)(sign | (u32)(F_BITS(a) * 16777216.0f));   // subnormal: r / 2^-24, exact
+#endif
 }
 
 // A kernel's "twin": beside a float32 output on the grid, its 16-bit bits for the GEMM that reads it next
@@ -140,8 +158,12 @@ __host__ __device__ __forceinline__ float from16(unsigned short h, int kind) {
     if (kind == 0) return F_BITS((u32)h << 16);
     const u32 sign = (u32)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
     if (e == 0x1Fu) return F_BITS(sign | 0x7F800000u | (f << 13));                   // inf, NaN
+#ifdef HW_HALF
+    return __half2float(__ushort_as_half(h));
+#else
     if (e) return F_BITS(sign | ((e + 112u) << 23) | (f << 13));                      // normal: exponent + 112
     return F_BITS(sign | BITS_F((float)f * 5.9604644775390625e-8f));                  // subnormal, 0: f 2^-24
+#endif
 }
 
 // An input a mixed-precision kernel reads either as float32 (p16 null: rounded by rnd on the way in) or as the
