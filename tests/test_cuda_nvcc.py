@@ -91,12 +91,13 @@ def test_cu_compiles():
         if re.match(r"(layernorm_.*v2|gelu_|bias_gelu_|dropout_v1|ce_|colsum_|emb_bwd_|column_sum2)", k):
             assert stack == 0 and regs <= 64, (k, report[k])
             checked.add(k)
-        if re.match(r"(attn_.*v[34]_f32|layernorm_fwd_v3_|round|bias_round|heads_v1|merge_v1|D_v1|attn_rows_|s3_)",
+        if re.match(r"(attn_.*v[34]_f32|layernorm_fwd_v3_|round|bias_round|heads_v|merge_v|D_v1|attn_rows_|s3_)",
                     k):                                          # registers, never the stack
             assert stack == 0, (k, report[k])
             checked.add(k)
     assert {"attn_bwd_fused_v4_f32_hs64", "attn_bwd_dqsum_v4_f32", "attn_fwd_v3_f32_hs64", "layernorm_fwd_v3_drop",
-            "layernorm_bwd_dx_v2_drop", "round16_v2", "bias_round_v2", "merge_v1", "s3_dkdv_bf16"} <= checked, checked
+            "layernorm_bwd_dx_v2_drop", "round16_v2", "bias_round_v2", "merge_v2", "heads_v2", "attn_rows_bwd_v2",
+            "s3_dkdv_bf16"} <= checked, checked
 
 
 def _nvrtc_include():

@@ -374,10 +374,13 @@ def _add_round(y, into, shape, compute):
 # attention: the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed)
 #   S1  array operations (the array module's batched matmuls and element-wise calls): any array module, the
 #       simulator's NumPy included; ~20 launches a forward, ~30 a backward
-#   S2  csrc/mixed.cu's kernels around five batched GEMMs on 16-bit operands (cublasGemmStridedBatchedEx): heads_v1
-#       (R, and the (B, H, T, hs) layout, into 16-bit), attn_rows_fwd_v1 (scale, mask, row max, exp, row sum,
-#       R(pt), the Philox keep-mask: one warp per score row), merge_v1 (the normalisation, R, and the (B, T, C)
-#       layout), D_v1 and attn_rows_bwd_v1 (P recomputed, dS' and R(P) keep); device arrays only
+#   S2  csrc/mixed.cu's kernels around five batched GEMMs on 16-bit operands (cublasGemmStridedBatchedEx): heads
+#       (R, and the (B, H, T, hs) layout, into 16-bit), attn_rows_fwd (scale, mask, row max, exp, row sum,
+#       R(pt), the Philox keep-mask: one warp per score row), merge (the normalisation, R, and the (B, T, C)
+#       layout), D_v1 and attn_rows_bwd (P recomputed, dS' and R(P) keep); device arrays only. heads and merge
+#       run version 2 (four elements a thread) where hs is a multiple of 4 and the arrays 16-byte aligned
+#       (_heads_v2), the row kernels version 2 (one Philox call per four elements) where T % 4 == 0 (_rows_v), else
+#       version 1; REFBERT_CUDA_ROUND=1 pins version 1 (the same bits: csrc/mixed.cu's main)
 
 class AttentionCache(NamedTuple):     # refbert.ops.MixedAttentionCache's fields, device arrays
     qh: Any
@@ -534,6 +537,12 @@ class S2Cache(NamedTuple):
     shape: tuple     # (B, T, H, hs)
 
 
+def _rows_v(T):
+    """The attention's row kernels' version: v2 (the Philox words drawn once per four elements, shared by shuffles;
+    version 1's bits) where T % 4 == 0, unless REFBERT_CUDA_ROUND=1 pins version 1; else v1."""
+    return "v2" if ROUND_VERSION != "1" and T % 4 == 0 else "v1"
+
+
 def _warps(name, rows, args, xp):
     """A kernel with a warp per row, 8 rows a block (no grid-stride: as many blocks as it takes)."""
     from . import cuda_c
@@ -557,9 +566,18 @@ def _heads(a, shape, compute, xp):
     a = xp.ascontiguousarray(a)
     f32, bits = _buffers(xp, (B * H, T, hs), as16)
     if a.size:
-        _launch("heads_v1", a.size, (a, np.int64(a.size), np.int32(T), np.int32(H), np.int32(hs), _kind(compute),
-                                     np.int32(as16), f32, bits), xp)
+        args = (a, np.int64(a.size), np.int32(T), np.int32(H), np.int32(hs), _kind(compute), np.int32(as16), f32, bits)
+        if _heads_v2(a.size, hs, (a, bits if as16 else f32)):
+            _launch("heads_v2", a.size // 4, args, xp)
+        else:
+            _launch("heads_v1", a.size, args, xp)
     return bits if as16 else f32
+
+
+def _heads_v2(n, hs, arrays):
+    """heads_v2 / merge_v2 (four elements of a head's row a thread, 32-bit index arithmetic) apply: a rounding
+    kernel's version 2 would (_v2) on rows of hs, and n / 4 fits in 31 bits."""
+    return _v2(hs, arrays) and n // 4 < 2 ** 31
 
 
 def _merge(y, shape, l, g, compute, xp):
@@ -569,9 +587,12 @@ def _merge(y, shape, l, g, compute, xp):
     out = xp.empty((B, T, H * hs), F32)
     o16 = _new16(out, compute)
     if out.size:
-        _launch("merge_v1", out.size, (y, np.int64(out.size), np.int32(T), np.int32(H), np.int32(hs),
-                                       y if l is None else l, np.int32(l is not None), np.float32(g),
-                                       _kind(compute), out, _or_null(o16, xp)), xp)
+        args = (y, np.int64(out.size), np.int32(T), np.int32(H), np.int32(hs), y if l is None else l,
+                np.int32(l is not None), np.float32(g), _kind(compute), out, _or_null(o16, xp))
+        if _heads_v2(out.size, hs, (y, out) if o16 is None else (y, out, o16)):
+            _launch("merge_v2", out.size // 4, args, xp)
+        else:
+            _launch("merge_v1", out.size, args, xp)
     return twin(mark(out, compute), o16, compute)
 
 
@@ -615,9 +636,9 @@ def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     P32, P16 = _buffers(xp, (B * H, T, T), as16)
     m, l = xp.empty(rows, F32), xp.empty(rows, F32)
     seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
-    _warps("attn_rows_fwd_v1", rows, (s, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
-                                      np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh, _kind(compute),
-                                      np.int32(as16), P32, P16, m, l), xp)
+    _warps(f"attn_rows_fwd_{_rows_v(T)}", rows, (s, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
+                                                 np.float32(1.0 / math.sqrt(hs)), seed, stream, thresh,
+                                                 _kind(compute), np.int32(as16), P32, P16, m, l), xp)
     _check_rows(m, l)
     O = gemm_batched(P16 if as16 else P32, vh, False, False, compute)  # (B H, T, hs) float32
     rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
@@ -644,9 +665,9 @@ def attention_backward_s2(dout, cache):
     dS32, dS16 = _buffers(xp, (B * H, T, T), as16)
     Pk32, Pk16 = _buffers(xp, (B * H, T, T), as16)
     seed, stream, thresh = drop[:3] if drop is not None else (np.uint64(0),) * 3
-    _warps("attn_rows_bwd_v1", rows, (s, dP, *_mask_args(mask4), np.int64(rows), np.int32(H), np.int32(T),
-                                      np.float32(scale), seed, stream, thresh, m, l, D, _kind(compute),
-                                      np.int32(as16), dS32, dS16, Pk32, Pk16), xp)
+    _warps(f"attn_rows_bwd_{_rows_v(T)}", rows, (s, dP, *_mask_args(mask4), np.int64(rows), np.int32(H),
+                                                 np.int32(T), np.float32(scale), seed, stream, thresh, m, l, D,
+                                                 _kind(compute), np.int32(as16), dS32, dS16, Pk32, Pk16), xp)
     dS, Pk = (dS16, Pk16) if as16 else (dS32, Pk32)
     rp = np.float32(1.0) / kp if kp > 0 else np.float32(0.0)
     g = np.float32(scale) * rp

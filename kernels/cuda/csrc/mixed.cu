@@ -11,7 +11,8 @@ four elements a thread, float4, where n is a multiple of 4 and the arrays 16-byt
     round16_v1      bits = R(x) in 16-bit storage, the tensor-core GEMM's operand; out32 = R(x) too when want32 (else
                     out32 is never written: any float array, x itself). bfloat16: the upper half of R(x)'s float32
                     pattern; float16: the IEEE half of R(x) (exact: R(x) is on the half grid), from integer
-                    operations, so the CPU emulator runs it too (it has no cuda_fp16.h)
+                    operations on the host and CPU threads (no cuda_fp16.h there), by the hardware's cvt on the GPU
+                    (common.cuh HW_HALF; the main below compares the two bit for bit)
     bias_round_v1   y[r, c] = R(y[r, c] + R(b[c])) in place: linear's epilogue, out = R(x2 @ R(w)^T + R(b)) (the
                     product summed in float32 by cuBLAS, the bias added in float32, one rounding); o16 non-null:
                     y's twin (its 16-bit storage) beside it
@@ -164,6 +165,45 @@ extern "C" __global__ void __launch_bounds__(256) merge_v1(const float* __restri
     }
 }
 
+// heads_v2, merge_v2: versions 1 with four consecutive elements of a head's row a thread (hs a multiple of 4, the
+// arrays 16-byte aligned, n / 4 < 2^31 quads: the launcher's conditions, kernels/cuda/mixed.py), float4 loads and
+// stores (the 16-bit patterns as one 8-byte store), the row's b, h, t from 32-bit divisions once per four elements.
+// Version 1 divides 64-bit integers three times an element (bht, btc): on the H200 (2026-11-27) heads_v1 and
+// merge_v1 took 13% of the bf16-mixed step's GPU time, 26 and 22 us a call on 4096 x 768 elements, where the
+// bytes alone take a few. The same values, the same roundings: the same bits (the main compares them).
+extern "C" __global__ void __launch_bounds__(256) heads_v2(const float* __restrict__ x, long long n, int T, int H,
+                                                           int hs, int kind, int as16, float* __restrict__ out32,
+                                                           unsigned short* __restrict__ bits) {
+    const unsigned q4 = (unsigned)hs >> 2;                          // quads a row
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < n >> 2;
+         g += (long long)gridDim.x * blockDim.x) {
+        const unsigned r = (unsigned)g / q4, c = ((unsigned)g - r * q4) * 4, bh = r / (unsigned)T,
+                       t = r - bh * (unsigned)T, b = bh / (unsigned)H, h = bh - b * (unsigned)H;
+        const long long src = (((long long)b * T + t) * H + h) * hs + c, e = 4 * g;   // e = r hs + c
+        const float4 v = round4(*reinterpret_cast<const float4*>(x + src), kind);
+        if (as16) put16x4(bits, e, v, kind);
+        else *reinterpret_cast<float4*>(out32 + e) = v;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) merge_v2(const float* __restrict__ y, long long n, int T, int H,
+                                                           int hs, const float* __restrict__ l, int rows, float g,
+                                                           int kind, float* __restrict__ out,
+                                                           unsigned short* __restrict__ o16) {
+    const unsigned q4 = (unsigned)hs >> 2;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n >> 2;
+         i += (long long)gridDim.x * blockDim.x) {
+        const unsigned r = (unsigned)i / q4, c = ((unsigned)i - r * q4) * 4, bh = r / (unsigned)T,
+                       t = r - bh * (unsigned)T, b = bh / (unsigned)H, h = bh - b * (unsigned)H;
+        const float f = rows ? __fmul_rn(1.0f / l[r], g) : g;      // l's row r = (b H + h) T + t
+        const float4 v = *reinterpret_cast<const float4*>(y + 4 * i);
+        const float4 o = round4(make_float4(__fmul_rn(v.x, f), __fmul_rn(v.y, f), __fmul_rn(v.z, f),
+                                            __fmul_rn(v.w, f)), kind);
+        const long long dst = (((long long)b * T + t) * H + h) * hs + c;
+        *reinterpret_cast<float4*>(out + dst) = o;
+        put16x4(o16, dst, o, kind);
+    }
+}
+
 // D_v1: D[b, h, t] = (sum_c R(dout)[b, t, h c] O[b, t, h c]) (1 - p), a warp per (b, h, t); dout and O (B, T, H hs);
 // O16 non-null: O as the forward kept it, in 16 bits (O is then not read)
 template <int IN16>
@@ -245,6 +285,87 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v1(
         const bool k = kept(e, seed, stream, thresh);
         put(round_kind(__fmul_rn(P, (k ? dP[e] : 0.f) - d), kind), e, kind, as16, dS32, dS16);
         put(k ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
+    }
+}
+
+// Version 2 of the row kernels: version 1's arithmetic in version 1's order (lane L takes the row's elements
+// j = L, L + 32, ..., the same per-lane sums, the same warp tree: the same bits; the main compares them), with the
+// Philox keep-mask drawn once per four elements instead of once per element: for each 128 elements of a row, lane L
+// draws the four words of the chunk's quad L (one philox4x32_10 call; version 1 made one per element and used one
+// of its four words) and hands each word to the lane that needs it (__shfl_sync: element 32 k + L of the chunk is
+// word L % 4 of quad 8 k + L / 4). A call runs 10 rounds of 32-bit multiplies: on the H200 (2026-11-27) the two
+// version-1 kernels took 1.4 ms of the bf16-mixed step (8%) at B=32 T=128, at a fraction of the bandwidth; and the
+// row's mask offset is computed once (version 1: three 64-bit products an element). The launcher's condition:
+// T % 4 == 0 (a row's chunks then start on a quad: e = r T + j).
+__device__ __forceinline__ uint4 rows_draw(long long e0, u64 seed, u64 stream, u64 thresh, int lane) {
+    return thresh ? philox4x32_10((u64)(e0 >> 2) + lane, stream, seed) : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ bool rows_kept(uint4 w, int k, int lane, u64 thresh) {   // element 32 k + lane
+    const int src = 8 * k + (lane >> 2);                      // every lane shuffles: the caller's loop is uniform
+    const u32 x = __shfl_sync(0xffffffffu, w.x, src), y = __shfl_sync(0xffffffffu, w.y, src),
+              z = __shfl_sync(0xffffffffu, w.z, src), v = __shfl_sync(0xffffffffu, w.w, src);
+    const int a = lane & 3;
+    return thresh == 0 || (u64)(a == 0 ? x : a == 1 ? y : a == 2 ? z : v) >= thresh;
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_rows_fwd_v2(
+        const float* __restrict__ s, const float* __restrict__ mask, long long mb, long long mh, long long mi,
+        long long mj, long long rows, int H, int T, float scale, u64 seed, u64 stream, u64 thresh, int kind, int as16,
+        float* __restrict__ P32, unsigned short* __restrict__ P16, float* __restrict__ m_out,
+        float* __restrict__ l_out) {
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return;                                    // warp-uniform
+    const BHT q = bht(r, H, T);
+    const float* row = s + r * T;
+    const float* mrow = mask + q.b * mb + q.h * mh + q.t * mi;
+    float m = -INFINITY;
+    for (int j = lane; j < T; j += 32)
+        m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mrow[j * mj]));
+    m = warp_max(m);
+    float l = 0.f;
+    for (int j0 = 0; j0 < T; j0 += 128) {
+        const uint4 w = rows_draw(r * T + j0, seed, stream, thresh, lane);
+#pragma unroll                               // (the backward partly unrolled: ptxas spilled 4 bytes, sm_90)
+        for (int k = 0; k < 4; k++) {
+            const int j = j0 + 32 * k + lane;
+            const bool keep = rows_kept(w, k, lane, thresh);
+            if (j < T) {
+                const float pt = expf(__fadd_rn(__fmul_rn(row[j], scale), mrow[j * mj]) - m);
+                l += pt;
+                put(keep ? round_kind(pt, kind) : 0.f, r * T + j, kind, as16, P32, P16);
+            }
+        }
+    }
+    l = warp_sum(l);
+    if (lane == 0) { m_out[r] = m; l_out[r] = l; }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v2(
+        const float* __restrict__ s, const float* __restrict__ dP, const float* __restrict__ mask, long long mb,
+        long long mh, long long mi, long long mj, long long rows, int H, int T, float scale, u64 seed, u64 stream,
+        u64 thresh, const float* __restrict__ m_in, const float* __restrict__ l_in, const float* __restrict__ D,
+        int kind, int as16, float* __restrict__ dS32, unsigned short* __restrict__ dS16, float* __restrict__ Pk32,
+        unsigned short* __restrict__ Pk16) {
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    const BHT q = bht(r, H, T);
+    const float* mrow = mask + q.b * mb + q.h * mh + q.t * mi;
+    const float m = m_in[r], l = l_in[r], d = D[r];
+    for (int j0 = 0; j0 < T; j0 += 128) {
+        const uint4 w = rows_draw(r * T + j0, seed, stream, thresh, lane);
+#pragma unroll                               // (the backward partly unrolled: ptxas spilled 4 bytes, sm_90)
+        for (int k = 0; k < 4; k++) {
+            const int j = j0 + 32 * k + lane;
+            const bool keep = rows_kept(w, k, lane, thresh);
+            if (j < T) {
+                const long long e = r * T + j;
+                const float P = expf(__fadd_rn(__fmul_rn(s[e], scale), mrow[j * mj]) - m) / l;
+                put(round_kind(__fmul_rn(P, (keep ? dP[e] : 0.f) - d), kind), e, kind, as16, dS32, dS16);
+                put(keep ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
+            }
+        }
     }
 }
 
@@ -538,6 +659,157 @@ int main() {
                 bad += (int)wrong;
             }
         free(acc); cudaFree(dacc);
+    }
+    {   // heads and merge, versions 1 and 2: the same bits, and heads against the host's R(x) in (B, H, T, hs)
+#ifdef CPUSIM_SMALL
+        const int B = 2, T = 5, H = 3, hs = 8;
+#else
+        const int B = 32, T = 128, H = 12, hs = 64;
+#endif
+        const long long m = (long long)B * T * H * hs;
+        float* l = make_random_float(B * H * T, 9);
+        for (int r = 0; r < B * H * T; r++) l[r] = 1.f + std::fabs(l[r]);              // row sums: >= 1
+        float *dl, *o1, *o2;
+        unsigned short *b1, *b2;
+        cudaCheck(cudaMalloc(&dl, (size_t)B * H * T * 4));
+        cudaCheck(cudaMemcpy(dl, l, (size_t)B * H * T * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMalloc(&o1, m * 4)); cudaCheck(cudaMalloc(&o2, m * 4));
+        cudaCheck(cudaMalloc(&b1, m * 2)); cudaCheck(cudaMalloc(&b2, m * 2));
+        std::vector<float> g1(m), g2(m);
+        std::vector<unsigned short> c1(m), c2(m);
+        const int gm = (int)std::min<long long>((m + 255) / 256, 65536), gm4 = (int)std::min<long long>((m / 4 + 255) / 256, 65536);
+        auto fetch = [&]() {
+            cudaCheck(cudaDeviceSynchronize());
+            cudaCheck(cudaMemcpy(g1.data(), o1, m * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(g2.data(), o2, m * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(c1.data(), b1, m * 2, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(c2.data(), b2, m * 2, cudaMemcpyDeviceToHost));
+        };
+        for (int kind = 0; kind < 2; kind++) {
+            long long wrong = 0;
+            for (int as16 = 0; as16 < 2; as16++) {
+                cudaCheck(cudaMemset(o1, 0xFF, m * 4)); cudaCheck(cudaMemset(o2, 0xFF, m * 4));
+                cudaCheck(cudaMemset(b1, 0xFF, m * 2)); cudaCheck(cudaMemset(b2, 0xFF, m * 2));
+                LAUNCH(heads_v1, gm, 256, dx, m, T, H, hs, kind, as16, o1, b1);
+                LAUNCH(heads_v2, gm4, 256, dx, m, T, H, hs, kind, as16, o2, b2);
+                fetch();
+                for (long long e = 0; e < m; e++) {                  // e = ((b H + h) T + t) hs + c
+                    const long long c = e % hs, t = e / hs % T, h = e / hs / T % H, b = e / hs / T / H;
+                    const float want = round_kind(x[((b * T + t) * H + h) * hs + c], kind);
+                    if (as16) wrong += c1[e] != c2[e] || c1[e] != bits16(want, kind);
+                    else wrong += std::memcmp(&g1[e], &g2[e], 4) != 0 || std::memcmp(&g1[e], &want, 4) != 0;
+                }
+            }
+            for (int rows = 0; rows < 2; rows++) {
+                LAUNCH(merge_v1, gm, 256, dx, m, T, H, hs, dl, rows, 1.f / 0.9f, kind, o1, b1);
+                LAUNCH(merge_v2, gm4, 256, dx, m, T, H, hs, dl, rows, 1.f / 0.9f, kind, o2, b2);
+                fetch();
+                for (long long e = 0; e < m; e++)
+                    wrong += std::memcmp(&g1[e], &g2[e], 4) != 0 || c1[e] != c2[e] || c1[e] != bits16(g1[e], kind);
+            }
+            printf("heads_v2, merge_v2 kind %d: %lld of %lld elements differ from version 1 or the host\n", kind,
+                   wrong, 6 * m);
+            bad += (int)wrong;
+            if (m >= (1 << 20))
+                for (int version = 1; version <= 2; version++) {
+                    float hms = benchmark_kernel(20, [&]() {
+                        if (version == 1) LAUNCH(heads_v1, gm, 256, dx, m, T, H, hs, kind, 1, o1, b1);
+                        else LAUNCH(heads_v2, gm4, 256, dx, m, T, H, hs, kind, 1, o2, b2);
+                    });
+                    float mms = benchmark_kernel(20, [&]() {
+                        if (version == 1) LAUNCH(merge_v1, gm, 256, dx, m, T, H, hs, dl, 1, 1.f / 0.9f, kind, o1, b1);
+                        else LAUNCH(merge_v2, gm4, 256, dx, m, T, H, hs, dl, 1, 1.f / 0.9f, kind, o2, b2);
+                    });
+                    printf("  v%d: heads %.4f ms (%.0f GB/s), merge %.4f ms (%.0f GB/s)\n", version, hms,
+                           6.0 * m / hms / 1e6, mms, 10.0 * m / mms / 1e6);
+                }
+        }
+        free(l); cudaFree(dl); cudaFree(o1); cudaFree(o2); cudaFree(b1); cudaFree(b2);
+    }
+    {   // the attention's row kernels, versions 1 and 2: the same bits (P, m, l; dS, Pk), dropout on and off, BERT's
+        // (B, 1, 1, T) padding mask (a quarter of the keys at float32's minimum); T % 4 == 0 (version 2's condition)
+#ifdef CPUSIM_SMALL
+        const int B = 2, H = 1, Ts[] = {36, 132};                 // (CPU threads: a warp's shuffle is a barrier)
+#else
+        const int B = 32, H = 12, Ts[] = {128, 512};
+#endif
+        for (int T : Ts) {
+            const long long rows = (long long)B * H * T, m2 = rows * T;
+            float* sc = make_random_float(m2, 11);
+            float* gp = make_random_float(m2, 12);
+            std::vector<float> mk((size_t)B * T, 0.f), Dh(rows);
+            for (int b = 0; b < B; b++)
+                for (int j = T - T / 4 * (b % 2); j < T; j++) mk[(size_t)b * T + j] = -3.4028234663852886e38f;
+            for (long long r = 0; r < rows; r++) Dh[r] = 0.01f * (float)(r % 7);
+            float *ds, *dg, *dm, *dD, *m1, *l1, *mo2, *lo2, *f1, *f2, *h1, *h2;
+            unsigned short *u1, *u2, *w1, *w2;
+            const size_t by = (size_t)m2 * 4;
+            for (float** q : {&ds, &dg, &f1, &f2, &h1, &h2}) cudaCheck(cudaMalloc(q, by));
+            for (unsigned short** q : {&u1, &u2, &w1, &w2}) cudaCheck(cudaMalloc(q, by / 2));
+            for (float** q : {&m1, &l1, &mo2, &lo2, &dD}) cudaCheck(cudaMalloc(q, rows * 4));
+            cudaCheck(cudaMalloc(&dm, mk.size() * 4));
+            cudaCheck(cudaMemcpy(ds, sc, by, cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(dg, gp, by, cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(dm, mk.data(), mk.size() * 4, cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(dD, Dh.data(), rows * 4, cudaMemcpyHostToDevice));
+            const long long mb = T, mh = 0, mi = 0, mj = 1;            // the (B, 1, 1, T) mask's strides
+            const int grid_rows = (int)((rows + 7) / 8);
+            const float scale = 0.125f;
+            const u64 seed = 0x243F6A8885A308D3ull;
+            auto same = [&](const void* a, const void* b2, size_t bytes) {
+                std::vector<unsigned char> x1(bytes), x2(bytes);
+                cudaCheck(cudaMemcpy(x1.data(), a, bytes, cudaMemcpyDeviceToHost));
+                cudaCheck(cudaMemcpy(x2.data(), b2, bytes, cudaMemcpyDeviceToHost));
+                return std::memcmp(x1.data(), x2.data(), bytes) == 0;
+            };
+            long long wrong = 0;
+            const int cases[][3] = {{0, 0, 1}, {0, 1, 1}, {1, 1, 0}, {1, 1, 1}};   // kind, p = 0.1 or none, as16
+            for (const auto& cs : cases) {
+                const int kind = cs[0], as16 = cs[2];
+                const u64 thresh = cs[1] ? 429496730ull : 0ull;
+                for (float* q : {f1, f2, h1, h2}) cudaCheck(cudaMemset(q, 0xFF, by));
+                for (unsigned short* q : {u1, u2, w1, w2}) cudaCheck(cudaMemset(q, 0xFF, by / 2));
+                LAUNCH(attn_rows_fwd_v1, grid_rows, 256, ds, dm, mb, mh, mi, mj, rows, H, T, scale, seed, 5ull,
+                       thresh, kind, as16, f1, u1, m1, l1);
+                LAUNCH(attn_rows_fwd_v2, grid_rows, 256, ds, dm, mb, mh, mi, mj, rows, H, T, scale, seed, 5ull,
+                       thresh, kind, as16, f2, u2, mo2, lo2);
+                cudaCheck(cudaDeviceSynchronize());
+                wrong += !same(m1, mo2, rows * 4) + !same(l1, lo2, rows * 4) +
+                         !(as16 ? same(u1, u2, by / 2) : same(f1, f2, by));
+                LAUNCH(attn_rows_bwd_v1, grid_rows, 256, ds, dg, dm, mb, mh, mi, mj, rows, H, T, scale, seed,
+                       5ull, thresh, m1, l1, dD, kind, as16, f1, u1, h1, w1);
+                LAUNCH(attn_rows_bwd_v2, grid_rows, 256, ds, dg, dm, mb, mh, mi, mj, rows, H, T, scale, seed,
+                       5ull, thresh, m1, l1, dD, kind, as16, f2, u2, h2, w2);
+                cudaCheck(cudaDeviceSynchronize());
+                wrong += as16 ? !same(u1, u2, by / 2) + !same(w1, w2, by / 2)
+                              : !same(f1, f2, by) + !same(h1, h2, by);
+            }
+            printf("attn_rows_fwd_v2, attn_rows_bwd_v2 T=%d: %lld of 20 outputs differ from version 1's bits\n", T,
+                   wrong);
+            bad += (int)wrong;
+            if (m2 >= (1 << 22))
+                for (int version = 1; version <= 2; version++) {
+                    const u64 th = 429496730;
+                    float fms = benchmark_kernel(20, [&]() {
+                        if (version == 1) LAUNCH(attn_rows_fwd_v1, grid_rows, 256, ds, dm, mb, mh, mi, mj, rows, H, T,
+                                                 scale, seed, 5ull, th, 0, 1, f1, u1, m1, l1);
+                        else LAUNCH(attn_rows_fwd_v2, grid_rows, 256, ds, dm, mb, mh, mi, mj, rows, H, T, scale, seed,
+                                    5ull, th, 0, 1, f1, u1, m1, l1);
+                    });
+                    float bms = benchmark_kernel(20, [&]() {
+                        if (version == 1) LAUNCH(attn_rows_bwd_v1, grid_rows, 256, ds, dg, dm, mb, mh, mi, mj, rows, H,
+                                                 T, scale, seed, 5ull, th, m1, l1, dD, 0, 1, f1, u1, h1, w1);
+                        else LAUNCH(attn_rows_bwd_v2, grid_rows, 256, ds, dg, dm, mb, mh, mi, mj, rows, H, T, scale,
+                                    seed, 5ull, th, m1, l1, dD, 0, 1, f1, u1, h1, w1);
+                    });
+                    // forward reads s twice, writes P16; backward reads s and dP, writes dS16 and Pk16
+                    printf("  T=%d v%d bf16, p = 0.1: forward %.4f ms (%.0f GB/s), backward %.4f ms (%.0f GB/s)\n", T,
+                           version, fms, 10.0 * m2 / fms / 1e6, bms, 12.0 * m2 / bms / 1e6);
+                }
+            free(sc); free(gp);
+            for (float* q : {ds, dg, f1, f2, h1, h2, m1, l1, mo2, lo2, dD, dm}) cudaFree(q);
+            for (unsigned short* q : {u1, u2, w1, w2}) cudaFree(q);
+        }
     }
     free(x); cudaFree(dx); cudaFree(dout); cudaFree(dbits);
     if (bad) { printf("mixed: FAILED\n"); return 1; }
