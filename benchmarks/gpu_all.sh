@@ -62,7 +62,7 @@ T_S3=${T_S3:-120}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
 STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3"}
-BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
+BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)
