@@ -189,6 +189,16 @@ _OPS = """
         # the fused ops (K1 on device arrays: the rounding inside the CUDA C kernels; the rule on NumPy's), against
         # the spec: refbert.mixed's rule around the oracle's float32 op (dropout 0.2 draws the same Philox stream)
         from refbert import mixed as MX
+        # embedding (the cuda backend's own op: R(w[ids]) where the rule rounds the table, R(w)[ids]): the same bits;
+        # dw, a parameter's gradient, float32 as the rule's (padding row 1 zero)
+        ids = r.integers(0, 50, (3, 7))
+        ids[0, :2] = 1
+        we, de = r.standard_normal((50, 24)).astype(np.float32), r.standard_normal((3, 7, 24)).astype(np.float32)
+        out, cache = M.embedding_forward_mixed(B.to_device(ids), B.to_device(we), 1, compute=compute)
+        ref, rc = MX.wrap_forward(ops.embedding_forward, "embedding_forward", compute)(ids, we, 1)
+        assert np.array_equal(H(out).view(np.uint32), ref.view(np.uint32)), "embedding out"
+        close_f32(M.embedding_backward_mixed(B.to_device(de), cache),
+                  MX.wrap_backward(ops.embedding_backward, "embedding_backward", compute)(de, rc), "embedding dw")
         cases = []
         for width in (24, 37):                   # the kernels' float4 paths, and their one-element paths (C % 4 != 0)
             rw = r if width == 24 else np.random.default_rng(37)   # (the 37 draws its own: the others' inputs stay)

@@ -661,7 +661,7 @@ from .mixed import (round_compute, linear_forward_mixed, linear_backward_mixed, 
                     residual_layernorm_backward_mixed, dropout_residual_layernorm_forward_mixed,
                     dropout_residual_layernorm_backward_mixed, gelu_forward_mixed, gelu_backward_mixed,
                     bias_gelu_forward_mixed, bias_gelu_backward_mixed, cross_entropy_forward_mixed,
-                    cross_entropy_backward_mixed)
+                    cross_entropy_backward_mixed, embedding_forward_mixed, embedding_backward_mixed)
 
 
 def describe():
