@@ -15,9 +15,10 @@ probes   the device's copy bandwidth (a CuPy device-to-device copy of a 1 GiB bu
 kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C versions (C1, C2: the versions
          kernels/cuda/versions.py knows): each version is validated against its oracle first (GPU shapes, float32
          and float16; a version over tolerance is FAIL and never timed), then timed at the spec's bench_shape on CuPy
-         arrays (attention: B=8, H=12, hs=64 at each --attention-T: B*H = 96, issue 13's shapes): forward, and backward on one cached forward, each
-         the median of --repeats CUDA-event timings after 2 warm-up calls, with the L2 cache flushed (a 256 MiB
-         buffer written) before every timed call; GB/s of a napkin byte count, % of the copy bandwidth; attention
+         arrays (attention: B=8, H=12, hs=64 at each --attention-T: B*H = 96, issue 13's shapes): forward, and
+         backward on one cached forward, each the median of --repeats CUDA-event timings after 2 warm-up calls, with
+         the L2 cache flushed (a 256 MiB buffer written) before every timed call; GB/s of a napkin byte count, % of
+         the copy bandwidth; attention
          TFLOP/s (4 B H T^2 hs forward, 2.5x that backward). PyTorch peers on the same inputs (zero-copy through
          DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
          without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times

@@ -250,10 +250,10 @@ def test_pretrain_cuda_graph_equals_the_eager_run(tiny):
     against the same command without the flag, bf16-mixed (the fp32 graph: test_replay_equals_the_eager_step), 3
     steps over 6 sequences in batches of 4: one capture for every full batch (the masked positions padded to batch
     size x --max-predictions: model.mlm_rows), the epoch's last batch of 2 run eagerly between the two replays (a
-    capture of its own would drop the graph: the next full batch would capture again), the same log. Tolerance: the graph run decodes the padded rows (6 instead of n, the extra ones
-    ignored by the loss), so the decoder's float32 GEMM has another shape; its sums can round apart by ~1e-7
-    relative, and training carries that into the next steps (the losses within 1e-5 relative + the log's 6
-    decimals; accuracies and the schedule exactly)."""
+    capture of its own would drop the graph: the next full batch would capture again), the same log. Tolerance:
+    the graph run decodes the padded rows (12 instead of n, the extra ones ignored by the loss), so the decoder's
+    float32 GEMM has another shape; its sums can round apart by ~1e-7 relative, and training carries that into the
+    next steps (the losses within 1e-5 relative + the log's 6 decimals; accuracies and the schedule exactly)."""
     n = len((tiny / "tok" / "vocab.txt").read_text().splitlines())
     BertConfig(vocab_size=n, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                max_position_embeddings=8).to_json_file(str(tiny / "config64.json"))   # head size 64: CUDA C attention

@@ -12,10 +12,9 @@ precision="bf16-mixed")` runs:
                       result (cublasGemmEx, CUBLAS_COMPUTE_32F: tensor cores), then bias_round_v2 (rows of any
                       length: v3; v1 where neither runs) adds R(b) and rounds, in place (and writes the output's
                       twin). Backward: dout rounded into 16-bit storage (and into float32 for the bias),
-                      dx = R(dout2 @ R(w)) (a GEMM, then round_v2; with
-                      dx_into, the gradient of x from its other paths, dx_into + R(...) in one add_round pass),
-                      dw = dout2^T @ x2 in float32 (a GEMM with a float32
-                      result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
+                      dx = R(dout2 @ R(w)) (a GEMM, then round_v2; with dx_into, the gradient of x from its other
+                      paths, dx_into + R(...) in one add_round pass), dw = dout2^T @ x2 in float32 (a GEMM with a
+                      float32 result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
                       column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
                       call, never per use.
     attention (S2)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed):

@@ -770,7 +770,8 @@ int main() {
                             kbad[0] += kb[0][e] != bits16(round_kind(x[e], rk), rk);
                             kbad[1] += kind >= 1 && kb[1][e] != bits16(round_kind(a[e], rk), rk);
                         }
-                        if (kbad[0] + kbad[1]) printf("    kept bits wrong: x %zu, a %zu of %zu\n", kbad[0], kbad[1], n);
+                        if (kbad[0] + kbad[1])
+                            printf("    kept bits wrong: x %zu, a %zu of %zu\n", kbad[0], kbad[1], n);
                         bad += kbad[0] + kbad[1];
                         printf("  kept in 16 bits rk=%d: %s\n", rk, bad ? "WRONG" : "x, a kept; dx, da, dw, db the same bits");
                         if (bad) exit(EXIT_FAILURE);

@@ -772,7 +772,8 @@ int main() {
         cudaCheck(cudaMalloc(&b1, m * 2)); cudaCheck(cudaMalloc(&b2, m * 2));
         std::vector<float> g1(m), g2(m);
         std::vector<unsigned short> c1(m), c2(m);
-        const int gm = (int)std::min<long long>((m + 255) / 256, 65536), gm4 = (int)std::min<long long>((m / 4 + 255) / 256, 65536);
+        const int gm = (int)std::min<long long>((m + 255) / 256, 65536),
+                  gm4 = (int)std::min<long long>((m / 4 + 255) / 256, 65536);
         auto fetch = [&]() {
             cudaCheck(cudaDeviceSynchronize());
             cudaCheck(cudaMemcpy(g1.data(), o1, m * 4, cudaMemcpyDeviceToHost));
