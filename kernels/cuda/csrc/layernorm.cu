@@ -367,13 +367,15 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     }
 }
 
-// dw, db partials: grid (ceil(C / 256), chunks), a thread per column over rows [chunk * per, ...), s recomputed
+// dw, db partials: grid (ceil(C / 256), chunks), a thread per column over rows [chunk * per, ...), s recomputed.
+// The parameters of every version (2, 3), their kernels' and their bodies'; LNDW_CALL passes them on.
+#define LNDW_ARGS const float *__restrict__ dout, LN2_ARGS, const float *__restrict__ mean,                      \
+    const float *__restrict__ rstd, int R, int C, int per, float *__restrict__ dw_part,                          \
+    float *__restrict__ db_part, const unsigned short *__restrict__ x16, const unsigned short *__restrict__ a16
+#define LNDW_CALL dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, R, C, per, dw_part, db_part, x16, a16
+
 template <int KIND, int IN16>
-__device__ __forceinline__ void ln_dwdb_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,
-                                           const float* __restrict__ rstd, int R, int C, int per,
-                                           float* __restrict__ dw_part, float* __restrict__ db_part,
-                                           const unsigned short* __restrict__ x16,
-                                           const unsigned short* __restrict__ a16) {
+__device__ __forceinline__ void ln_dwdb_v2(LNDW_ARGS) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (c >= C) return;
     float sw = 0.f, sb = 0.f;
@@ -405,11 +407,7 @@ __device__ __forceinline__ void dwdb_add4(float4& sw, float4& sb, float4 g, floa
     sb.x += g.x; sb.y += g.y; sb.z += g.z; sb.w += g.w;
 }
 template <int KIND, int IN16>
-__device__ __forceinline__ void ln_dwdb_v3(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,
-                                           const float* __restrict__ rstd, int R, int C, int per,
-                                           float* __restrict__ dw_part, float* __restrict__ db_part,
-                                           const unsigned short* __restrict__ x16,
-                                           const unsigned short* __restrict__ a16) {
+__device__ __forceinline__ void ln_dwdb_v3(LNDW_ARGS) {
     const int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x), chunk = blockIdx.y;
     if (c >= C) return;
     float4 sw = make_float4(0.f, 0.f, 0.f, 0.f), sb = sw;
@@ -448,21 +446,11 @@ __device__ __forceinline__ void ln_dwdb_v3(const float* __restrict__ dout, LN2_A
         RK16_DISPATCH(x16 != nullptr, ln_bwd_dx_v2<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, w, mean, \
                                                                  rstd, R, C, vec, dx, da, o16, x16, a16))       \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(                      \
-        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
-        const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
-        float* __restrict__ db_part, const unsigned short* __restrict__ x16,                                    \
-        const unsigned short* __restrict__ a16) {                                                               \
-        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v2<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, \
-                                                               R, C, per, dw_part, db_part, x16, a16))          \
+    extern "C" __global__ void __launch_bounds__(256) layernorm_bwd_dwdb_partial_v2_##NAME(LNDW_ARGS) {         \
+        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v2<KIND, IN16>(LNDW_CALL))                                        \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v3_##NAME(                       \
-        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ mean,                               \
-        const float* __restrict__ rstd, int R, int C, int per, float* __restrict__ dw_part,                     \
-        float* __restrict__ db_part, const unsigned short* __restrict__ x16,                                    \
-        const unsigned short* __restrict__ a16) {                                                               \
-        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v3<KIND, IN16>(dout, x, a, seed, stream, thresh, dscale, RKC, mean, rstd, \
-                                                               R, C, per, dw_part, db_part, x16, a16))          \
+    extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v3_##NAME(LNDW_ARGS) {       \
+        RK16_DISPATCH(x16 != nullptr, ln_dwdb_v3<KIND, IN16>(LNDW_CALL))                                        \
     }
 LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)

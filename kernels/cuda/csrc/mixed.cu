@@ -346,6 +346,20 @@ __device__ __forceinline__ bool rows_kept(uint4 w, int k, int lane, u64 thresh) 
     const int a = lane & 3;
     return thresh == 0 || (u64)(a == 0 ? x : a == 1 ? y : a == 2 ? z : v) >= thresh;
 }
+// f(j, e, keep) for every element j < T of row r (e = r T + j) in version 1's per-lane order (lane L: j = L, L + 32,
+// ...), the keep words drawn once per 128 elements and handed out; every lane runs every iteration (the shuffles)
+template <typename F>
+__device__ __forceinline__ void rows_each(long long r, int T, u64 seed, u64 stream, u64 thresh, int lane, F f) {
+    for (int j0 = 0; j0 < T; j0 += 128) {
+        const uint4 w = rows_draw(r * T + j0, seed, stream, thresh, lane);
+#pragma unroll                               // (the backward partly unrolled: ptxas spilled 4 bytes, sm_90)
+        for (int k = 0; k < 4; k++) {
+            const int j = j0 + 32 * k + lane;
+            const bool keep = rows_kept(w, k, lane, thresh);
+            if (j < T) f(j, r * T + j, keep);
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256) attn_rows_fwd_v2(
         const float* __restrict__ s, const float* __restrict__ mask, long long mb, long long mh, long long mi,
@@ -363,19 +377,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_fwd_v2(
         m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mrow[j * mj]));
     m = warp_max(m);
     float l = 0.f;
-    for (int j0 = 0; j0 < T; j0 += 128) {
-        const uint4 w = rows_draw(r * T + j0, seed, stream, thresh, lane);
-#pragma unroll                               // (the backward partly unrolled: ptxas spilled 4 bytes, sm_90)
-        for (int k = 0; k < 4; k++) {
-            const int j = j0 + 32 * k + lane;
-            const bool keep = rows_kept(w, k, lane, thresh);
-            if (j < T) {
-                const float pt = expf(__fadd_rn(__fmul_rn(row[j], scale), mrow[j * mj]) - m);
-                l += pt;
-                put(keep ? round_kind(pt, kind) : 0.f, r * T + j, kind, as16, P32, P16);
-            }
-        }
-    }
+    rows_each(r, T, seed, stream, thresh, lane, [&](int j, long long e, bool keep) {
+        const float pt = expf(__fadd_rn(__fmul_rn(row[j], scale), mrow[j * mj]) - m);
+        l += pt;
+        put(keep ? round_kind(pt, kind) : 0.f, e, kind, as16, P32, P16);
+    });
     l = warp_sum(l);
     if (lane == 0) { m_out[r] = m; l_out[r] = l; }
 }
@@ -392,20 +398,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_rows_bwd_v2(
     const BHT q = bht(r, H, T);
     const float* mrow = mask + q.b * mb + q.h * mh + q.t * mi;
     const float m = m_in[r], l = l_in[r], d = D[r];
-    for (int j0 = 0; j0 < T; j0 += 128) {
-        const uint4 w = rows_draw(r * T + j0, seed, stream, thresh, lane);
-#pragma unroll                               // (the backward partly unrolled: ptxas spilled 4 bytes, sm_90)
-        for (int k = 0; k < 4; k++) {
-            const int j = j0 + 32 * k + lane;
-            const bool keep = rows_kept(w, k, lane, thresh);
-            if (j < T) {
-                const long long e = r * T + j;
-                const float P = expf(__fadd_rn(__fmul_rn(s[e], scale), mrow[j * mj]) - m) / l;
-                put(round_kind(__fmul_rn(P, (keep ? dP[e] : 0.f) - d), kind), e, kind, as16, dS32, dS16);
-                put(keep ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
-            }
-        }
-    }
+    rows_each(r, T, seed, stream, thresh, lane, [&](int j, long long e, bool keep) {
+        const float P = expf(__fadd_rn(__fmul_rn(s[e], scale), mrow[j * mj]) - m) / l;
+        put(round_kind(__fmul_rn(P, (keep ? dP[e] : 0.f) - d), kind), e, kind, as16, dS32, dS16);
+        put(keep ? round_kind(P, kind) : 0.f, e, kind, as16, Pk32, Pk16);
+    });
 }
 
 #ifdef HALF_TYPES
