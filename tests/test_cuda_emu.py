@@ -88,10 +88,36 @@ def test_emu_every_cuda_c_version_matches_oracle():
                     assert not K.FELL_BACK, (op, v.key, K.FELL_BACK)      # the CUDA C path ran, not the Numba one
                     assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
                     print(f"OK {op} {v.key} {dtype} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
+        # C5 (attention_forward.cu v5 and v4, attention_backward.cu v4) reorganises C2 (v3, v3): out, m, 1/l and
+        # dq, dk, dv the same bits, with dropout at T % 4 == 0 (a Philox call per 4 keys shared by two lanes) and
+        # not (a call per pair), padding (whole key tiles skipped) and a mask with query rows (read per score)
+        from refbert_kernels.cuda.attention import DropoutRNG
+        r = np.random.default_rng(5)
+        for (Bn, T, H), mk in (((2, 132, 2), "pad"), ((1, 70, 2), "rows")):
+            q, k, v = (E.cupy.asarray(r.standard_normal((Bn, T, H * 64)).astype(np.float16)) for _ in range(3))
+            if mk == "pad":
+                host = np.zeros((Bn, 1, 1, T), np.float16)
+                host[1, ..., 75:] = -np.inf                       # (finfo(float16).min is above PAD_MIN)
+            else:
+                host = np.triu(np.full((T, T), -np.inf, np.float32), 1)[None, None].astype(np.float16)
+            mask = E.cupy.asarray(host)
+            ref = K.attention_forward_c2(q, k, v, H, mask, 0.1, DropoutRNG(9), True)
+            dout = E.cupy.asarray(r.standard_normal((Bn, T, H * 64)).astype(np.float16))
+            ref_d = K.attention_backward_c2(dout, ref[1])
+            for rows in (64, 128):
+                E.COUNTS.reset()
+                got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
+                got_d = K.attention_backward_c5(dout, got[1]) if rows == 128 else ref_d
+                assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
+                for a, b in ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7]), *zip(ref_d, got_d)):
+                    assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
+                                          b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, rows)
+        print("C5 = C2 bit for bit")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 20, out
+    assert out.count("OK ") == 21, out
+    assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out and "C5 = C2 bit for bit" in out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)

@@ -9,6 +9,11 @@ raised by the same checks before any launch; the same dropout elements).
     op                           version  kernels (csrc/)                                     fast path
     attention                    C1       attention_forward.cu v1 (scalar flash), v2 (tensor   f32 / f16, hs in
                                           cores, f16 hs = 64), attention_backward.cu v1         {32, 64, 128}
+                                 C2       attention_forward.cu v3 (v2, padding tiles skipped),  f16, hs = 64
+                                          attention_backward.cu v3 (tensor cores)
+                                 C5       attention_forward.cu v5 / v4 (v3's bits: ldmatrix,    f16, hs = 64
+                                          128 / 64 query rows a block), attention_backward.cu
+                                          v4 (v3's bits: ldmatrix, the mask read once)
                                  C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
                                           forward and backward, dynamic shared memory)
                                  C4       C3's forward; attention_f32.cu v4 backward (dk, dv,  f32, hs = 64
@@ -164,7 +169,18 @@ def attention_forward_c2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     return _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, 3)
 
 
-def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version):
+def attention_forward_c5(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, rows=None):
+    """C5's forward: attention_forward.cu version 5 (128 query rows a block: each K / V fragment read from shared
+    memory feeds two mma.sync) or version 4 (64 rows), both version 3's arithmetic and bits with ldmatrix fragments,
+    the key tile's mask row in shared memory and a Philox call per 4 keys. rows (64 or 128) pins one; None takes
+    128 when that grid still gives every SM two blocks (version 5 holds 250 registers a thread: two blocks an SM),
+    else 64. float16 at hs 64; elsewhere as C1."""
+    if rows not in (None, 64, 128):
+        raise ValueError(f"attention_forward_c5: argument 'rows' expected None, 64 or 128, got {rows!r}")
+    return _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, 5, rows)
+
+
+def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version, rows=None):
     A = _numba()
     B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
     hs = Cc // H
@@ -187,10 +203,14 @@ def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version
         FELL_BACK[("attention", "C1 tensor cores")] = "q, k or v not 16-byte aligned: the scalar kernel ran"
         warnings.warn("refbert cuda: attention C1 float16 took the scalar kernel (q, k or v not 16-byte aligned)",
                       RuntimeWarning, stacklevel=2)
+    qrows = 64
+    if tc and tc_version == 5:                                   # version 5: 128 query rows a block; 4: 64
+        qrows = rows or (128 if (T + 127) // 128 * B * H >= 2 * _sm_count(xp) else 64)
+        tc_version = 5 if qrows == 128 else 4
     name = f"attn_fwd_v{tc_version}_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), out, m, linv)
-    kernel("attention_forward.cu", name, xp)(((T + 63) // 64, B * H), (128 if tc else 64,), args)
+    kernel("attention_forward.cu", name, xp)(((T + qrows - 1) // qrows, B * H), (128 if tc else 64,), args)
     if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and bool(xp.isfinite(linv).all())):
         raise ValueError(A._SOFTMAX_ERROR)               # (a read back: only with REFBERT_CUDA_CHECKS=1)
     if not p_ok or (train and dropout_p > 0.0 and not isinstance(rng, A.DropoutRNG)):
@@ -205,9 +225,9 @@ def attention_backward(dout, cache):
 
 
 def _attention_backward(dout, cache, version):
-    """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size) or 3 (tensor cores with
-    padding tiles skipped: float16, hs = 64, 16-byte aligned rows; otherwise version 1 runs, recorded in
-    FELL_BACK)."""
+    """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size), 3 (tensor cores with
+    padding tiles skipped) or 4 (version 3 with ldmatrix fragments: its bits); 3 and 4 need float16, hs = 64,
+    16-byte aligned rows, otherwise version 1 runs, recorded in FELL_BACK."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -229,16 +249,17 @@ def _attention_backward(dout, cache, version):
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
-    if version == 3 and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
-        FELL_BACK[("attention", "C2 backward")] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
-                                                   f"(tensor cores: float16, hs 64): the scalar backward ran")
-        FELL_BACK_CALLS[("attention", "C2 backward")] = FELL_BACK_CALLS.get(("attention", "C2 backward"), 0) + 1
-        warnings.warn(f"refbert cuda: attention C2 took the scalar backward ({FELL_BACK[('attention', 'C2 backward')]})",
+    if version in (3, 4) and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
+        op = "C2 backward" if version == 3 else "C5 backward"
+        FELL_BACK[("attention", op)] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
+                                        f"(tensor cores: float16, hs 64): the scalar backward ran")
+        FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
+        warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward ({FELL_BACK[('attention', op)]})",
                       RuntimeWarning, stacklevel=3)
         version = 1
-    if version == 3:
-        kernel("attention_backward.cu", "attn_bwd_dkdv_v3_f16_hs64", xp)(grid, (128,), args + (dk, dv))
-        kernel("attention_backward.cu", "attn_bwd_dq_v3_f16_hs64", xp)(grid, (128,), args + (dq,))
+    if version in (3, 4):
+        kernel("attention_backward.cu", f"attn_bwd_dkdv_v{version}_f16_hs64", xp)(grid, (128,), args + (dk, dv))
+        kernel("attention_backward.cu", f"attn_bwd_dq_v{version}_f16_hs64", xp)(grid, (128,), args + (dq,))
     else:
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
@@ -250,6 +271,12 @@ def attention_backward_c2(dout, cache):
     S^T, dP^T, dV, dK per key tile and S, dP, dq per query tile as mma.sync GEMMs; P and dS rounded to float16 where
     a tensor core reads them."""
     return _attention_backward(dout, cache, 3)
+
+
+def attention_backward_c5(dout, cache):
+    """C5's backward: attention_backward.cu version 4 (version 3 with ldmatrix fragments and the mask read once per
+    key row (dk, dv) or per (b, h) row (dq): version 3's bits) for float16 at hs 64."""
+    return _attention_backward(dout, cache, 4)
 
 
 def attention_probs(cache):

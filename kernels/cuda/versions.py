@@ -36,11 +36,12 @@ from . import _common as C
 OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu", "bias_gelu",
        "attention", "cross_entropy", "column_sum", "embedding")
 # the built-in preference per op (CUDA C first, then Numba from the highest number down; attention C2 (float16
-# alone) before C1: on the H200, 2026-11-27, its backward ran 1.96 ms at B=4 H=12 T=2048 against C1's 14.7)
+# alone) before C1: on the H200, 2026-11-27, its backward ran 1.96 ms at B=4 H=12 T=2048 against C1's 14.7; C5,
+# C2's bits with a forward built to read less shared memory a product, after C2 until a GPU has timed the two)
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C3", "C1", "2", "1"],
          "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C2", "C3", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
-         "attention": ["C4", "C3", "C2", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
+         "attention": ["C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -222,6 +223,10 @@ def _build():
              ("attention", "C2", K.attention_forward_c2, K.attention_backward_c2, ("float16",),
               "tensor-core flash forward and backward, padding tiles skipped (mma.sync, fp16 hs 64; "
               "attention_forward.cu v3, attention_backward.cu v3)"),
+             ("attention", "C5", K.attention_forward_c5, K.attention_backward_c5, ("float16",),
+              "C2's bits with less shared-memory and integer work: fragments by ldmatrix, the mask read once a "
+              "tile or row, 128 (or 64) query rows a block and a Philox call per 4 keys in the forward "
+              "(attention_forward.cu v5 / v4, attention_backward.cu v4)"),
              ("attention", "C3", K.attention_forward_c3, K.attention_backward_c3, f32, "register-tiled fp32 flash "
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
@@ -236,7 +241,8 @@ def _build():
         for op, key, fwd, bwd, dts, note in c:
             if fwd is None:
                 continue
-            var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",), "C4": ("hs64",)}.get(key) \
+            var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",), "C4": ("hs64",),
+                   "C5": ("hs64",)}.get(key) \
                 if op == "attention" else None
             vs[op].append(Version(op, key, fwd, bwd, dts, note, K.attention_probs if op == "attention" else None,
                                   var))

@@ -24,6 +24,12 @@ Versions:
   3  version 2 with BERT's padding skipped (attention_forward.cu version 3's rule, common.cuh keys_all_padding):
      under a mask constant along the queries, a key tile of padding meets only rows that have a real key, whose
      p there is exactly 0, so it is skipped; the same bits as version 2 (the main compares them).
+  4  version 3 with B fragments by ldmatrix (flash_tc.cuh LDSM: two fragments an instruction; the transposed
+     ones (dout for dV, Q for dK, K for dq) one ldmatrix.trans for two where version 3 took eight 16-bit loads;
+     the dk, dv pass keeps version 3's loads for S^T and dP^T, where ldmatrix made ptxas spill)
+     and a mask constant along the queries read once (the dk, dv pass: the thread's two key rows into registers;
+     the dq pass: the (b, h) row into shared memory, T <= 2048) instead of once per score with a 64-bit index:
+     version 3's values in version 3's order, so its bits (the main compares them).
 
 Build and run standalone (validates against the CPU reference, then times; fp16 / bf16: versions 1 and 2 against
 the reference of the same rounded inputs):
@@ -87,6 +93,7 @@ void attention_backward_cpu(const float* q, const float* k, const float* v, cons
 // ----------------------------------------------------------------------------------------------------------------
 // GPU kernels
 
+#define BWD_MROW 2048           // version 4's dq pass stages the mask row in shared memory up to this T
 #define BWD_ARGS(T)                                                                                             \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const float *__restrict__ mask,   \
         long long sb, long long sh, long long si, long long sj, int B, int Tn, int H, float scale, u64 seed,     \
@@ -225,23 +232,33 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
 
 // pass 1: dk, dv per 64-key tile; grid (ceil(T / 64), B * H), block 128. SKIP (version 3): a key tile of padding
 // (common.cuh keys_all_padding) skips every query tile whose rows all met a real key in the forward (m > PAD_MIN)
-template <typename T, bool SKIP>
+// V4 (version 4): version 3 with the B fragments by ldmatrix (flash_tc.cuh LDSM) and, under a mask constant along
+// the queries (si == 0), the mask of the thread's two key rows read once into registers instead of once per score:
+// the same values in the same order, so version 3's bits
+template <typename T, bool SKIP, bool V4 = false>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
     const bool keypad = SKIP && mask && si == 0 && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
+    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
+    const bool staged = V4 && mask && si == 0;
+    float mk[2] = {0.f, 0.f};
+    if (staged)
+#pragma unroll
+        for (int r = 0; r < 2; r++) mk[r] = jr[r] < Tn ? mask[b * sb + h * sh + jr[r] * sj] : 0.f;
     float dka[8][4], dva[8][4];
     // (flash_tc.cuh: S^T, dP^T per query tile; here p = exp(x - m) linv, pz = p z, ds = p (dp z - D))
-    tc_bwd_keys<T>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
-                   [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
-                       const float x = s * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
-                       const float p = __expf(x - mi) * li;
-                       const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                       pz = p * z;
-                       ds = p * (dp * z - D);
-                   });
-    const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};   // this thread's two key rows
+    tc_bwd_keys<T, V4>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
+                       [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
+                           const float x = s * scale + (mask ? (staged ? (j == jr[0] ? mk[0] : mk[1])
+                                                                       : mask[b * sb + h * sh + i * si + j * sj])
+                                                             : 0.f);
+                           const float p = __expf(x - mi) * li;
+                           const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                           pz = p * z;
+                           ds = p * (dp * z - D);
+                       });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (jr[r] >= Tn) continue;
@@ -259,8 +276,10 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
 
 // pass 2: dq per 64-query tile; grid (ceil(T / 64), B * H), block 128. SKIP (version 3): when every row of the
 // tile met a real key in the forward (m > PAD_MIN), key tiles of padding are skipped
-template <typename T, bool SKIP>
-__device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
+// V4 (version 4): the B fragments by ldmatrix; under a mask constant along the queries with T <= 2048, the (b, h)
+// mask row read once into shared memory (Mrow, the kernel's) instead of once per score: version 3's bits
+template <typename T, bool SKIP, bool V4 = false>
+__device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float* Mrow = nullptr) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
     const size_t base = (size_t)b * Tn * C + h * 64;
@@ -274,18 +293,23 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq) {
         Di[r] = ok ? Dr[(size_t)bh * Tn + ir[r]] : 0.f;
     }
     const bool rows_real = SKIP && mask && si == 0 && !__syncthreads_or(mi[0] <= PAD_MIN || mi[1] <= PAD_MIN);
+    const bool staged = V4 && mask && si == 0 && Tn <= BWD_MROW;
+    if (staged)                                           // (read after tc_bwd_queries' first barrier)
+        for (int j = tid; j < Tn; j += 128) Mrow[j] = mask[b * sb + h * sh + j * sj];
     float dqa[8][4];
     // (flash_tc.cuh: S, dP per key tile; here ds = p (dp z - D), p = exp(x - m) linv)
-    tc_bwd_queries<T>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa,
-                      [&](int j0) {                       // (rows_real: block-uniform)
-                          return rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
-                      },
-                      [&](float s, float dp, int i, int j, float mr, float lr, float D) {
-                          const float x = s * scale + (mask ? mask[b * sb + h * sh + i * si + j * sj] : 0.f);
-                          const float p = __expf(x - mr) * lr;
-                          const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                          return p * (dp * z - D);
-                      });
+    tc_bwd_queries<T, V4>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa,
+                          [&](int j0) {                   // (rows_real: block-uniform)
+                              return rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
+                          },
+                          [&](float s, float dp, int i, int j, float mr, float lr, float D) {
+                              const float x = s * scale + (mask ? (staged ? Mrow[j]
+                                                                          : mask[b * sb + h * sh + i * si + j * sj])
+                                                                : 0.f);
+                              const float p = __expf(x - mr) * lr;
+                              const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+                              return p * (dp * z - D);
+                          });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;
@@ -341,6 +365,18 @@ INST_TC(__half, f16, 2, false)
 INST_TC(__nv_bfloat16, bf16, 2, false)
 INST_TC(__half, f16, 3, true)
 INST_TC(__nv_bfloat16, bf16, 3, true)
+// version 4: version 3 with ldmatrix fragments and the mask read once (the same grid and block)
+#define INST_TC4(T, NAME)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_v4_##NAME##_hs64(BWD_ARGS(T), T* dk,        \
+                                                                                    T* dv) {                    \
+        bwd_dkdv_tc<T, true, true>(FWD_CALL, dk, dv);                                                           \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_v4_##NAME##_hs64(BWD_ARGS(T), T* dq) {       \
+        __shared__ float Mrow[BWD_MROW];                                                                        \
+        bwd_dq_tc<T, true, true>(FWD_CALL, dq, Mrow);                                                           \
+    }
+INST_TC4(__half, f16)
+INST_TC4(__nv_bfloat16, bf16)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -384,10 +420,15 @@ void attention_backward_16(int version, const T* q, const T* k, const T* v, cons
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v2_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
-        } else {                                                                                                \
+        } else if (version == 3) {                                                                              \
             LAUNCH(attn_bwd_dkdv_v3_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v3_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        } else {                                                                                                \
+            LAUNCH(attn_bwd_dkdv_v4_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
+                   Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
+            LAUNCH(attn_bwd_dq_v4_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
         }                                                                                                       \
         cudaCheck(cudaGetLastError());                                                                          \
@@ -442,8 +483,8 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     for (size_t i = 0; i < n; i++)
         scale_ref = std::max({scale_ref, (double)fabsf(rq[i]), (double)fabsf(rk[i]), (double)fabsf(rv[i])});
     const float u = std::ldexp(1.f, -bits), atol = (float)(4.0 * u * scale_ref), rtol = 2.f * u;
-    std::vector<std::vector<T>> got(4);
-    for (int version = 1; version <= 3; version++) {
+    std::vector<std::vector<T>> got(5);
+    for (int version = 1; version <= 4; version++) {
         auto launch = [&]() {
             attention_backward_16<T>(version, dq_, dk_, dv_, dmask, B, Tn, H, scale, seed, stream, thresh, dscale,
                                      dm, dl, dout_, ddo, dD, gq, gk, gv);
@@ -468,7 +509,10 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     // version 3 skips padding tiles: exact zeros skipped, so version 2's bits, or it is wrong
     const bool same = std::memcmp(got[2].data(), got[3].data(), 3 * n * sizeof(T)) == 0;
     printf("v3 = v2 bit for bit (%s dq, dk, dv): %s\n", name, same ? "yes" : "NO");
-    if (!same) exit(EXIT_FAILURE);
+    // version 4 loads version 3's values another way: its bits, or it is wrong
+    const bool same4 = std::memcmp(got[3].data(), got[4].data(), 3 * n * sizeof(T)) == 0;
+    printf("v4 = v3 bit for bit (%s dq, dk, dv): %s\n", name, same4 ? "yes" : "NO");
+    if (!same || !same4) exit(EXIT_FAILURE);
     cudaFree(dq_); cudaFree(dk_); cudaFree(dv_); cudaFree(ddo); cudaFree(dout_); cudaFree(dmask); cudaFree(dm);
     cudaFree(dl); cudaFree(dD); cudaFree(gq); cudaFree(gk); cudaFree(gv);
 }
@@ -545,7 +589,7 @@ int main(int argc, char** argv) {
     run16<__nv_bfloat16>("bf16", 8, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale,
                          reference);
 #ifdef CPUSIM
-    printf("v3 skipped %lld tiles of padding\n", (long long)cpusim_skipped_tiles.load());
+    printf("v3, v4 skipped %lld tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
 #endif
 #endif
     return 0;

@@ -297,6 +297,250 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
     }
 }
 
+
+// versions 4 and 5: version 3's arithmetic (the same bits: the main compares them) with less work per tile on the
+// shared-memory port and the integer pipes, where version 3 spends more issue slots than its tensor cores take:
+//   - the K and V B fragments by ldmatrix (x4: two mma's worth in one instruction; V with .trans) instead of
+//     32-bit (K) and 16-bit (V: four per fragment) shared loads;
+//   - version 5 gives each warp 32 query rows (two m-tiles, MT = 2; 128 rows a block), so every B fragment read
+//     from shared memory feeds two mma.sync instead of one: half the shared traffic per product (version 4: MT = 1,
+//     64 rows a block, for grids that 128-row blocks would leave short of the SMs);
+//   - a mask constant along the queries (si == 0, BERT's (B, 1, 1, T)) read once per key tile into shared memory
+//     (64 floats, the next tile's fetched into a register while this one is computed) instead of a 64-bit index
+//     and a global load per score; the padding-skip vote reads it there;
+//   - dropout: one Philox call per 4 consecutive keys (T % 4 == 0): the lanes t4 = 2G, 2G + 1 of a quad draw the
+//     words of keys 4G .. 4G + 3 of the lower and the upper row and swap the halves the other needs by two
+//     shuffles (version 3: a call per pair of keys); the same words, so the same keep-mask.
+// Q is staged through the second K / V buffers (static shared memory stays under 48 KB at 128 rows).
+template <typename T, int MT>
+__device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
+    constexpr int HS = 64, BQ = 64 * MT, BK = 64, LD = HS + 8;
+    __shared__ __align__(16) T Ks[2][BK * LD];
+    __shared__ __align__(16) T Vs[2][BK * LD];
+    __shared__ float Ms[2][BK];                               // the key tile's mask row (si == 0)
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, q0 = blockIdx.x * BQ;
+    const int C = H * HS;
+    const T* qb = q + (size_t)b * Tn * C + h * HS;
+    const T* kb = k + (size_t)b * Tn * C + h * HS;
+    const T* vb = v + (size_t)b * Tn * C + h * HS;
+    const bool staged = mask && si == 0;                      // (block-uniform)
+    const float* mrow_g = mask + (staged ? b * sb + h * sh : 0);
+
+    auto load_tile = [&](T* dst, const T* src, int r0) {      // 64 rows of 128 bytes, 4 cp.async a thread
+#pragma unroll
+        for (int c = tid; c < 64 * 8; c += 128) {
+            int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
+            bool ok = row < Tn;
+            cp_async16(dst + r * LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
+        }
+    };
+    auto mask_at = [&](int j) { return staged && j < Tn ? mrow_g[j * sj] : 0.f; };
+    // prologue: Q's 64 MT rows through Ks[1] (and Vs[1]), the first K / V tile into buffers 0
+    load_tile(Ks[1], qb, q0);
+    if (MT == 2) load_tile(Vs[1], qb, q0 + 64);
+    load_tile(Ks[0], kb, 0);
+    load_tile(Vs[0], vb, 0);
+    cp_async_commit();
+    if (tid < 64) Ms[0][tid] = mask_at(tid);
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[MT][4][4];                                         // Q as A fragments: m-tile mt, k-step kk
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const T* p0 = (mt ? Vs[1] : Ks[1]) + (warp * 16 + g) * LD + kk * 16 + t4 * 2;
+            qa[mt][kk][0] = *reinterpret_cast<const u32*>(p0);
+            qa[mt][kk][1] = *reinterpret_cast<const u32*>(p0 + 8 * LD);
+            qa[mt][kk][2] = *reinterpret_cast<const u32*>(p0 + 8);
+            qa[mt][kk][3] = *reinterpret_cast<const u32*>(p0 + 8 * LD + 8);
+        }
+    __syncthreads();                                          // the staging buffers are refilled next
+
+    // m-tile mt of warp w holds rows q0 + 64 mt + 16 w + g (+ 8): with MT = 2 a warp's rows are 16 w .. and
+    // 64 + 16 w .., as Q was staged (rows 0-63 in Ks[1], 64-127 in Vs[1])
+    int rr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) { rr[mt][0] = q0 + 64 * mt + warp * 16 + g; rr[mt][1] = rr[mt][0] + 8; }
+    float o[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) mrow[mt][0] = mrow[mt][1] = -INFINITY, lrow[mt][0] = lrow[mt][1] = 0.f;
+    const int ntiles = (Tn + BK - 1) / BK;
+    const bool quad_philox = (Tn & 3) == 0;                   // keys 4G.. of a row start a Philox block
+
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * BK;
+        if (it + 1 < ntiles) {                                // stream the next tile in while this one is used
+            load_tile(Ks[cur ^ 1], kb, j0 + BK);
+            load_tile(Vs[cur ^ 1], vb, j0 + BK);
+        }
+        cp_async_commit();
+        const float mnext = tid < 64 ? mask_at(j0 + BK + tid) : 0.f;   // (the load lands while this tile runs)
+        cp_async_wait<1>();
+        __syncthreads();
+        bool skip = false;
+        if (staged && it > 0) {               // version 3's skip: a tile of padding keys, every
+            bool any = false;                                 // row of the block has met a real key
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) any |= mrow[mt][0] <= PAD_MIN || mrow[mt][1] <= PAD_MIN;
+            skip = !__syncthreads_or(tid < 64 && j0 + tid < Tn && Ms[cur][tid] > PAD_MIN) && !__syncthreads_or(any);
+        }
+        if (!skip) {
+            // S = Q K^T: per warp MT x 16 rows x 64 keys; a K fragment pair (two k-steps) per ldmatrix
+            float s[MT][8][4];
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+                for (int k2 = 0; k2 < 2; k2++) {
+                    u32 bf[4];                                // k-steps 2 k2, 2 k2 + 1 of key rows n 8 ..
+                    ldsm_x4(bf, Ks[cur] + (n * 8 + (lane & 7)) * LD + k2 * 32 + (lane >> 3) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma16816(s[mt][n], qa[mt][2 * k2], bf, T());
+                        mma16816(s[mt][n], qa[mt][2 * k2 + 1], bf + 2, T());
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                // scale, mask, keys past T; the tile's row max (over the quad: shuffles 1, 2): version 3's code
+                float mx[2] = {mrow[mt][0], mrow[mt][1]};
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int row = rr[mt][e >> 1], col = j0 + n * 8 + t4 * 2 + (e & 1);
+                        float x = s[mt][n][e] * scale;
+                        if (col >= Tn) x = -INFINITY;
+                        else if (mask && row < Tn)
+                            x += staged ? Ms[cur][col - j0] : mask[b * sb + h * sh + row * si + col * sj];
+                        s[mt][n][e] = x;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                    }
+                float mu[2];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+                    float alpha = __expf(mrow[mt][r] - mu[r]);
+                    lrow[mt][r] *= alpha;
+#pragma unroll
+                    for (int n = 0; n < 8; n++) { o[mt][n][2 * r] *= alpha; o[mt][n][2 * r + 1] *= alpha; }
+                    mrow[mt][r] = mx[r];
+                }
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float p = __expf(s[mt][n][e] - mu[e >> 1]);
+                        lrow[mt][e >> 1] += p;
+                        s[mt][n][e] = p;
+                    }
+                if (thresh && quad_philox) {
+#pragma unroll
+                    for (int n = 0; n < 8; n++) {
+                        // lane t4 draws keys 4 (t4 >> 1) .. + 3 of row rr[mt][t4 & 1]; it keeps the half of its
+                        // own pair of keys and swaps the other half with lane t4 ^ 1
+                        const int myrow = (t4 & 1) ? rr[mt][1] : rr[mt][0], key4 = j0 + n * 8 + (t4 >> 1) * 4;
+                        const uint4 w = philox4x32_10((((u64)bh * Tn + myrow) * Tn + key4) >> 2, stream, seed);
+                        const bool odd = t4 & 1;
+                        const u32 give0 = odd ? w.x : w.z, give1 = odd ? w.y : w.w;
+                        const u32 got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                        const u32 got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                        const u32 lo0 = odd ? got0 : w.x, lo1 = odd ? got1 : w.y;     // row rr[mt][0]
+                        const u32 hi0 = odd ? w.z : got0, hi1 = odd ? w.w : got1;     // row rr[mt][1]
+                        const int col = j0 + n * 8 + t4 * 2;
+                        if (rr[mt][0] < Tn && col < Tn) {
+                            if ((u64)lo0 < thresh) s[mt][n][0] = 0.f;
+                            if ((u64)lo1 < thresh) s[mt][n][1] = 0.f;
+                        }
+                        if (rr[mt][1] < Tn && col < Tn) {
+                            if ((u64)hi0 < thresh) s[mt][n][2] = 0.f;
+                            if ((u64)hi1 < thresh) s[mt][n][3] = 0.f;
+                        }
+                    }
+                } else if (thresh) {                          // T % 4 != 0: version 3's call per pair of keys
+#pragma unroll
+                    for (int n = 0; n < 8; n++)
+#pragma unroll
+                        for (int r = 0; r < 2; r++) {
+                            const int row = rr[mt][r], col = j0 + n * 8 + t4 * 2;
+                            if (row >= Tn || col >= Tn) continue;
+                            const u64 e0 = ((u64)bh * Tn + row) * Tn + col;
+                            uint4 w = philox4x32_10(e0 >> 2, stream, seed);
+                            const u32 l0 = (u32)(e0 & 3);
+                            u32 w0 = l0 == 0 ? w.x : l0 == 1 ? w.y : l0 == 2 ? w.z : w.w;
+                            u32 w1 = l0 == 0   ? w.y
+                                     : l0 == 1 ? w.z
+                                     : l0 == 2 ? w.w
+                                               : philox4x32_10((e0 >> 2) + 1, stream, seed).x;
+                            if ((u64)w0 < thresh) s[mt][n][2 * r] = 0.f;
+                            if ((u64)w1 < thresh) s[mt][n][2 * r + 1] = 0.f;
+                        }
+                }
+            }
+            // O += P V: P's C fragments as A fragments (key k-step kk = n-tiles 2 kk, 2 kk + 1); the B fragments
+            // of dims n 8 .. and (n + 1) 8 .. by one ldmatrix.trans (matrices: keys kk 16 + 0 / 8, dims n / n + 1)
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                u32 pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    pa[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+                    pa[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+                    pa[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+                    pa[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+                }
+#pragma unroll
+                for (int n = 0; n < 8; n += 2) {
+                    u32 bf[4];
+                    const int mi = lane >> 3;
+                    ldsm_x4_t(bf, Vs[cur] + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * LD + (n + (mi >> 1)) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma16816(o[mt][n], pa[mt], bf, T());
+                        mma16816(o[mt][n + 1], pa[mt], bf + 2, T());
+                    }
+                }
+            }
+        } else {
+            COUNT_SKIP(tid);
+        }
+        if (tid < 64) Ms[cur ^ 1][tid] = mnext;               // read from the next iteration on, after its barrier
+        __syncthreads();                                      // this tile's buffers may be refilled next
+    }
+    // finish: l over the quad, out = O / l * dscale, m and 1/l per row (version 3's code)
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            lrow[mt][r] += __shfl_xor_sync(0xffffffffu, lrow[mt][r], 1);
+            lrow[mt][r] += __shfl_xor_sync(0xffffffffu, lrow[mt][r], 2);
+            const int row = rr[mt][r];
+            if (row >= Tn) continue;
+            const float inv = 1.f / lrow[mt][r], f = inv * dscale;
+            T* op = out + ((size_t)b * Tn + row) * C + h * HS + t4 * 2;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                op[n * 8] = from_f<T>(o[mt][n][2 * r] * f);
+                op[n * 8 + 1] = from_f<T>(o[mt][n][2 * r + 1] * f);
+            }
+            if (t4 == 0) {
+                m_out[(size_t)bh * Tn + row] = mrow[mt][r];
+                linv_out[(size_t)bh * Tn + row] = inv;
+            }
+        }
+}
+
 #endif  // HALF_TYPES
 
 // the names cuda_c.py loads: attn_fwd_v1_<dtype>_hs<hs> (block 64), attn_fwd_v2_<dtype>_hs64 (block 128);
@@ -326,6 +570,16 @@ INST_TC(__half, f16, 2, false)
 INST_TC(__nv_bfloat16, bf16, 2, false)
 INST_TC(__half, f16, 3, true)
 INST_TC(__nv_bfloat16, bf16, 3, true)
+// versions 4 (64 query rows a block) and 5 (128): grid (ceil(T / (64 MT)), B * H), 128 threads
+#define INST_TC4(T, NAME, V, MT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_v##V##_##NAME##_hs64(FWD_ARGS(T)) {             \
+        flash_fwd_tc4<T, MT>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out,  \
+                             m_out, linv_out);                                                                  \
+    }
+INST_TC4(__half, f16, 4, 1)
+INST_TC4(__nv_bfloat16, bf16, 4, 1)
+INST_TC4(__half, f16, 5, 2)
+INST_TC4(__nv_bfloat16, bf16, 5, 2)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -348,12 +602,24 @@ void attention_forward(int version, const T* q, const T* k, const T* v, const fl
                    stream, thresh, dscale, out, m, linv);                                                       \
         else if (version == 2)                                                                                  \
             LAUNCH_V2_##NAME;                                                                                   \
-        else                                                                                                    \
+        else if (version == 3)                                                                                  \
             LAUNCH_V3_##NAME;                                                                                   \
+        else                                                                                                    \
+            LAUNCH_V45_##NAME;                                                                                  \
         cudaCheck(cudaGetLastError());                                                                          \
     }
 #define LAUNCH_V2_f32 (printf("version 2 has no float32 kernel\n"), exit(1))
 #define LAUNCH_V3_f32 (printf("version 3 has no float32 kernel\n"), exit(1))
+#define LAUNCH_V45_f32 (printf("versions 4, 5 have no float32 kernel\n"), exit(1))
+#define LAUNCH_V45(NAME)                                                                                         \
+    if (version == 4)                                                                                           \
+        LAUNCH(attn_fwd_v4_##NAME##_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed,       \
+               stream, thresh, dscale, out, m, linv);                                                           \
+    else                                                                                                        \
+        LAUNCH(attn_fwd_v5_##NAME##_hs64, dim3((Tn + 127) / 128, B * H), 128, q, k, v, mask, sb, sh, si, sj, B,  \
+               Tn, H, scale, seed, stream, thresh, dscale, out, m, linv)
+#define LAUNCH_V45_f16 LAUNCH_V45(f16)
+#define LAUNCH_V45_bf16 LAUNCH_V45(bf16)
 #define LAUNCH_V3_f16                                                                                            \
     LAUNCH(attn_fwd_v3_f16_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, \
            dscale, out, m, linv)
@@ -439,21 +705,31 @@ int main(int argc, char** argv) {
     run<float>("v1 f32", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 1e-5f, 1e-4f);
 #ifdef HALF_TYPES
     run<__half>("v1 f16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
-    std::vector<unsigned char> b2, b3;
+    std::vector<unsigned char> b2, b3, b4, b5;
     run<__half>("v2 f16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b2);
     run<__half>("v3 f16", 3, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b3);
-    int same = b2 == b3;
+    run<__half>("v4 f16", 4, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b4);
+    run<__half>("v5 f16", 5, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b5);
+    int same = b2 == b3, same45 = b4 == b3 && b5 == b3;
     run<__nv_bfloat16>("v1 bf16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f);
     run<__nv_bfloat16>("v2 bf16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f, &b2);
     run<__nv_bfloat16>("v3 bf16", 3, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f, &b3);
+    run<__nv_bfloat16>("v4 bf16", 4, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f, &b4);
+    run<__nv_bfloat16>("v5 bf16", 5, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f, &b5);
     same &= b2 == b3;
-    // version 3 skips padding tiles: exact zeros skipped, so version 2's bits (out, m, 1/l), or it is wrong
+    same45 &= b4 == b3 && b5 == b3;
+    // version 3 skips padding tiles: exact zeros skipped, so version 2's bits (out, m, 1/l), or it is wrong;
+    // versions 4 and 5 reorganise version 3's loads, not its arithmetic: its bits, or they are wrong
     printf("v3 = v2 bit for bit (f16, bf16): %s\n", same ? "yes" : "NO");
+    printf("v4 = v5 = v3 bit for bit (f16, bf16): %s\n", same45 ? "yes" : "NO");
+    same &= same45;
 #ifdef CPUSIM
-    printf("v3 skipped %lld key tiles of padding\n", (long long)cpusim_skipped_tiles.load());
+    printf("v3, v4, v5 skipped %lld key tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
 #endif
     if (!same) return 1;
 #endif

@@ -337,6 +337,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N> __device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void ldsm_x4(u32* r, const void* smem) { cpusim::ldsm_x4<false>(r, smem); }
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const void* smem) { cpusim::ldsm_x4<true>(r, smem); }
 #else
 __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b, __half) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -358,6 +360,21 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ldmatrix x4: four 8 x 8 matrices of 16-bit values from shared memory in one instruction; lane L gives the address
+// of row L % 8 of matrix L / 8 (16 bytes, 16-byte aligned), register i of lane L gets matrix i's row L / 4, columns
+// 2 (L % 4) .. + 1: the layout of an mma A or B fragment. _t (.trans): column L / 4, rows 2 (L % 4) .. + 1
+// (a B fragment of a matrix stored k-major, V for P V). asm volatile: ordered with the barriers around it.
+__device__ __forceinline__ void ldsm_x4(u32* r, const void* smem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const void* smem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
 #endif  // CPUSIM
 #endif  // HALF_TYPES
 

@@ -345,6 +345,36 @@ template <class T> inline void mma16816(float* c, const unsigned* a, const unsig
             c[2 * r + cc] += acc;
         }
 }
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane L gives the address of row L % 8 of 8 x 8 matrix L / 8
+// (16 bytes of 16-bit values); register i of lane L receives two values of matrix i: row L / 4, columns
+// 2 (L % 4) and 2 (L % 4) + 1, or with .trans column L / 4, rows 2 (L % 4) and 2 (L % 4) + 1 (low half first)
+struct LdsmWarp { const unsigned short* row[2][32]; int phase[32]; };
+inline LdsmWarp& ldsm_warp() {                                   // one per warp of the running block
+    static std::vector<LdsmWarp> all;
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    if ((int)all.size() < (int)block->warps.size()) all.resize(block->warps.size());
+    return all[ltid / 32];
+}
+template <bool TRANS> inline void ldsm_x4(unsigned* r, const void* addr) {
+    LdsmWarp& m = ldsm_warp();
+    const int lane = ltid % 32, ph = m.phase[lane];
+    m.phase[lane] ^= 1;
+    m.row[ph][lane] = static_cast<const unsigned short*>(addr);
+    warp().bar.arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; i++) {
+        unsigned lo, hi;
+        if (TRANS) {
+            lo = m.row[ph][8 * i + 2 * t][g];
+            hi = m.row[ph][8 * i + 2 * t + 1][g];
+        } else {
+            lo = m.row[ph][8 * i + g][2 * t];
+            hi = m.row[ph][8 * i + g][2 * t + 1];
+        }
+        r[i] = lo | (hi << 16);
+    }
+}
 inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
     std::memset(smem, 0, 16);
     std::memcpy(smem, gmem, (size_t)std::min(src_bytes, 16));

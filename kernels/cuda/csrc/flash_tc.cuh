@@ -42,33 +42,59 @@ __device__ __forceinline__ void tc_frag_b(u32* b, const T* Y, int k0, int n0, in
     b[0] = (u32)p[0] | ((u32)p[TC_LD] << 16);
     b[1] = (u32)p[8 * TC_LD] | ((u32)p[9 * TC_LD] << 16);
 }
-// acc (16 x 64: 8 n-tiles) = A (16 x 64, as 4 k-steps of register fragments) times Y^T, Y a 64 x 64 shared tile
-template <typename T>
+// acc (16 x 64: 8 n-tiles) = A (16 x 64, as 4 k-steps of register fragments) times Y^T, Y a 64 x 64 shared tile.
+// LDSM: the B fragments of two k-steps by one ldmatrix (lane L: row n 8 + L % 8, columns 32 k2 + 8 (L / 8)), the
+// same values in the same order of products (so the same bits) for half the load instructions
+template <typename T, bool LDSM = false>
 __device__ __forceinline__ void tc_rows_times_t(float (*acc)[4], const u32 (*a)[4], const T* Y, int g, int t4) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        if (LDSM) {
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            u32 b[2];
-            tc_frag_b_t(b, Y, n * 8, kk * 16, g, t4);
-            mma16816(acc[n], a[kk], b, T());
+            for (int k2 = 0; k2 < 2; k2++) {
+                u32 b[4];
+                ldsm_x4(b, Y + (n * 8 + (lane & 7)) * TC_LD + k2 * 32 + (lane >> 3) * 8);
+                mma16816(acc[n], a[2 * k2], b, T());
+                mma16816(acc[n], a[2 * k2 + 1], b + 2, T());
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                u32 b[2];
+                tc_frag_b_t(b, Y, n * 8, kk * 16, g, t4);
+                mma16816(acc[n], a[kk], b, T());
+            }
         }
     }
 }
-// acc (16 x 64) += X (16 x 64 float32 C fragments, rounded to 16 bits as A fragments) times Y (64 x 64 shared)
-template <typename T>
+// acc (16 x 64) += X (16 x 64 float32 C fragments, rounded to 16 bits as A fragments) times Y (64 x 64 shared).
+// LDSM: the B fragments of two n-tiles by one ldmatrix.trans (matrices: rows 16 kk + 0 / 8, columns 8 n / 8 n + 8)
+// where tc_frag_b takes four 16-bit loads for one; the same values, the same order of products
+template <typename T, bool LDSM = false>
 __device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4], const T* Y, int g, int t4) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         const u32 a[4] = {pack2(x[2 * kk][0], x[2 * kk][1], T()), pack2(x[2 * kk][2], x[2 * kk][3], T()),
                           pack2(x[2 * kk + 1][0], x[2 * kk + 1][1], T()),
                           pack2(x[2 * kk + 1][2], x[2 * kk + 1][3], T())};
+        if (LDSM) {
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-            u32 b[2];
-            tc_frag_b(b, Y, kk * 16, n * 8, g, t4);
-            mma16816(acc[n], a, b, T());
+            for (int n = 0; n < 8; n += 2) {
+                u32 b[4];
+                ldsm_x4_t(b, Y + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * TC_LD + (n + (mi >> 1)) * 8);
+                mma16816(acc[n], a, b, T());
+                mma16816(acc[n + 1], a, b + 2, T());
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                u32 b[2];
+                tc_frag_b(b, Y, kk * 16, n * 8, g, t4);
+                mma16816(acc[n], a, b, T());
+            }
         }
     }
 }
@@ -118,10 +144,11 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
     }
 }
 
-// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-3 (float16 / bfloat16
+// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-4 (float16 / bfloat16
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
 // score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
-// these. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64; rows past T read as zeros.
+// these. LDSM (attention_backward.cu version 4): B fragments by ldmatrix (pass 1: the transposed ones of dV and dK
+// alone; pass 2: all), the same bits. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64; rows past T read as zeros.
 
 // pass 1, per 64-key tile j0 (grid (ceil(T / 64), B * H), block 128): the block's k and v kept as A fragments; for
 // each 64-query tile (q, dout and the rows' r0, r1, r2 double-buffered through cp.async), S^T = k q^T and
@@ -129,7 +156,7 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
 // operands of dV += pz^T dout and dK += ds^T q (pz = ds = 0 elsewhere). keypad (block-uniform: this key tile is
 // all padding, attention_backward.cu v3): a query tile whose rows all met a real key in the forward
 // (r0 = m > PAD_MIN) is skipped, its p exactly 0.
-template <typename T, class Elem>
+template <typename T, bool LDSM = false, class Elem>
 __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ dout,
                                             const float* __restrict__ r0, const float* __restrict__ r1,
@@ -172,6 +199,8 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
             continue;
         }
         float s[8][4], dp[8][4];
+        // (LDSM takes ldmatrix for the two products below, not for these: here it left ptxas 255 registers and
+        // 40 bytes of spills, against 247 and none)
         tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
         tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dout^T: keys x queries
 #pragma unroll
@@ -184,8 +213,8 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
                 s[n][e] = pz;
                 dp[n][e] = ds;
             }
-        tc_acc_times<T>(dva, s, Os[cur], g, t4);              // dV += pz^T dout
-        tc_acc_times<T>(dka, dp, Qs[cur], g, t4);             // dK += ds^T q
+        tc_acc_times<T, LDSM>(dva, s, Os[cur], g, t4);        // dV += pz^T dout
+        tc_acc_times<T, LDSM>(dka, dp, Qs[cur], g, t4);       // dK += ds^T q
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
 }
@@ -194,7 +223,7 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
 // r0, r1, r2 in registers (ri[r], r = 0, 1: the thread's rows i0 + warp * 16 + g + 8 r); for each 64-key tile (k, v
 // double-buffered) that skip(j0) does not pass (block-uniform), S = q k^T and dP = dout v^T, elem(s, dp, i, j,
 // r0_i, r1_i, r2_i) gives ds for every real pair (0 elsewhere), dQ += ds k
-template <typename T, class Skip, class Elem>
+template <typename T, bool LDSM = false, class Skip, class Elem>
 __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T* __restrict__ k,
                                                const T* __restrict__ v, const T* __restrict__ dout,
                                                const float (&r0)[2], const float (&r1)[2], const float (&r2)[2],
@@ -214,8 +243,8 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
             return;
         }
         float s[8][4], dp[8][4];
-        tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);            // S: queries x keys
-        tc_rows_times_t<T>(dp, oa, Vs[cur], g, t4);           // dP = dout V^T
+        tc_rows_times_t<T, LDSM>(s, qa, Ks[cur], g, t4);      // S: queries x keys
+        tc_rows_times_t<T, LDSM>(dp, oa, Vs[cur], g, t4);     // dP = dout V^T
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
@@ -225,7 +254,7 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
                 if (i < Tn && j < Tn) ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r]);
                 dp[n][e] = ds;
             }
-        tc_acc_times<T>(dqa, dp, Ks[cur], g, t4);             // dq += ds K
+        tc_acc_times<T, LDSM>(dqa, dp, Ks[cur], g, t4);       // dq += ds K
     });
 }
 
