@@ -64,6 +64,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
                # (C4: C3's forward, its one-pass backward: dq partials of 3 key tiles summed, a tile tail)
                ("attention", "C4"): [dict(B=2, T=37, H=3, hs=64, mask="hf", p=0.2),
                                      dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1)],
+               # (C6: C4 with the forward's double buffer refilled over 3 key tiles, and a mask with rows (not staged))
+               ("attention", "C6"): [dict(B=1, T=130, H=1, hs=64, mask="ninf", p=0.1),
+                                     dict(B=1, T=70, H=2, hs=64, mask="full")],
                ("embedding", "C1"): [dict(N=(2, 45), V=2, C=37), dict(N=(37,), V=30, C=52, pad=0),
                                      dict(N=(1,), V=1, C=1)]}
         for op, vs in VV.versions().items():
@@ -113,11 +116,23 @@ def test_emu_every_cuda_c_version_matches_oracle():
                     assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
                                           b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, rows)
         print("C5 = C2 bit for bit")
+        # C6's forward (attention_f32.cu v5) moves C3's (v3) loads: out, m and 1/l the same bits (3 key tiles, padding,
+        # dropout with T % 4 == 0)
+        q, k, v = (E.cupy.asarray(r.standard_normal((2, 132, 128)).astype(np.float32)) for _ in range(3))
+        host = np.zeros((2, 1, 1, 132), np.float32)
+        host[1, ..., 70:] = np.finfo(np.float32).min
+        ref = K.attention_forward_c3(q, k, v, 2, E.cupy.asarray(host), 0.1, DropoutRNG(4), True)
+        got = K.attention_forward_c6(q, k, v, 2, E.cupy.asarray(host), 0.1, DropoutRNG(4), True)
+        for a, b in ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7])):
+            assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32))
+        print("C6 forward = C3 forward bit for bit")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 21, out
+    assert out.count("OK ") == 22, out
+    assert "OK attention C6 float32" in out and "attn_fwd_v5_f32_hs64" in out, out
     assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out and "C5 = C2 bit for bit" in out
+    assert "C6 forward = C3 forward bit for bit" in out, out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)

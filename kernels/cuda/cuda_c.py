@@ -18,6 +18,8 @@ raised by the same checks before any launch; the same dropout elements).
                                           forward and backward, dynamic shared memory)
                                  C4       C3's forward; attention_f32.cu v4 backward (dk, dv,  f32, hs = 64
                                           dq in one pass: dq partials summed in key order)
+                                 C6       attention_f32.cu v5 forward (C3's bits: cp.async,    f32, hs = 64
+                                          K / V double-buffered, the mask staged), C4's backward
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
     layernorm                    C1-C3    layernorm.cu v1, v2, v3 (kind ln)                    f32
     residual_layernorm           C2, C3   layernorm.cu v2, v3 (kind res)                       f32
@@ -254,8 +256,8 @@ def _attention_backward(dout, cache, version):
         FELL_BACK[("attention", op)] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
                                         f"(tensor cores: float16, hs 64): the scalar backward ran")
         FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
-        warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward ({FELL_BACK[('attention', op)]})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward "
+                      f"({FELL_BACK[('attention', op)]})", RuntimeWarning, stacklevel=3)
         version = 1
     if version in (3, 4):
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v{version}_f16_hs64", xp)(grid, (128,), args + (dk, dv))
@@ -288,6 +290,7 @@ def attention_probs(cache):
 
 A3_FWD_SMEM = 3 * 64 * 68 * 4                 # q, k (then p), v tiles of 64 rows padded to 68 floats
 A3_BWD_SMEM = (6 * 64 * 68 + 3 * 64) * 4      # four input tiles, two product tiles, three row vectors
+A5_FWD_SMEM = (5 * 64 * 68 + 2 * 64) * 4      # q, two k (then p) and two v tiles, two mask rows (forward v5)
 _SMEM_SET = set()
 
 
@@ -306,6 +309,17 @@ def _c3_ok(*arrays, hs):
 
 
 def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    return _attention_forward_f32(q, k, v, n_heads, mask, dropout_p, rng, train, 3)
+
+
+def attention_forward_c6(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
+    """C6's forward: attention_f32.cu version 5, version 3's arithmetic and bits with Q, K and V by cp.async (K, V
+    double-buffered: the next tile lands while this one computes) and the mask row of each key tile staged in
+    shared memory (87 KB of dynamic shared memory)."""
+    return _attention_forward_f32(q, k, v, n_heads, mask, dropout_p, rng, train, 5)
+
+
+def _attention_forward_f32(q, k, v, n_heads, mask, dropout_p, rng, train, version):
     A = _numba()
     B, T, Cc, H = A._checks(q, k, v, n_heads, mask)
     hs = Cc // H
@@ -315,7 +329,8 @@ def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     if not _c3_ok(q, k, v, hs=hs) or q.size == 0:
         why = _why(q) if not _c_ok(q, k, v) else (f"head size {hs} (kernels for 64)" if hs != 64 else
                                                   "an empty input" if not q.size else "q, k or v not 16-byte aligned")
-        return _fallback("attention", "C3", why, attention_forward, q, k, v, n_heads, mask, dropout_p, rng, train)
+        return _fallback("attention", "C3" if version == 3 else "C6", why, attention_forward, q, k, v, n_heads, mask,
+                         dropout_p, rng, train)
     mask4 = A._mask4(xp, mask, B, H, T, q.dtype)
     m32 = xp.ascontiguousarray(mask4)
     dropping, p_ok, (seed, stream, thresh, dscale) = A._drop(dropout_p, rng, train)
@@ -324,8 +339,9 @@ def attention_forward_c3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     linv = xp.empty((B, H, T), np.float32)
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), out, m, linv)
-    kernel_smem("attention_f32.cu", "attn_fwd_v3_f32_hs64", xp, A3_FWD_SMEM)(((T + 63) // 64, B * H), (128,), args,
-                                                                           shared_mem=A3_FWD_SMEM)
+    smem = A3_FWD_SMEM if version == 3 else A5_FWD_SMEM
+    kernel_smem("attention_f32.cu", f"attn_fwd_v{version}_f32_hs64", xp, smem)(((T + 63) // 64, B * H), (128,), args,
+                                                                             shared_mem=smem)
     if C.checks_on(m) and not (bool(xp.isfinite(m).all()) and bool(xp.isfinite(linv).all())):
         raise ValueError(A._SOFTMAX_ERROR)               # (a read back: only with REFBERT_CUDA_CHECKS=1)
     if not p_ok or (train and dropout_p > 0.0 and not isinstance(rng, A.DropoutRNG)):

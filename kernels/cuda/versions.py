@@ -37,11 +37,12 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
        "attention", "cross_entropy", "column_sum", "embedding")
 # the built-in preference per op (CUDA C first, then Numba from the highest number down; attention C2 (float16
 # alone) before C1: on the H200, 2026-11-27, its backward ran 1.96 ms at B=4 H=12 T=2048 against C1's 14.7; C5,
-# C2's bits with a forward built to read less shared memory a product, after C2 until a GPU has timed the two)
+# C2's bits with a forward built to read less shared memory a product, after C2 until a GPU has timed the two;
+# C6, C4's bits with the forward's loads pipelined, after C4 likewise)
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C3", "C1", "2", "1"],
          "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C2", "C3", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
-         "attention": ["C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
+         "attention": ["C4", "C6", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -231,6 +232,9 @@ def _build():
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
               "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v4)"),
+             ("attention", "C6", K.attention_forward_c6, K.attention_backward_c4, f32, "C4 with the forward's "
+              "loads off its critical path: cp.async, K and V double-buffered, the mask row staged; C3's forward "
+              "bits (attention_f32.cu v5, v4)"),
              ("cross_entropy", "C1", K.cross_entropy_forward_c1, K.cross_entropy_backward_c1, f32,
               "a block per row, online max/sum; kept rows and the loss on the device"),
              ("cross_entropy", "C2", K.cross_entropy_forward_c2, K.cross_entropy_backward_c1, f32,
@@ -242,7 +246,7 @@ def _build():
             if fwd is None:
                 continue
             var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",), "C4": ("hs64",),
-                   "C5": ("hs64",)}.get(key) \
+                   "C5": ("hs64",), "C6": ("hs64",)}.get(key) \
                 if op == "attention" else None
             vs[op].append(Version(op, key, fwd, bwd, dts, note, K.attention_probs if op == "attention" else None,
                                   var))

@@ -41,6 +41,13 @@ Version 4 (the backward; the forward stays version 3's):
   B=8 H=12 T=512: about 70 us of traffic at 3 TB/s against version 3's dq kernel, 3 of its 7 products). dk and dv
   are version 3's bit for bit (the same code).
 
+Version 5 (the forward; the backward stays version 4's): version 3's arithmetic and bits with Q, K and V moved by
+  cp.async, K and V double-buffered (the next tile is issued after the barrier that opens this one and lands while
+  it computes: version 3 waited on global memory at every tile), a mask constant along the queries staged in
+  shared memory a tile at a time (version 3: a 64-bit index and a global load per score), three barriers a tile.
+  87 KB of dynamic shared memory, two blocks an SM as version 3. The main compares its out, m and 1/l with version
+  3's bit for bit; op version C6 (C4's backward).
+
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T]
 On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ attention_f32.cu
@@ -253,6 +260,142 @@ extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v3_f32_hs64(A3_A
         }
     }
 }
+
+#ifdef HALF_TYPES   // (cp.async: common.cuh's, beside the tensor-core helpers)
+// ----------------------------------------------------------------------------------------------------------------
+// forward version 5: version 3's arithmetic (the same bits: the main compares them) with the loads off the critical
+// path. Version 3 loads each K / V tile through registers between two barriers, so every tile starts with the
+// whole block waiting on global memory, and reads the mask with a 64-bit index and a global load per score. Here:
+//   - Q and the K / V tiles by cp.async, K and V double-buffered: tile it + 1 is issued right after the barrier
+//     that opens tile it (every thread is then done with the buffers it refills) and lands while tile it computes;
+//   - a mask constant along the queries (si == 0, BERT's (B, 1, 1, T)): the tile's 64 entries staged in shared
+//     memory (the next tile's fetched into a register meanwhile), 8 shared loads a thread a tile for its 32 scores;
+//   - three barriers a tile (tile ready; K read, p may overwrite it; p written), four with dropout.
+// 87 KB of dynamic shared memory (Q, two K and two V tiles; p overwrites the K tile it came from): two blocks an
+// SM, as version 3's launch bounds ask.
+#define A5_FWD_SMEM (5 * A3_TILE * 4 + 2 * 64 * 4)
+
+__device__ __forceinline__ void a5_load(float* __restrict__ dst, const float* __restrict__ src, size_t base,
+                                        int row0, int T, int C) {       // a3_load by cp.async (zeros past T)
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int idx = threadIdx.x + A3_NT * t, r = idx >> 4, c4 = (idx & 15) * 4;
+        const bool ok = row0 + r < T;
+        cp_async16(dst + r * A3_LD + c4, src + base + (size_t)(ok ? row0 + r : 0) * C + c4, ok ? 16 : 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v5_f32_hs64(A3_ARGS, float* __restrict__ out,
+                                                                         float* __restrict__ m_out,
+                                                                         float* __restrict__ linv_out) {
+    DYN_SHARED(float, sm);
+    // Q, then K tiles 0 and 1 (p overwrites the current one), V tiles 0 and 1, the tiles' mask rows [2][64]
+    // (buffer cur at sm + (1 + cur) A3_TILE: arithmetic, since an array of pointers indexed by cur is local memory)
+    float *Qs = sm, *Ms = sm + 5 * A3_TILE;
+    auto Kb = [&](int c) { return sm + (1 + c) * A3_TILE; };
+    auto Vb = [&](int c) { return sm + (3 + c) * A3_TILE; };
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int C = H * A3_HS, q0 = blockIdx.x * 64, ntiles = (Tn + 63) / 64;
+    const size_t base = (size_t)b * Tn * C + h * A3_HS;
+    const bool staged = si == 0;                                        // (block-uniform)
+    const float* mrow = mask + b * sb + h * sh;
+    auto mask_at = [&](int j) { return j < Tn ? mrow[j * sj] : 0.f; };
+    a5_load(Qs, q, base, q0, Tn, C);
+    a5_load(Kb(0), k, base, 0, Tn, C);
+    a5_load(Vb(0), v, base, 0, Tn, C);
+    cp_async_commit();
+    if (staged && tid < 64) Ms[tid] = mask_at(tid);
+    float o[4][8], mi[4], li[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        mi[i] = -INFINITY;
+        li[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[i][j] = 0.f;
+    }
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, k0 = it * 64;
+        cp_async_wait<0>();                                           // tile it (issued a tile ago) has landed
+        __syncthreads();                                              // ... for every thread; tile it - 1 is done
+        if (it + 1 < ntiles) {
+            a5_load(Kb(cur ^ 1), k, base, k0 + 64, Tn, C);
+            a5_load(Vb(cur ^ 1), v, base, k0 + 64, Tn, C);
+        }
+        cp_async_commit();
+        const float mnext = staged && tid < 64 ? mask_at(k0 + 64 + tid) : 0.f;
+        float s[4][8];
+        tile_dot(s, Qs, Kb(cur));
+        float mk[8];                                                  // the thread's 8 columns' mask (si == 0)
+        if (staged)
+#pragma unroll
+            for (int j = 0; j < 8; j++) mk[j] = Ms[cur * 64 + tx + 8 * j];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {                                 // version 3's online softmax, its order
+            const int row = min(q0 + ty + 16 * i, Tn - 1);
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int col = k0 + tx + 8 * j;
+                s[i][j] = col < Tn ? s[i][j] * scale + (staged ? mk[j] : a3_mask(mask, sb, sh, si, sj, b, h, row, col))
+                                   : -INFINITY;
+                mx = fmaxf(mx, s[i][j]);
+            }
+#pragma unroll
+            for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mn = fmaxf(mi[i], mx);
+            float sum = 0.f;
+            if (mn == -INFINITY) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) s[i][j] = 0.f;
+            } else {
+                const float alpha = __expf(mi[i] - mn);
+#pragma unroll
+                for (int j = 0; j < 8; j++) { s[i][j] = __expf(s[i][j] - mn); sum += s[i][j]; }
+                li[i] *= alpha;
+#pragma unroll
+                for (int j = 0; j < 8; j++) o[i][j] *= alpha;
+                mi[i] = mn;
+            }
+#pragma unroll
+            for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            li[i] += sum;
+        }
+        __syncthreads();                                              // every thread is done reading K
+        float* Ps = Kb(cur);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) Ps[(ty + 16 * i) * A3_LD + tx + 8 * j] = s[i][j];
+        if (staged && tid < 64) Ms[(cur ^ 1) * 64 + tid] = mnext;    // (read after the next tile's first barrier)
+        __syncthreads();
+        if (thresh) {                                                 // version 3's keep factors, 4 keys a call
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+                const float4 z = a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh);
+                float4 p = ld4(Ps + r * A3_LD + c4);
+                st4(Ps + r * A3_LD + c4, make_float4(p.x * z.x, p.y * z.y, p.z * z.z, p.w * z.w));
+            }
+            __syncthreads();
+        }
+        tile_pv(o, Ps, Vb(cur));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = q0 + ty + 16 * i;
+        if (row >= Tn) continue;
+        const float inv = 1.f / li[i], f = inv * dscale;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+            st4(out + base + (size_t)row * C + 4 * tx + 32 * kk,
+                make_float4(o[i][4 * kk] * f, o[i][4 * kk + 1] * f, o[i][4 * kk + 2] * f, o[i][4 * kk + 3] * f));
+        if (tx == 0) {
+            m_out[(size_t)bh * Tn + row] = mi[i];
+            linv_out[(size_t)bh * Tn + row] = inv;
+        }
+    }
+}
+#endif  // HALF_TYPES
 
 // ----------------------------------------------------------------------------------------------------------------
 // backward
@@ -549,7 +692,9 @@ static float* dalloc(const float* h, size_t n) {
 
 int main(int argc, char** argv) {
 #ifdef CPUSIM_SMALL
-    const int shapes[][3] = {{2, 70, 2}, {1, 1, 1}, {1, 66, 1}};    // B, T, H: tails of both tiles, T % 4 != 0, T = 1
+    // B, T, H: tails of both tiles, T % 4 != 0 (a Philox call per key), T = 1; T % 4 == 0 with a tile of padding
+    // and three key tiles (a double buffer refilled while the other is in use)
+    const int shapes[][3] = {{2, 70, 2}, {1, 1, 1}, {1, 66, 1}, {2, 136, 1}};
 #else
     const int shapes[][3] = {{2, 70, 2}, {1, 1, 1}, {8, 512, 12}, {2, argc > 1 ? atoi(argv[1]) : 2048, 12}};
 #endif
@@ -591,6 +736,14 @@ int main(int argc, char** argv) {
             LAUNCH_SMEM(attn_bwd_dq_v3_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL,
                         1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gq);
         };
+#ifdef HALF_TYPES
+        cudaCheck(cudaFuncSetAttribute(attn_fwd_v5_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize, A5_FWD_SMEM));
+        float *o5 = dalloc(nullptr, n), *m5 = dalloc(nullptr, nr), *l5 = dalloc(nullptr, nr);
+        auto fwd5 = [&]() {
+            LAUNCH_SMEM(attn_fwd_v5_f32_hs64, grid, A3_NT, A5_FWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL, 0LL, 1LL,
+                        B, T, H, scale, seed, stream, thresh, dscale, o5, m5, l5);
+        };
+#endif
         auto bwd4 = [&]() {
             LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
             LAUNCH_SMEM(attn_bwd_fused_v4_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
@@ -598,6 +751,21 @@ int main(int argc, char** argv) {
             LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
         };
         fwd();
+#ifdef HALF_TYPES
+        // forward version 5 moves version 3's loads off the critical path: its out, m and 1/l bits, or it is wrong
+        fwd5();
+        cudaCheck(cudaDeviceSynchronize());
+        bool same5 = true;
+        for (auto pr : {std::make_pair(o_, o5), std::make_pair(m_, m5), std::make_pair(l_, l5)}) {
+            const size_t cnt = pr.first == o_ ? n : nr;
+            std::vector<float> a(cnt), c(cnt);
+            cudaCheck(cudaMemcpy(a.data(), pr.first, cnt * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(c.data(), pr.second, cnt * 4, cudaMemcpyDeviceToHost));
+            same5 &= std::memcmp(a.data(), c.data(), cnt * 4) == 0;
+        }
+        printf("  v5 forward = v3 forward bit for bit (out, m, 1/l): %s\n", same5 ? "yes" : "NO");
+        if (!same5) exit(EXIT_FAILURE);
+#endif
         bwd4();                                                       // version 4 first: v3 overwrites its results
         cudaCheck(cudaGetLastError());
         cudaCheck(cudaDeviceSynchronize());
@@ -636,6 +804,11 @@ int main(int argc, char** argv) {
                ms_f, fl / ms_f / 1e9, ms_b, 2.5 * fl / ms_b / 1e9);
         printf("  v4 f32: backward %.4f ms %.1f TFLOP/s (dq partials %.0f MB)\n", ms_b4, 2.5 * fl / ms_b4 / 1e9,
                (double)nkt * nr * A3_HS * 4 / 1e6);
+#ifdef HALF_TYPES
+        const float ms_f5 = benchmark_kernel(10, fwd5);
+        printf("  v5 f32: forward %.4f ms %.1f TFLOP/s\n", ms_f5, fl / ms_f5 / 1e9);
+        for (float* d : {o5, m5, l5}) cudaFree(d);
+#endif
         free(q); free(k); free(v); free(dout);
         for (float* d : {dq_, dk_, dv_, ddo, dm, o_, m_, l_, D_, gq, gk, gv, parts}) cudaFree(d);
     }

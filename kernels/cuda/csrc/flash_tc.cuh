@@ -148,7 +148,8 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
 // score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
 // these. LDSM (attention_backward.cu version 4): B fragments by ldmatrix (pass 1: the transposed ones of dV and dK
-// alone; pass 2: all), the same bits. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64; rows past T read as zeros.
+// alone; pass 2: all), the same bits. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64;
+// rows past T read as zeros.
 
 // pass 1, per 64-key tile j0 (grid (ceil(T / 64), B * H), block 128): the block's k and v kept as A fragments; for
 // each 64-query tile (q, dout and the rows' r0, r1, r2 double-buffered through cp.async), S^T = k q^T and
