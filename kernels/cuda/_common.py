@@ -381,20 +381,41 @@ def is_array(a):
 
 
 _EMU = "refbert_kernels.cuda.emulate"
+_XP = {}            # type -> its array module: xp_of runs several times around every launch
 
 
 def xp_of(a):
     """The array module of a: cupy for a CuPy array (imported only when one is seen), the emulated cupy of
-    refbert_kernels.cuda.emulate for its device arrays, else numpy."""
-    if isinstance(a, np.ndarray):
-        if type(a) is not np.ndarray and type(a).__module__ == _EMU:
-            from .emulate import cupy
-            return cupy
-        return np
-    if type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    return np
+    refbert_kernels.cuda.emulate for its device arrays, else numpy. It depends on type(a) alone, so it is looked
+    up once per type."""
+    t = type(a)
+    xp = _XP.get(t)
+    if xp is None:
+        if issubclass(t, np.ndarray):
+            if t is not np.ndarray and t.__module__ == _EMU:
+                from .emulate import cupy as xp
+            else:
+                xp = np
+        elif t.__module__.split(".")[0] == "cupy":
+            import cupy as xp
+        else:
+            xp = np
+        _XP[t] = xp
+    return xp
+
+
+_SIBLINGS = {}
+
+
+def sibling(name):
+    """The module refbert_kernels.cuda.<name>, imported on first use and kept: for code that must not import it at
+    its top (an import cycle, or a Numba kernel module whose failure to import must not take the CUDA C path with
+    it), without an import statement's cost (about a microsecond) on every call."""
+    m = _SIBLINGS.get(name)
+    if m is None:
+        import importlib
+        m = _SIBLINGS[name] = importlib.import_module(f"{__package__}.{name}")
+    return m
 
 
 def on_device(a):

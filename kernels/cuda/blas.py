@@ -222,8 +222,7 @@ def _bits_f32(a, kind):
 
 
 def _gpu(a):
-    from . import versions
-    return versions.MODE == "gpu" and C.on_device(a)
+    return C.sibling("versions").MODE == "gpu" and C.on_device(a)
 
 
 def _product(a, b, ta, tb, out_dtype, kind, raw):

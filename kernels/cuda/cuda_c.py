@@ -91,8 +91,14 @@ RECORD = None       # a list while the bench's launch probe records: (name, kern
                     # (kw: the launch's keywords, shared_mem above all: a replay without it reads outside shared memory)
 
 
+_FUNCTIONS = {}     # (source, name, xp) -> the kernel: get_function once, not at every launch
+
+
 def kernel(source, name, xp=None):
-    fn = module(source, xp).get_function(name)
+    key = (source, name, xp)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = module(source, xp).get_function(name)
     if RECORD is None:
         return fn
 
@@ -102,7 +108,10 @@ def kernel(source, name, xp=None):
     return recorded
 
 
+@functools.lru_cache(maxsize=4096)
 def _i(n):
+    """n as the kernels' C int (np.int32: CuPy packs a Python int as 8 bytes); the same few ints come back at every
+    launch, so they are made once."""
     return np.int32(n)
 
 
@@ -157,7 +166,7 @@ def _mask_strides(mask4):
 
 
 def _numba():
-    from . import attention as A
+    A = C.sibling("attention")
     return A
 
 
@@ -429,7 +438,7 @@ _C4_SAID = set()
 # softmax (C2)
 
 def softmax_forward(x, scale=1.0, mask=None):
-    from . import softmax as S
+    S = C.sibling("softmax")
     if not (_c_ok(x) and x.ndim >= 1 and x.size and (mask is None or _c_ok(mask))):
         return _fallback("softmax", "C2", _why(x, mask) if not _c_ok(x) or (mask is not None and not _c_ok(mask))
                          else "an empty input", S.softmax_forward, x, scale, mask)
@@ -456,7 +465,7 @@ def softmax_forward(x, scale=1.0, mask=None):
 
 
 def softmax_backward(dout, cache):
-    from . import softmax as S
+    S = C.sibling("softmax")
     p, scale = cache
     if not (_c_ok(p, dout) and p.size):
         return _fallback("softmax", "C2", _why(p, dout), S.softmax_backward, dout, cache)
@@ -483,7 +492,7 @@ class LayerNormCacheC(NamedTuple):
 
 
 def layernorm_forward(x, w, b, eps=1e-12):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not (_c_ok(x, w, b) and x.ndim >= 1 and x.size):
         return _fallback("layernorm", "C1", _why(x, w, b) if not _c_ok(x, w, b) else "an empty input",
                          L.layernorm_forward, x, w, b, eps)
@@ -503,7 +512,7 @@ def layernorm_forward(x, w, b, eps=1e-12):
 
 
 def layernorm_backward(dout, cache):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if isinstance(cache, LayerNormCacheC2):
         return layernorm_backward_c2(dout, cache)
     if not isinstance(cache, LayerNormCacheC):          # the forward fell back to Numba (not float32 device arrays)
@@ -546,7 +555,7 @@ class LayerNormCacheC2(NamedTuple):
 def _null(xp, dtype):
     """A zero-size device array of dtype, made once per array module: its pointer is null (CuPy's and the
     emulator's alike)."""
-    key = (id(xp), np.dtype(dtype).str)
+    key = (id(xp), dtype)                       # (dtype as given: np.uint16 and dtype("uint16") each get one)
     a = _NULLS.get(key)
     if a is None:
         a = _NULLS[key] = xp.empty(0, dtype)
@@ -661,7 +670,7 @@ def layernorm_forward_c3(x, w, b, eps=1e-12):
 
 
 def _layernorm_c(version, x, w, b, eps):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not (_c_ok(x, w, b) and x.ndim >= 1):
         return _fallback("layernorm", f"C{version}", _why(x, w, b), L.layernorm_forward_v2, x, w, b, eps)
     L._check_ln(x, w, b)
@@ -669,7 +678,7 @@ def _layernorm_c(version, x, w, b, eps):
 
 
 def layernorm_backward_c2(dout, cache):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not isinstance(cache, LayerNormCacheC2):
         return L.layernorm_backward(dout, cache)
     dx, _, dw, db = _ln2_backward(dout, cache)
@@ -685,7 +694,7 @@ def residual_layernorm_forward_c3(x, a, w, b, eps=1e-12):
 
 
 def _residual_layernorm_c(version, x, a, w, b, eps):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not (_c_ok(x, a, w, b) and x.ndim >= 1):
         return _fallback("residual_layernorm", f"C{version}", _why(x, a, w, b), L.residual_layernorm_forward_v2,
                          x, a, w, b, eps)
@@ -696,7 +705,7 @@ def _residual_layernorm_c(version, x, a, w, b, eps):
 
 
 def residual_layernorm_backward_c2(dout, cache):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not isinstance(cache, LayerNormCacheC2):
         return L.residual_layernorm_backward(dout, cache)
     ds, _, dw, db = _ln2_backward(dout, cache)
@@ -712,8 +721,8 @@ def dropout_residual_layernorm_forward_c3(x, a, w, b, eps=1e-12, p=0.0, rng=None
 
 
 def _dropout_residual_layernorm_c(version, x, a, w, b, eps, p, rng, train):
-    from . import layernorm as L
-    from .dropout import draw
+    L = C.sibling("layernorm")
+    draw = C.sibling("dropout").draw
     if not (_c_ok(x, a, w, b) and x.ndim >= 1):
         return _fallback("dropout_residual_layernorm", f"C{version}", _why(x, a, w, b),
                          L.dropout_residual_layernorm_forward_v2, x, a, w, b, eps, p, rng, train)
@@ -726,7 +735,7 @@ def _dropout_residual_layernorm_c(version, x, a, w, b, eps, p, rng, train):
 
 
 def dropout_residual_layernorm_backward_c2(dout, cache):
-    from . import layernorm as L
+    L = C.sibling("layernorm")
     if not isinstance(cache, LayerNormCacheC2):
         return L.dropout_residual_layernorm_backward(dout, cache)
     ds, da, dw, db = _ln2_backward(dout, cache)
@@ -751,7 +760,7 @@ def _dropout_apply(x, drop):
 
 
 def dropout_forward_c1(x, p, rng=None, train=True):
-    from . import dropout as D
+    D = C.sibling("dropout")
     if not _c_ok(x):
         return _fallback("dropout", "C1", _why(x), D.dropout_forward_v2, x, p, rng, train)
     C.floats("dropout", x=x)
@@ -762,7 +771,7 @@ def dropout_forward_c1(x, p, rng=None, train=True):
 
 
 def dropout_backward_c1(dout, cache):
-    from . import dropout as D
+    D = C.sibling("dropout")
     keep, scale, shape, dtype = cache
     if not (isinstance(keep, tuple) and keep[0] == "C1"):
         return D.dropout_backward_v1(dout, cache)
@@ -807,7 +816,7 @@ def _gelu_run(x, b, approximate, rk=-1, o16=None, k16=None):
 
 
 def gelu_forward_c1(x, approximate="none"):
-    from . import gelu as G
+    G = C.sibling("gelu")
     if not _c_ok(x):
         return _fallback("gelu", "C1", _why(x), G.gelu_forward_v2, x, approximate)
     C.floats("gelu", x=x)
@@ -816,7 +825,7 @@ def gelu_forward_c1(x, approximate="none"):
 
 
 def gelu_backward_c1(dout, cache):
-    from . import gelu as G
+    G = C.sibling("gelu")
     if not isinstance(cache, GeluCacheC):
         return G.gelu_backward_v2(dout, cache)
     x2, _, approximate, shape, rk = cache
@@ -838,7 +847,7 @@ def gelu_backward_c1(dout, cache):
 
 
 def bias_gelu_forward_c1(x, b, approximate="none"):
-    from . import gelu as G
+    G = C.sibling("gelu")
     if not (_c_ok(x, b) and x.ndim >= 1):
         return _fallback("bias_gelu", "C1", _why(x, b), G.bias_gelu_forward_v2, x, b, approximate)
     C.floats("bias_gelu", x=x, b=b)
@@ -849,7 +858,7 @@ def bias_gelu_forward_c1(x, b, approximate="none"):
 
 
 def bias_gelu_backward_c1(dout, cache, o16=None):
-    from . import gelu as G
+    G = C.sibling("gelu")
     if not isinstance(cache, GeluCacheC):
         return G.bias_gelu_backward_v2(dout, cache)
     x2, b, approximate, shape, rk = cache
@@ -904,7 +913,7 @@ def _sm_count(xp):
 
 
 def _ce_forward(version, logits, labels, ignore_index, splits=None):
-    from . import cross_entropy as X
+    X = C.sibling("cross_entropy")
     if not _c_ok(logits):
         return _fallback("cross_entropy", version, _why(logits), X.cross_entropy_forward_v2, logits, labels,
                          ignore_index)
@@ -960,7 +969,7 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
 def cross_entropy_backward_c1(dloss, cache, rk=-1, o16=None):
     """dz (the logits' shape) of version C1 / C2. rk >= 0 (mixed precision): dz rounded to the compute dtype in the
     kernel, o16 its twin; the cache's z2 may be 16-bit storage (uint16), read so."""
-    from . import cross_entropy as X
+    X = C.sibling("cross_entropy")
     if not isinstance(cache, CrossEntropyCacheC):
         return X.cross_entropy_backward_v2(dloss, cache)
     z2, y, ignore, m, s, count, shape = cache
@@ -1012,7 +1021,7 @@ def embedding_backward_c1(dout, cache, sorted_ids=None):
     bits every run. sorted_ids: (sid, pos) if the caller has them (the backend's stage())."""
     ids, w_shape, dtype, padding_idx = cache
     if not (_c_ok(dout) and np.dtype(dtype) == F32):
-        from .embedding import backward
+        backward = C.sibling("embedding").backward
         return _fallback("embedding", "C1", _why(dout), backward, 2, dout, cache, sorted_ids)
     xp = C.xp_of(dout)
     C.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
@@ -1020,7 +1029,7 @@ def embedding_backward_c1(dout, cache, sorted_ids=None):
     dw = xp.zeros(w_shape, np.float32)
     if N == 0 or Cc == 0:
         return dw
-    from .embedding import sort_ids
+    sort_ids = C.sibling("embedding").sort_ids
     sid, pos = sorted_ids if sorted_ids is not None else sort_ids(xp, ids)
     d2 = xp.ascontiguousarray(dout).reshape(N, Cc)
     part = xp.empty((N, Cc), np.float32)

@@ -77,7 +77,49 @@ from refbert import validate as V
 from refbert.mixed import mark, on_grid
 
 from . import _common as C
-from . import blas, versions
+from . import blas, cuda_c, versions
+from .cuda_c import (_c_ok, _ce_forward, _dropout_apply, _gelu_run, _in16, _ln2_backward, _ln2_forward,
+                     _mask_strides, bias_gelu_backward_c1, cross_entropy_backward_c1, gelu_backward_c1, null16)
+
+# the backend (it imports this module at its end) and the Numba kernel modules (one that fails to import must not
+# take mixed precision with it) through C.sibling: imported on first use and kept, since an import statement inside
+# these functions, which run around every launch, costs about a microsecond a call (benchmarks/host_overhead.py)
+
+
+def _backend():
+    return C.sibling("backend")
+
+
+def _dev(x):
+    return C.sibling("backend")._dev(x)
+
+
+def check_linear(x, w, b):
+    return C.sibling("backend").check_linear(x, w, b)
+
+
+def column_sum(x2):
+    return C.sibling("backend").column_sum(x2)
+
+
+def dropout_forward(*args, **kwargs):
+    return C.sibling("backend").dropout_forward(*args, **kwargs)
+
+
+def _mask4(*args):
+    return C.sibling("attention")._mask4(*args)
+
+
+def draw(*args):
+    return C.sibling("dropout").draw(*args)
+
+
+def _check_approximate(*args):
+    return C.sibling("gelu")._check_approximate(*args)
+
+
+def _check_ln(*args):
+    return C.sibling("layernorm")._check_ln(*args)
 
 KIND = {"bfloat16": 0, "float16": 1}       # csrc/mixed.cu's kind
 F32 = np.dtype(np.float32)
@@ -96,12 +138,10 @@ def _ran(op, compute, key):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name, xp):
-    from . import cuda_c
     return cuda_c.module("mixed.cu", xp).get_function(name)
 
 
 def _launch(name, threads, args, xp):
-    from . import cuda_c
     grid = (min(C.grid_for(threads, 256), 65536),)
     if cuda_c.RECORD is not None:                      # the bench's launch probe records (cuda_c.kernel)
         return cuda_c.kernel("mixed.cu", name, xp)(grid, (256,), args)
@@ -202,7 +242,6 @@ def _kept16(x, compute):
 
 def _or_null(bits, xp):
     """A twin buffer, or the kernels' null pointer (cuda_c.null16) where there is none."""
-    from .cuda_c import null16
     return null16(xp) if bits is None else bits
 
 
@@ -296,7 +335,6 @@ def _shared_operand(x, x2, compute):
 
 def linear_forward_mixed(x, w, b=None, compute="bfloat16"):
     """out = R(x2 @ R(w)^T + R(b)) (the spec's linear) with one tensor-core GEMM; see the module docstring."""
-    from .backend import _dev, check_linear
     x = _dev(x)
     check_linear(x, w, b)
     xp = C.xp_of(w)
@@ -330,7 +368,6 @@ def linear_backward_mixed(dout, cache, dx_into=None):
     the spec's sum of the rounded gradient and the other paths', in one pass (add_round) into a new array (float32,
     off the grid: the next op rounds it as it reads it); dx_into itself is not changed (it may be marked on the
     grid, or have a twin)."""
-    from .backend import _dev, column_sum
     if not isinstance(cache, LinearCache):
         raise ValueError(f"linear: argument 'cache' expected the cache of the cuda backend's linear_forward_mixed, "
                          f"got {type(cache).__name__}")
@@ -359,7 +396,6 @@ linear_backward_mixed.dx_into = True
 
 def _add_round(y, into, shape, compute):
     """into + R(y) as a new float32 array of `shape` (csrc/mixed.cu add_round_v2, v1 where it must)."""
-    from .backend import _dev
     into = _dev(into)
     V.dout("linear", C.stub(into), shape, F32, name="dx_into", what="x's, the input")
     xp = C.xp_of(y)
@@ -406,7 +442,6 @@ def _scores(qh, kh, scale, mask):
 def _keep(rng, shape, p, xp):
     """The keep-mask (bool, `shape`) of the next dropout call of rng: the chosen dropout version applied to ones
     (its elements are the oracle's: refbert.ops.dropout_mask)."""
-    from .backend import dropout_forward
     kept, _ = dropout_forward(xp.ones(shape, F32), p, rng, True)
     return kept != 0
 
@@ -425,7 +460,6 @@ def _attention_checks(q, k, v, n_heads, mask, dropout_p):
 
 def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
     """refbert.ops.attention_forward_mixed: S2 on device arrays (a GPU's, the emulator's), S1 on NumPy's."""
-    from .backend import _dev
     mask = _dev(mask)
     if C.on_device(q):
         if ATTENTION == "S3" and q.shape[-1] == 64 * int(n_heads):
@@ -486,7 +520,6 @@ def attention_forward_s1(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
 
 def attention_backward_s1(dout, cache):
     """S1: refbert.ops.attention_backward_mixed's steps as array operations."""
-    from .backend import _dev
     if not isinstance(cache, AttentionCache):
         raise ValueError(f"attention: argument 'cache' expected the cache of the cuda backend's "
                          f"attention_forward_mixed, got {type(cache).__name__}")
@@ -547,7 +580,6 @@ def _rows_v(T):
 
 def _warps(name, rows, args, xp):
     """A kernel with a warp per row, 8 rows a block (no grid-stride: as many blocks as it takes)."""
-    from . import cuda_c
     if rows:
         fn = cuda_c.kernel("mixed.cu", name, xp) if cuda_c.RECORD is not None else _kernel(name, xp)
         fn((-(-rows // 8),), (256,), args)
@@ -608,7 +640,6 @@ def _kept_out(out, compute):
 def _D(dout, out, shape, kp, compute, xp):
     """D = rowsum(R(dO) o O) (1 - p) per (b, h, t), (B H T,) float32 (csrc/mixed.cu D_v1): dout and out (B, T, C),
     out float32 or its 16-bit storage (_kept_out)."""
-    from .cuda_c import _in16
     B, T, H, hs = shape
     rows = B * H * T
     D = xp.empty(rows, F32)
@@ -619,14 +650,11 @@ def _D(dout, out, shape, kp, compute, xp):
 
 
 def _mask_args(mask4):
-    from .cuda_c import _mask_strides
     return (mask4, *_mask_strides(mask4))
 
 
 def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
     """S2: the spec's attention forward with csrc/mixed.cu's kernels and batched 16-bit GEMMs (see above)."""
-    from .attention import _mask4
-    from .dropout import draw
     xp = C.xp_of(q)
     B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
     p = float(dropout_p) if train else 0.0
@@ -652,7 +680,6 @@ def attention_forward_s2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
 
 def attention_backward_s2(dout, cache):
     """S2: the spec's attention backward (refbert.ops.attention_backward_mixed) with csrc/mixed.cu's kernels."""
-    from .backend import _dev
     qh, kh, vh, out, m, l, mask4, drop, scale, p, compute, shape = cache
     xp = C.xp_of(qh)
     B, T, H, hs = shape
@@ -681,7 +708,6 @@ def attention_backward_s2(dout, cache):
 
 def attention_probs_s2(cache):
     """R(keep * P / (1 - p)) (B, H, T, T) from S2's cache (array operations: output_attentions only)."""
-    from .cuda_c import _dropout_apply
     qh, kh, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
     xp = C.xp_of(qh)
     s = gemm_batched(qh, kh, False, True, compute).reshape(B, H, T, T)
@@ -734,7 +760,6 @@ def _storage16(x, compute):
 
 
 def _s3(name, compute, grid, args, xp):
-    from . import cuda_c
     fn = f"{name}_{'bf16' if compute == 'bfloat16' else 'f16'}"
     k = cuda_c.kernel("mixed.cu", fn, xp) if cuda_c.RECORD is not None else _kernel(fn, xp)
     k(grid, (128,), args)
@@ -742,8 +767,6 @@ def _s3(name, compute, grid, args, xp):
 
 def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
     """S3: the spec's attention forward as one tensor-core flash kernel (csrc/mixed.cu s3_fwd; see above)."""
-    from .attention import _mask4
-    from .dropout import draw
     xp = C.xp_of(q)
     B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
     C.heads_grid("attention", B, H)
@@ -770,7 +793,6 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
 def attention_backward_s3(dout, cache):
     """S3: the spec's attention backward as two tensor-core flash kernels (s3_dkdv per key tile, s3_dq per query
     tile), D by D_v1 as S2."""
-    from .backend import _dev
     q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, shape = cache
     xp = C.xp_of(out)
     B, T, H, hs = shape
@@ -805,7 +827,6 @@ def _values16(a16, compute):
 
 def attention_probs_s3(cache):
     """R(keep * P / (1 - p)) (B, H, T, T) from S3's cache (array operations: output_attentions only)."""
-    from .cuda_c import _dropout_apply
     q16, k16, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
     xp = C.xp_of(m)
     qh, kh = (_values16(a, compute).reshape(B, T, H, hs).transpose(0, 2, 1, 3) for a in (q16, k16))
@@ -838,14 +859,13 @@ class Fused(NamedTuple):
 def _rule(name, compute):
     """refbert.mixed's generic rule around this backend's float32 op `name` (forward or backward)."""
     from refbert import mixed as MX
-    from . import backend
+    backend = _backend()
     R = MX.rounder(backend, compute)
     wrap = MX.wrap_forward if name.endswith("_forward") else MX.wrap_backward
     return wrap(getattr(backend, name), name, compute, R)
 
 
 def _k1_ok(*arrays):
-    from .cuda_c import _c_ok
     return _c_ok(*arrays) and arrays[0].ndim >= 1
 
 
@@ -870,8 +890,6 @@ def _keep_gelu(cache, kx):
 
 
 def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
-    from .cuda_c import _ln2_forward
-    from .layernorm import _check_ln
     if not _k1_ok(x, w, b):
         out, cache = _rule("layernorm_forward", compute)(x, w, b, eps)
         return out, Fused("rule", cache, compute)
@@ -883,8 +901,6 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
 
 
 def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
-    from .cuda_c import _ln2_forward
-    from .layernorm import _check_ln
     if not _k1_ok(x, a, w, b):
         out, cache = _rule("residual_layernorm_forward", compute)(x, a, w, b, eps)
         return out, Fused("rule", cache, compute)
@@ -900,9 +916,6 @@ def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
 
 def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True,
                                              compute="bfloat16"):
-    from .cuda_c import _ln2_forward
-    from .dropout import draw
-    from .layernorm import _check_ln
     if not _k1_ok(x, a, w, b):
         out, cache = _rule("dropout_residual_layernorm_forward", compute)(x, a, w, b, eps, p, rng, train)
         return out, Fused("rule", cache, compute)
@@ -923,7 +936,7 @@ def embedding_forward_mixed(ids, w, padding_idx=None, compute="bfloat16"):
     by element, so it commutes with the gather and the bits are the same, with one rounding pass over the B T rows
     gathered instead of the V rows of the table (BERT-base's words: 23M elements a forward, against 3M at B=32
     T=128). The backward is the rule's (dout rounded on entry; dw a parameter's gradient, float32)."""
-    from . import backend
+    backend = _backend()
     if not C.on_device(w):
         out, cache = _rule("embedding_forward", compute)(ids, w, padding_idx)
         return out, Fused("rule", cache, compute)
@@ -938,8 +951,6 @@ def embedding_backward_mixed(dout, cache):
 
 
 def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
-    from .cuda_c import _gelu_run
-    from .gelu import _check_approximate
     if not _k1_ok(x):
         out, cache = _rule("gelu_forward", compute)(x, approximate)
         return out, Fused("rule", cache, compute)
@@ -951,8 +962,6 @@ def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
 
 
 def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
-    from .cuda_c import _gelu_run
-    from .gelu import _check_approximate
     if not _k1_ok(x, b):
         out, cache = _rule("bias_gelu_forward", compute)(x, b, approximate)
         return out, Fused("rule", cache, compute)
@@ -970,8 +979,6 @@ def cross_entropy_forward_mixed(logits, labels, ignore_index=-100, compute="bflo
     """The spec's cross-entropy (refbert.mixed's rule: R(logits) in, the float32 loss out) with CUDA C version 2's
     forward; its cache keeps the logits' twin (16-bit storage) where they have one (a linear's output does), so the
     float32 logits (B T V in HF's full-logits mode) are not held for the backward."""
-    from .backend import _dev
-    from .cuda_c import _ce_forward
     logits = _dev(logits)
     if not _k1_ok(logits):
         loss, cache = _rule("cross_entropy_forward", compute)(logits, labels, ignore_index)
@@ -988,7 +995,6 @@ def cross_entropy_forward_mixed(logits, labels, ignore_index=-100, compute="bflo
 def cross_entropy_backward_mixed(dloss, cache):
     """dz = R((softmax - onehot) dloss / n), rounded in the kernel (cross_entropy.cu ce_bwd_v1 with rk) with its
     twin beside it (the decoder's GEMM operand); dloss stays float32 (a loss's gradient)."""
-    from .cuda_c import cross_entropy_backward_c1
     how, inner, compute = _fused_cache("cross_entropy", cache)
     if how == "rule":
         return _rule("cross_entropy_backward", compute)(dloss, inner)
@@ -1005,8 +1011,6 @@ def _fused_cache(op, cache):
 
 
 def layernorm_backward_mixed(dout, cache):
-    from .backend import _dev
-    from .cuda_c import _ln2_backward
     how, inner, compute = _fused_cache("layernorm", cache)
     if how == "rule":
         return _rule("layernorm_backward", compute)(dout, inner)
@@ -1015,8 +1019,6 @@ def layernorm_backward_mixed(dout, cache):
 
 
 def residual_layernorm_backward_mixed(dout, cache):
-    from .backend import _dev
-    from .cuda_c import _ln2_backward
     how, inner, compute = _fused_cache("residual_layernorm", cache)
     if how == "rule":
         return _rule("residual_layernorm_backward", compute)(dout, inner)
@@ -1026,8 +1028,6 @@ def residual_layernorm_backward_mixed(dout, cache):
 
 
 def dropout_residual_layernorm_backward_mixed(dout, cache):
-    from .backend import _dev
-    from .cuda_c import _ln2_backward
     how, inner, compute = _fused_cache("dropout_residual_layernorm", cache)
     if how == "rule":
         return _rule("dropout_residual_layernorm_backward", compute)(dout, inner)
@@ -1040,8 +1040,6 @@ def dropout_residual_layernorm_backward_mixed(dout, cache):
 
 
 def gelu_backward_mixed(dout, cache):
-    from .backend import _dev
-    from .cuda_c import gelu_backward_c1
     how, inner, compute = _fused_cache("gelu", cache)
     if how == "rule":
         return _rule("gelu_backward", compute)(dout, inner)
@@ -1049,8 +1047,6 @@ def gelu_backward_mixed(dout, cache):
 
 
 def bias_gelu_backward_mixed(dout, cache):
-    from .backend import _dev
-    from .cuda_c import bias_gelu_backward_c1
     how, inner, compute = _fused_cache("bias_gelu", cache)
     if how == "rule":
         return _rule("bias_gelu_backward", compute)(dout, inner)

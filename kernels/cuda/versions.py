@@ -363,9 +363,20 @@ def order(op, dtype, var=None):
     return [v for v in versions()[op] if takes(v, dt, var)], "built in"
 
 
+_DT_NAMES = {}
+
+
+def _dt_name(dtype):
+    """np.dtype(dtype).name, looked up once per dtype object (choose and ran run at every op call)."""
+    n = _DT_NAMES.get(dtype)
+    if n is None:
+        n = _DT_NAMES[dtype] = np.dtype(dtype).name
+    return n
+
+
 def choose(op, dtype, var=None):
     """The Version that runs (op, dtype, variant) here, chosen (and validated) at the first call."""
-    dt = np.dtype(dtype).name
+    dt = _dt_name(dtype)
     key = (op, dt) if var is None else (op, f"{dt} {var}")
     v = CHOSEN.get(key)
     if v is not None:
@@ -389,7 +400,7 @@ def choose(op, dtype, var=None):
 
 
 def ran(op, dtype, key):
-    k = (op, np.dtype(dtype).name, key)
+    k = (op, _dt_name(dtype), key)
     RAN[k] = RAN.get(k, 0) + 1
 
 
