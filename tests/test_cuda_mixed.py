@@ -106,6 +106,13 @@ _ROUND = """
             want16 = ref.astype(bfloat16).view(np.uint16) if compute == "bfloat16" else ref.astype(np.float16).view(
                 np.uint16)                                   # its twin: the 16-bit patterns of the same values
             assert np.array_equal(H(y16), want16), (compute, v)
+        # the bias gradient from 16-bit storage (colsum.cu colsum16_partial_v1, the mixed linear's db): column_sum
+        # C1's bits on the float32 array of the same values (70 rows: chunks of 2 rows, a tail; 33 columns)
+        from refbert_kernels.cuda import cuda_c as K
+        vals = ops.round_compute((rng.standard_normal((70, 33)) * 100).astype(np.float32), compute)
+        b16 = (vals.astype(bfloat16) if compute == "bfloat16" else vals.astype(np.float16)).view(np.uint16)
+        got, want = H(K.column_sum16_c1(B.to_device(b16.copy()), kind)), H(K.column_sum_c1(B.to_device(vals)))
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), compute
         print("ROUND OK", compute)
 """
 
@@ -379,7 +386,7 @@ _MARKED = """
     import numpy as np
     from refbert import ops
     from refbert.mixed import mark
-    from refbert_kernels.cuda import backend as B, mixed as M
+    from refbert_kernels.cuda import backend as B, cuda_c as K, emulate as E, mixed as M
     H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
     r = np.random.default_rng(2)
     calls = []
@@ -392,8 +399,13 @@ _MARKED = """
         _, cache = M.linear_forward_mixed(x, w, b, compute)
         d = ops.round_compute(r.standard_normal((3, 5, 12)).astype(np.float32), compute)   # on the grid
         calls.clear()
+        E.COUNTS.reset()
         plain = M.linear_backward_mixed(B.to_device(d), cache)                 # not marked: R(dout) made anew
         assert calls == [True], calls
+        # db from the 16-bit operand (colsum16_partial_v1): column_sum C1's bits on the float32 values
+        assert "colsum16_partial_v1" in E.COUNTS.launches, E.COUNTS.launches
+        assert np.array_equal(H(plain[2]).view(np.uint32),
+                              H(K.column_sum_c1(B.to_device(d.reshape(15, 12)))).view(np.uint32)), compute
         calls.clear()
         marked = M.linear_backward_mixed(mark(B.to_device(d), compute), cache)  # marked: its own R(dout)
         assert calls == [False], calls

@@ -31,6 +31,7 @@ raised by the same checks before any launch; the same dropout elements).
                                           the loss and its count stay there), v2 (rows split
                                           across blocks when few)
     column_sum (bias gradients)  C1       colsum.cu v1 (chunk partials, then a fixed-order sum) f32
+                                          (mixed precision: from the 16-bit operand, the same bits)
     embedding (backward)         C1       embedding.cu v1 (sorted segment sum: deterministic)  f32
 The CUDA C caches are their own NamedTuples (a forward that fell back leaves the Numba version's cache, which its
 backward hands to the Numba backward); attention's is kernels/cuda/attention.py's tuple (q, k, v, mask4, H, out,
@@ -1009,6 +1010,23 @@ def column_sum_c1(x2):
     out = xp.empty(Cc, np.float32)
     kernel("colsum.cu", "colsum_partial_v1", xp)(((Cc + 255) // 256, chunks), (256,),
                                                  (x2, _i(R), _i(Cc), _i(per), parts))
+    kernel("colsum.cu", "colsum_final_v1", xp)(((Cc + 255) // 256,), (256,), (parts, _i(chunks), _i(Cc), out))
+    return out
+
+
+def column_sum16_c1(x16, kind):
+    """column_sum_c1 on the values of 16-bit storage x16 ((R, C) uint16 device array of bfloat16 (kind 0) or
+    float16 (kind 1) bits; colsum.cu colsum16_partial_v1): the same chunks and order on the same values, so
+    column_sum_c1's bits on the float32 array holding them, from 2 bytes an element instead of 4."""
+    xp = C.xp_of(x16)
+    R, Cc = x16.shape
+    if R == 0 or Cc == 0:
+        return xp.zeros(Cc, np.float32)
+    per, chunks = C.chunks(R)
+    parts = xp.empty((chunks, Cc), np.float32)
+    out = xp.empty(Cc, np.float32)
+    kernel("colsum.cu", "colsum16_partial_v1", xp)(((Cc + 255) // 256, chunks), (256,),
+                                                   (xp.ascontiguousarray(x16), _i(kind), _i(R), _i(Cc), _i(per), parts))
     kernel("colsum.cu", "colsum_final_v1", xp)(((Cc + 255) // 256,), (256,), (parts, _i(chunks), _i(Cc), out))
     return out
 

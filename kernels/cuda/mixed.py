@@ -15,7 +15,7 @@ precision="bf16-mixed")` runs:
                       dx = R(dout2 @ R(w)) (a GEMM, then round_v2; with dx_into, the gradient of x from its other
                       paths, dx_into + R(...) in one add_round pass), dw = dout2^T @ x2 in float32 (a GEMM with a
                       float32 result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
-                      column_sum version). The 16-bit copies of x and w are the forward's cache: made once per
+                      column_sum version; C1 reads the 16-bit operand, colsum16_partial_v1: the same bits). The 16-bit copies of x and w are the forward's cache: made once per
                       call, never per use.
     attention (S2)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed):
                       csrc/mixed.cu's kernels (the heads' R and layout, one warp per score row for the scale,
@@ -79,7 +79,8 @@ from refbert.mixed import mark, on_grid
 from . import _common as C
 from . import blas, cuda_c, versions
 from .cuda_c import (_c_ok, _ce_forward, _dropout_apply, _gelu_run, _in16, _ln2_backward, _ln2_forward,
-                     _mask_strides, bias_gelu_backward_c1, cross_entropy_backward_c1, gelu_backward_c1, null16)
+                     _mask_strides, bias_gelu_backward_c1, column_sum16_c1, cross_entropy_backward_c1,
+                     gelu_backward_c1, null16)
 
 # the backend (it imports this module at its end) and the Numba kernel modules (one that fails to import must not
 # take mixed precision with it) through C.sibling: imported on first use and kept, since an import statement inside
@@ -388,7 +389,17 @@ def linear_backward_mixed(dout, cache, dx_into=None):
     else:
         dx = _add_round(y, dx_into, shape, compute)
     dw = gemm(d16, x16, True, False, compute)
-    return (dx, dw, column_sum(d32)) if has_b else (dx, dw)
+    return (dx, dw, _bias_grad(d32, d16, compute)) if has_b else (dx, dw)
+
+
+def _bias_grad(d32, d16, compute):
+    """db = the column sums of R(dout2) (float32). d16, the GEMM operand, holds R(dout2)'s values in 16 bits: where
+    the float32 column sum chosen here is C1, its 16-bit twin (colsum.cu colsum16_partial_v1: the same chunks and
+    order on the same values, so C1's bits) reads those 2 bytes an element instead of d32's 4."""
+    if d16.dtype == np.uint16 and C.on_device(d16) and versions.choose("column_sum", F32).key == "C1":
+        versions.ran("column_sum", F32, "C1")
+        return column_sum16_c1(d16, int(_kind(compute)))
+    return column_sum(d32)
 
 
 linear_backward_mixed.dx_into = True
