@@ -4,9 +4,9 @@
 //     g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -I csrc -x c++ layernorm.cu -o x && ./x
 //
 // Model of execution (what a kernel sees):
-//   - a launch runs its blocks one after another on blockDim.x * y * z std::threads (made once per launch), each
-//     with its own threadIdx (thread_local), so `__shared__` (defined as `static`) is one array per kernel shared by
-//     the running block's threads, as on a GPU;
+//   - a launch runs its blocks one after another on blockDim.x * y * z OS threads (a pool kept across launches),
+//     each with its own threadIdx (thread_local), so `__shared__` (defined as `static`) is one array per kernel
+//     shared by the running block's threads, as on a GPU;
 //   - __syncthreads() is a std::barrier of the block, __syncwarp() and every warp shuffle / vote a barrier of the
 //     thread's warp (32 consecutive linear thread ids); a thread that returns drops out of both (arrive_and_drop),
 //     as exited threads stop counting on a GPU;
@@ -36,6 +36,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <pthread.h>
 #include <memory>
 #include <thread>
 #include <tuple>
@@ -164,7 +166,52 @@ inline int lane_abs(int, int src) { return src; }
 inline int lane_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; }
 inline int lane_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 
-// every block of the grid, one after another, on one set of blockDim threads
+// The OS threads that play a launch's CUDA threads, kept from one launch to the next: making and joining 256
+// std::threads took about 11 ms a launch on 2 cores (a launch of 256 threads doing nothing: 11.5 ms, now 0.57),
+// most of an emulated step's time. Worker t runs thread t of every launch with at least t + 1 threads; run() hands
+// the job to the first n (they wait on a generation count, C++20 atomic wait: no lock to queue on) and waits until
+// all n are done. Launches run one at a time (a mutex: the globals below are the running launch's). Leaked on
+// purpose (never destroyed, its threads detached): a process exits with them parked, no destructor joins them.
+struct Pool {
+    std::mutex launch_mu;
+    int workers = 0;                                        // made so far (under launch_mu)
+    std::atomic<unsigned long long> gen{0};                 // bumped once a launch: the workers wait on it
+    std::atomic<int> want{0}, remaining{0};
+    std::function<void(int)> job;                           // written before gen is bumped, read after
+    void loop(int id) {
+        unsigned long long seen = 0;
+        for (;;) {
+            unsigned long long g;
+            while ((g = gen.load(std::memory_order_acquire)) == seen) gen.wait(seen);
+            seen = g;
+            if (id >= want.load(std::memory_order_acquire)) continue;    // not in this launch
+            job(id);
+            if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining.notify_one();
+        }
+    }
+    void run(int n, std::function<void(int)> fn) {
+        std::lock_guard<std::mutex> one(launch_mu);
+        for (; workers < n; workers++) std::thread([this, id = workers] { loop(id); }).detach();
+        job = std::move(fn);
+        want.store(n, std::memory_order_release);
+        remaining.store(n, std::memory_order_release);
+        gen.fetch_add(1, std::memory_order_acq_rel);
+        gen.notify_all();
+        for (int r; (r = remaining.load(std::memory_order_acquire)) != 0;) remaining.wait(r);
+        job = nullptr;
+    }
+};
+inline Pool*& pool_ptr() {
+    static Pool* p = new Pool();
+    return p;
+}
+inline Pool& pool() {                   // (a child forked from a process with workers has none: it starts anew)
+    static const int once = pthread_atfork(nullptr, nullptr, [] { pool_ptr() = new Pool(); });
+    (void)once;
+    return *pool_ptr();
+}
+
+// every block of the grid, one after another, on one set of blockDim threads (the pool's first blockDim)
 inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx, size_t smem = 0) {
     std::vector<float4> dyn((smem + 15) / 16 + 1);               // 16-byte aligned, poisoned with NaN
     std::memset(dyn.data(), 0xFF, dyn.size() * 16);
@@ -182,27 +229,22 @@ inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx, size_t smem
     for (int w = 0; w < nw; w++) blk.warps[w].size = std::min(32, n - 32 * w);
     blk.reset();
     block = &blk;
-    std::barrier<> done(n);                                        // every thread, every block: never dropped
-    std::vector<std::thread> threads;
-    threads.reserve(n);
-    for (int t = 0; t < n; t++) {
-        threads.emplace_back([&, t]() {
-            ltid = t;
-            threadIdx = uint3{(unsigned)(t % b.x), (unsigned)(t / b.x % b.y), (unsigned)(t / (b.x * b.y))};
-            blockDim = b;
-            gridDim = g;
-            for (unsigned long long i = 0; i < blocks; i++) {
-                blockIdx = uint3{(unsigned)(i % g.x), (unsigned)(i / g.x % g.y), (unsigned)(i / ((unsigned long long)g.x * g.y))};
-                body(ctx);
-                blk.warps[t / 32].bar.drop();                      // an exited thread stops counting
-                blk.bar.drop();
-                done.arrive_and_wait();                            // the block is over
-                if (t == 0) blk.reset();
-                done.arrive_and_wait();                            // the next block starts afresh
-            }
-        });
-    }
-    for (auto& th : threads) th.join();
+    auto next_block = [&blk]() noexcept { blk.reset(); };         // by the last thread in, before any goes on
+    std::barrier done(n, next_block);                              // every thread, every block: never dropped
+    pool().run(n, [&](int t) {
+        ltid = t;
+        threadIdx = uint3{(unsigned)(t % b.x), (unsigned)(t / b.x % b.y), (unsigned)(t / (b.x * b.y))};
+        blockDim = b;
+        gridDim = g;
+        for (unsigned long long i = 0; i < blocks; i++) {
+            blockIdx = uint3{(unsigned)(i % g.x), (unsigned)(i / g.x % g.y),
+                             (unsigned)(i / ((unsigned long long)g.x * g.y))};
+            body(ctx);
+            blk.warps[t / 32].bar.drop();                          // an exited thread stops counting
+            blk.bar.drop();
+            done.arrive_and_wait();                                // the block is over: the next starts afresh
+        }
+    });
     block = nullptr;
 }
 
