@@ -15,8 +15,8 @@ precision="bf16-mixed")` runs:
                       dx = R(dout2 @ R(w)) (a GEMM, then round_v2; with dx_into, the gradient of x from its other
                       paths, dx_into + R(...) in one add_round pass), dw = dout2^T @ x2 in float32 (a GEMM with a
                       float32 result: a parameter's gradient is never rounded), db = the column sums of R(dout2) (the
-                      column_sum version; C1 reads the 16-bit operand, colsum16_partial_v1: the same bits). The 16-bit copies of x and w are the forward's cache: made once per
-                      call, never per use.
+                      column_sum version; C1 reads the 16-bit operand, colsum16_partial_v1: the same bits). The
+                      16-bit copies of x and w are the forward's cache: made once per call, never per use.
     attention (S2)    the spec's arithmetic (refbert.ops.attention_forward_mixed / attention_backward_mixed):
                       csrc/mixed.cu's kernels (the heads' R and layout, one warp per score row for the scale,
                       mask, row max, exp, row sum, R(P) and the Philox keep-mask, the normalisation and R of the

@@ -32,8 +32,9 @@ extern "C" __global__ void __launch_bounds__(256) colsum_partial_v1(const float*
 }
 
 // colsum_partial_v1 on the values of 16-bit storage x16 (kind 0 bfloat16, 1 float16: common.cuh from16, exact)
-extern "C" __global__ void __launch_bounds__(256) colsum16_partial_v1(const unsigned short* __restrict__ x16, int kind,
-                                                                      int R, int C, int per, float* __restrict__ parts) {
+extern "C" __global__ void __launch_bounds__(256)
+    colsum16_partial_v1(const unsigned short* __restrict__ x16, int kind, int R, int C, int per,
+                        float* __restrict__ parts) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x, chunk = blockIdx.y;
     if (c >= C) return;
     float s = 0.f;
