@@ -168,6 +168,79 @@ __device__ __forceinline__ float a3_mask(const float* mask, long long sb, long l
     return mask[b * sb + h * sh + i * si + j * sj];
 }
 
+// the online softmax of one 64 x 64 score tile (forward versions 3 and 5, the same code so the same bits):
+// s = scale q.k + mask (mask_at(j, row, col): the mask at the thread's column j), -inf past T; the running max mi
+// and sum li of each of the thread's 4 rows updated, o rescaled, s replaced by exp(s - m)
+template <class MaskAt>
+__device__ __forceinline__ void a3_softmax_tile(float (&s)[4][8], float (&o)[4][8], float (&mi)[4], float (&li)[4],
+                                                int q0, int k0, int Tn, float scale, MaskAt mask_at) {
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = min(q0 + ty + 16 * i, Tn - 1);               // (rows past T: any finite mask row)
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int col = k0 + tx + 8 * j;
+            s[i][j] = col < Tn ? s[i][j] * scale + mask_at(j, row, col) : -INFINITY;
+            mx = fmaxf(mx, s[i][j]);
+        }
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float mn = fmaxf(mi[i], mx);
+        float sum = 0.f;
+        if (mn == -INFINITY) {                                        // only -inf so far: nothing to add
+#pragma unroll
+            for (int j = 0; j < 8; j++) s[i][j] = 0.f;
+        } else {
+            const float alpha = __expf(mi[i] - mn);                   // exp(-inf) = 0 on the first finite tile
+#pragma unroll
+            for (int j = 0; j < 8; j++) { s[i][j] = __expf(s[i][j] - mn); sum += s[i][j]; }
+            li[i] *= alpha;
+#pragma unroll
+            for (int j = 0; j < 8; j++) o[i][j] *= alpha;
+            mi[i] = mn;
+        }
+#pragma unroll
+        for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        li[i] += sum;
+    }
+}
+
+// the p tile (Ps, 64 x 64) times its keep factors z (0 or 1), 4 keys a Philox call; the caller's barriers around it
+__device__ __forceinline__ void a3_drop_tile(float* Ps, int bh, int Tn, int q0, int k0, u64 seed, u64 stream,
+                                             u64 thresh) {
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        const int g = threadIdx.x + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+        const float4 z = a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh);
+        float4 p = ld4(Ps + r * A3_LD + c4);
+        st4(Ps + r * A3_LD + c4, make_float4(p.x * z.x, p.y * z.y, p.z * z.z, p.w * z.w));
+    }
+}
+
+// out = o / l * dscale, and m, 1/l, of the thread's rows below T
+__device__ __forceinline__ void a3_store_out(const float (&o)[4][8], const float (&mi)[4], const float (&li)[4],
+                                             float* __restrict__ out, float* __restrict__ m_out,
+                                             float* __restrict__ linv_out, size_t base, int bh, int q0, int Tn, int C,
+                                             float dscale) {
+    const int ty = threadIdx.x >> 3, tx = threadIdx.x & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = q0 + ty + 16 * i;
+        if (row >= Tn) continue;
+        const float inv = 1.f / li[i], f = inv * dscale;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++)
+            st4(out + base + (size_t)row * C + 4 * tx + 32 * kk,
+                make_float4(o[i][4 * kk] * f, o[i][4 * kk + 1] * f, o[i][4 * kk + 2] * f, o[i][4 * kk + 3] * f));
+        if (tx == 0) {
+            m_out[(size_t)bh * Tn + row] = mi[i];
+            linv_out[(size_t)bh * Tn + row] = inv;
+        }
+    }
+}
+
 // ----------------------------------------------------------------------------------------------------------------
 // forward: grid (ceil(T / 64), B * H), 128 threads, A3_FWD_SMEM bytes. (128, 2): up to 255 registers (left
 // alone, ptxas chose 168 and spilled 48 bytes; 2 blocks of 51 KB fit an SM either way)
@@ -196,36 +269,8 @@ extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v3_f32_hs64(A3_A
         __syncthreads();
         float s[4][8];
         tile_dot(s, Qs, Ks);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int row = min(q0 + ty + 16 * i, Tn - 1);           // (rows past T: any finite mask row)
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int col = k0 + tx + 8 * j;
-                s[i][j] = col < Tn ? s[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, row, col) : -INFINITY;
-                mx = fmaxf(mx, s[i][j]);
-            }
-#pragma unroll
-            for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mn = fmaxf(mi[i], mx);
-            float sum = 0.f;
-            if (mn == -INFINITY) {                                    // only -inf so far: nothing to add
-#pragma unroll
-                for (int j = 0; j < 8; j++) s[i][j] = 0.f;
-            } else {
-                const float alpha = __expf(mi[i] - mn);               // exp(-inf) = 0 on the first finite tile
-#pragma unroll
-                for (int j = 0; j < 8; j++) { s[i][j] = __expf(s[i][j] - mn); sum += s[i][j]; }
-                li[i] *= alpha;
-#pragma unroll
-                for (int j = 0; j < 8; j++) o[i][j] *= alpha;
-                mi[i] = mn;
-            }
-#pragma unroll
-            for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            li[i] += sum;
-        }
+        a3_softmax_tile(s, o, mi, li, q0, k0, Tn, scale,
+                        [&](int, int row, int col) { return a3_mask(mask, sb, sh, si, sj, b, h, row, col); });
         __syncthreads();                                              // every thread is done reading Ks
         float* Ps = Ks;
 #pragma unroll
@@ -234,31 +279,12 @@ extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v3_f32_hs64(A3_A
             for (int j = 0; j < 8; j++) Ps[(ty + 16 * i) * A3_LD + tx + 8 * j] = s[i][j];
         __syncthreads();
         if (thresh) {                                                 // z (0 or 1) over the tile, 4 keys a call
-#pragma unroll
-            for (int t = 0; t < 8; t++) {
-                const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
-                const float4 z = a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh);
-                float4 p = ld4(Ps + r * A3_LD + c4);
-                st4(Ps + r * A3_LD + c4, make_float4(p.x * z.x, p.y * z.y, p.z * z.z, p.w * z.w));
-            }
+            a3_drop_tile(Ps, bh, Tn, q0, k0, seed, stream, thresh);
             __syncthreads();
         }
         tile_pv(o, Ps, Vs);
     }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int row = q0 + ty + 16 * i;
-        if (row >= Tn) continue;
-        const float inv = 1.f / li[i], f = inv * dscale;
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++)
-            st4(out + base + (size_t)row * C + 4 * tx + 32 * kk,
-                make_float4(o[i][4 * kk] * f, o[i][4 * kk + 1] * f, o[i][4 * kk + 2] * f, o[i][4 * kk + 3] * f));
-        if (tx == 0) {
-            m_out[(size_t)bh * Tn + row] = mi[i];
-            linv_out[(size_t)bh * Tn + row] = inv;
-        }
-    }
+    a3_store_out(o, mi, li, out, m_out, linv_out, base, bh, q0, Tn, C, dscale);
 }
 
 #ifdef HALF_TYPES   // (cp.async: common.cuh's, beside the tensor-core helpers)
@@ -329,37 +355,9 @@ extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v5_f32_hs64(A3_A
         if (staged)
 #pragma unroll
             for (int j = 0; j < 8; j++) mk[j] = Ms[cur * 64 + tx + 8 * j];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {                                 // version 3's online softmax, its order
-            const int row = min(q0 + ty + 16 * i, Tn - 1);
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int col = k0 + tx + 8 * j;
-                s[i][j] = col < Tn ? s[i][j] * scale + (staged ? mk[j] : a3_mask(mask, sb, sh, si, sj, b, h, row, col))
-                                   : -INFINITY;
-                mx = fmaxf(mx, s[i][j]);
-            }
-#pragma unroll
-            for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mn = fmaxf(mi[i], mx);
-            float sum = 0.f;
-            if (mn == -INFINITY) {
-#pragma unroll
-                for (int j = 0; j < 8; j++) s[i][j] = 0.f;
-            } else {
-                const float alpha = __expf(mi[i] - mn);
-#pragma unroll
-                for (int j = 0; j < 8; j++) { s[i][j] = __expf(s[i][j] - mn); sum += s[i][j]; }
-                li[i] *= alpha;
-#pragma unroll
-                for (int j = 0; j < 8; j++) o[i][j] *= alpha;
-                mi[i] = mn;
-            }
-#pragma unroll
-            for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            li[i] += sum;
-        }
+        a3_softmax_tile(s, o, mi, li, q0, k0, Tn, scale, [&](int j, int row, int col) {
+            return staged ? mk[j] : a3_mask(mask, sb, sh, si, sj, b, h, row, col);
+        });
         __syncthreads();                                              // every thread is done reading K
         float* Ps = Kb(cur);
 #pragma unroll
@@ -368,32 +366,13 @@ extern "C" __global__ void __launch_bounds__(A3_NT, 2) attn_fwd_v5_f32_hs64(A3_A
             for (int j = 0; j < 8; j++) Ps[(ty + 16 * i) * A3_LD + tx + 8 * j] = s[i][j];
         if (staged && tid < 64) Ms[(cur ^ 1) * 64 + tid] = mnext;    // (read after the next tile's first barrier)
         __syncthreads();
-        if (thresh) {                                                 // version 3's keep factors, 4 keys a call
-#pragma unroll
-            for (int t = 0; t < 8; t++) {
-                const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
-                const float4 z = a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh);
-                float4 p = ld4(Ps + r * A3_LD + c4);
-                st4(Ps + r * A3_LD + c4, make_float4(p.x * z.x, p.y * z.y, p.z * z.z, p.w * z.w));
-            }
+        if (thresh) {                                                 // version 3's keep factors
+            a3_drop_tile(Ps, bh, Tn, q0, k0, seed, stream, thresh);
             __syncthreads();
         }
         tile_pv(o, Ps, Vb(cur));
     }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int row = q0 + ty + 16 * i;
-        if (row >= Tn) continue;
-        const float inv = 1.f / li[i], f = inv * dscale;
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++)
-            st4(out + base + (size_t)row * C + 4 * tx + 32 * kk,
-                make_float4(o[i][4 * kk] * f, o[i][4 * kk + 1] * f, o[i][4 * kk + 2] * f, o[i][4 * kk + 3] * f));
-        if (tx == 0) {
-            m_out[(size_t)bh * Tn + row] = mi[i];
-            linv_out[(size_t)bh * Tn + row] = inv;
-        }
-    }
+    a3_store_out(o, mi, li, out, m_out, linv_out, base, bh, q0, Tn, C, dscale);
 }
 #endif  // HALF_TYPES
 

@@ -136,6 +136,95 @@ __device__ __forceinline__ void flash_fwd_scalar(FWD_ARGS(T)) {
 }
 
 #ifdef HALF_TYPES   // (not under cpusim: inline PTX and 16-bit storage)
+// The tensor-core forwards' steps on one m-tile (16 query rows: the thread's rows rr[0], rr[1]; its key columns
+// j0 + 8 n + 2 t4 + 0 / 1), shared by versions 2-5 so that they compute the same bits.
+// The online softmax of a 16 x 64 S tile: scale, mask (mask_at(row, col) where has_mask and row < T), keys past T;
+// the row max over the quad (shuffles 1, 2), O and l rescaled, S replaced by P = exp(S - m), l summing P
+template <class MaskAt>
+__device__ __forceinline__ void tc_softmax_tile(float (&s)[8][4], float (&o)[8][4], float (&mrow)[2],
+                                                float (&lrow)[2], const int (&rr)[2], int j0, int Tn, float scale,
+                                                bool has_mask, MaskAt mask_at, int t4) {
+    float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int row = rr[e >> 1], col = j0 + n * 8 + t4 * 2 + (e & 1);
+            float x = s[n][e] * scale;
+            if (col >= Tn) x = -INFINITY;
+            else if (has_mask && row < Tn) x += mask_at(row, col);
+            s[n][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    float mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];             // a row of only -inf so far: exp(-inf - 0) = 0
+        float alpha = __expf(mrow[r] - mu[r]);
+        lrow[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
+        mrow[r] = mx[r];
+    }
+    // P = exp(S - m); l sums the undropped P (dropout zeroes P after, before P V)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = __expf(s[n][e] - mu[e >> 1]);
+            lrow[e >> 1] += p;
+            s[n][e] = p;
+        }
+}
+
+// dropout on P, one Philox call per pair of keys (the fourth word of a block and the next block's first where a
+// pair straddles two)
+__device__ __forceinline__ void tc_drop_pairs(float (&s)[8][4], const int (&rr)[2], int j0, int Tn, int bh,
+                                              u64 seed, u64 stream, u64 thresh, int t4) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = rr[r], col = j0 + n * 8 + t4 * 2;
+            if (row >= Tn || col >= Tn) continue;
+            const u64 e0 = ((u64)bh * Tn + row) * Tn + col;   // and e0 + 1 (col + 1 may be past T: p = 0)
+            uint4 w = philox4x32_10(e0 >> 2, stream, seed);
+            const u32 l0 = (u32)(e0 & 3);
+            u32 w0 = l0 == 0 ? w.x : l0 == 1 ? w.y : l0 == 2 ? w.z : w.w;
+            u32 w1 = l0 == 0 ? w.y : l0 == 1 ? w.z : l0 == 2 ? w.w : philox4x32_10((e0 >> 2) + 1, stream, seed).x;
+            if ((u64)w0 < thresh) s[n][2 * r] = 0.f;
+            if ((u64)w1 < thresh) s[n][2 * r + 1] = 0.f;
+        }
+}
+
+// finish: l over the quad, out = O / l * dscale, m and 1/l per row below T
+template <typename T>
+__device__ __forceinline__ void tc_fwd_store(const float (&o)[8][4], const float (&mrow)[2], float (&lrow)[2],
+                                             const int (&rr)[2], T* __restrict__ out, float* __restrict__ m_out,
+                                             float* __restrict__ linv_out, size_t obase, int bh, int Tn, int C,
+                                             float dscale, int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
+        const int row = rr[r];
+        if (row >= Tn) continue;
+        const float inv = 1.f / lrow[r], f = inv * dscale;
+        T* op = out + obase + (size_t)row * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            op[n * 8] = from_f<T>(o[n][2 * r] * f);
+            op[n * 8 + 1] = from_f<T>(o[n][2 * r + 1] * f);
+        }
+        if (t4 == 0) {
+            m_out[(size_t)bh * Tn + row] = mrow[r];
+            linv_out[(size_t)bh * Tn + row] = inv;
+        }
+    }
+}
+
 // version 2: tensor cores (mma.sync m16n8k16), cp.async double-buffered K/V, FlashAttention-2 layout
 // version 3 (SKIP): version 2 with key tiles of padding skipped (common.cuh's keys_all_padding: the same bits)
 template <typename T, bool SKIP>
@@ -165,7 +254,7 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
     load_tile(Vs[0], vb, 0);
     cp_async_commit();
 
-    const int r_lo = q0 + warp * 16 + g, r_hi = r_lo + 8;    // the two query rows of this thread's fragments
+    const int rr[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};   // the two query rows of its fragments
     u32 qa[4][4];                                             // Q as A fragments, 4 k-steps over hs = 64
     float o[8][4];                                            // O: 16 rows x 64 dims, 8 n-tiles of 8
 #pragma unroll
@@ -211,56 +300,9 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
                 mma16816(s[n], qa[kk], bf, T());
             }
         }
-        // scale, mask, keys past T; the tile's row max (over the quad: shuffles 1, 2)
-        float mx[2] = {mrow[0], mrow[1]};
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int row = e < 2 ? r_lo : r_hi, col = j0 + n * 8 + t4 * 2 + (e & 1);
-                float x = s[n][e] * scale;
-                if (col >= Tn) x = -INFINITY;
-                else if (mask && row < Tn) x += mask[b * sb + h * sh + row * si + col * sj];
-                s[n][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float mu[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];         // a row of only -inf so far: exp(-inf - 0) = 0
-            float alpha = __expf(mrow[r] - mu[r]);
-            lrow[r] *= alpha;
-#pragma unroll
-            for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
-            mrow[r] = mx[r];
-        }
-        // P = exp(S - m); l sums the undropped P; dropout zeroes P before P V
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = __expf(s[n][e] - mu[e >> 1]);
-                lrow[e >> 1] += p;
-                s[n][e] = p;
-            }
-        if (thresh) {
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const int row = r ? r_hi : r_lo, col = j0 + n * 8 + t4 * 2;
-                    if (row >= Tn || col >= Tn) continue;
-                    const u64 e0 = ((u64)bh * Tn + row) * Tn + col;   // and e0 + 1 (col + 1 may be past T: p = 0)
-                    uint4 w = philox4x32_10(e0 >> 2, stream, seed);
-                    const u32 l0 = (u32)(e0 & 3);
-                    u32 w0 = l0 == 0 ? w.x : l0 == 1 ? w.y : l0 == 2 ? w.z : w.w;
-                    u32 w1 = l0 == 0 ? w.y : l0 == 1 ? w.z : l0 == 2 ? w.w : philox4x32_10((e0 >> 2) + 1, stream, seed).x;
-                    if ((u64)w0 < thresh) s[n][2 * r] = 0.f;
-                    if ((u64)w1 < thresh) s[n][2 * r + 1] = 0.f;
-                }
-        }
+        tc_softmax_tile(s, o, mrow, lrow, rr, j0, Tn, scale, mask != nullptr,
+                        [&](int row, int col) { return mask[b * sb + h * sh + row * si + col * sj]; }, t4);
+        if (thresh) tc_drop_pairs(s, rr, j0, Tn, bh, seed, stream, thresh, t4);
         // O += P V: P's C fragments re-packed as A fragments (key k-step kk = n-tiles 2kk, 2kk+1)
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
@@ -276,25 +318,7 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
         }
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
-    // finish: l over the quad, out = O / l * dscale, m and 1/l per row
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
-        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
-        const int row = r ? r_hi : r_lo;
-        if (row >= Tn) continue;
-        const float inv = 1.f / lrow[r], f = inv * dscale;
-        T* op = out + ((size_t)b * Tn + row) * C + h * HS + t4 * 2;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            op[n * 8] = from_f<T>(o[n][2 * r] * f);
-            op[n * 8 + 1] = from_f<T>(o[n][2 * r + 1] * f);
-        }
-        if (t4 == 0) {
-            m_out[(size_t)bh * Tn + row] = mrow[r];
-            linv_out[(size_t)bh * Tn + row] = inv;
-        }
-    }
+    tc_fwd_store<T>(o, mrow, lrow, rr, out, m_out, linv_out, (size_t)b * Tn * C + h * HS, bh, Tn, C, dscale, t4);
 }
 
 
@@ -411,40 +435,10 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                // scale, mask, keys past T; the tile's row max (over the quad: shuffles 1, 2): version 3's code
-                float mx[2] = {mrow[mt][0], mrow[mt][1]};
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int row = rr[mt][e >> 1], col = j0 + n * 8 + t4 * 2 + (e & 1);
-                        float x = s[mt][n][e] * scale;
-                        if (col >= Tn) x = -INFINITY;
-                        else if (mask && row < Tn)
-                            x += staged ? Ms[cur][col - j0] : mask[b * sb + h * sh + row * si + col * sj];
-                        s[mt][n][e] = x;
-                        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                    }
-                float mu[2];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                    mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-                    float alpha = __expf(mrow[mt][r] - mu[r]);
-                    lrow[mt][r] *= alpha;
-#pragma unroll
-                    for (int n = 0; n < 8; n++) { o[mt][n][2 * r] *= alpha; o[mt][n][2 * r + 1] *= alpha; }
-                    mrow[mt][r] = mx[r];
-                }
-#pragma unroll
-                for (int n = 0; n < 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float p = __expf(s[mt][n][e] - mu[e >> 1]);
-                        lrow[mt][e >> 1] += p;
-                        s[mt][n][e] = p;
-                    }
+                tc_softmax_tile(s[mt], o[mt], mrow[mt], lrow[mt], rr[mt], j0, Tn, scale, mask != nullptr,
+                                [&](int row, int col) {
+                                    return staged ? Ms[cur][col - j0] : mask[b * sb + h * sh + row * si + col * sj];
+                                }, t4);
                 if (thresh && quad_philox) {
 #pragma unroll
                     for (int n = 0; n < 8; n++) {
@@ -469,23 +463,7 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
                         }
                     }
                 } else if (thresh) {                          // T % 4 != 0: version 3's call per pair of keys
-#pragma unroll
-                    for (int n = 0; n < 8; n++)
-#pragma unroll
-                        for (int r = 0; r < 2; r++) {
-                            const int row = rr[mt][r], col = j0 + n * 8 + t4 * 2;
-                            if (row >= Tn || col >= Tn) continue;
-                            const u64 e0 = ((u64)bh * Tn + row) * Tn + col;
-                            uint4 w = philox4x32_10(e0 >> 2, stream, seed);
-                            const u32 l0 = (u32)(e0 & 3);
-                            u32 w0 = l0 == 0 ? w.x : l0 == 1 ? w.y : l0 == 2 ? w.z : w.w;
-                            u32 w1 = l0 == 0   ? w.y
-                                     : l0 == 1 ? w.z
-                                     : l0 == 2 ? w.w
-                                               : philox4x32_10((e0 >> 2) + 1, stream, seed).x;
-                            if ((u64)w0 < thresh) s[mt][n][2 * r] = 0.f;
-                            if ((u64)w1 < thresh) s[mt][n][2 * r + 1] = 0.f;
-                        }
+                    tc_drop_pairs(s[mt], rr[mt], j0, Tn, bh, seed, stream, thresh, t4);
                 }
             }
             // O += P V: P's C fragments as A fragments (key k-step kk = n-tiles 2 kk, 2 kk + 1); the B fragments
@@ -518,27 +496,10 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
         if (tid < 64) Ms[cur ^ 1][tid] = mnext;               // read from the next iteration on, after its barrier
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
-    // finish: l over the quad, out = O / l * dscale, m and 1/l per row (version 3's code)
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            lrow[mt][r] += __shfl_xor_sync(0xffffffffu, lrow[mt][r], 1);
-            lrow[mt][r] += __shfl_xor_sync(0xffffffffu, lrow[mt][r], 2);
-            const int row = rr[mt][r];
-            if (row >= Tn) continue;
-            const float inv = 1.f / lrow[mt][r], f = inv * dscale;
-            T* op = out + ((size_t)b * Tn + row) * C + h * HS + t4 * 2;
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                op[n * 8] = from_f<T>(o[mt][n][2 * r] * f);
-                op[n * 8 + 1] = from_f<T>(o[mt][n][2 * r + 1] * f);
-            }
-            if (t4 == 0) {
-                m_out[(size_t)bh * Tn + row] = mrow[mt][r];
-                linv_out[(size_t)bh * Tn + row] = inv;
-            }
-        }
+        tc_fwd_store<T>(o[mt], mrow[mt], lrow[mt], rr[mt], out, m_out, linv_out, (size_t)b * Tn * C + h * HS, bh, Tn,
+                        C, dscale, t4);
 }
 
 #endif  // HALF_TYPES
