@@ -31,7 +31,9 @@
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
-#               16-bit GEMM floor, the launch probe with the step's own arguments, the torch.profiler table
+#               16-bit GEMM floor, the optimizer step (clip + AdamW: refbert's multi-tensor kernels and per-array
+#               code against torch.optim.AdamW foreach / fused), the launch probe with the step's own arguments,
+#               the torch.profiler table
 # mains, tests, check, verify, train and graphdiag run side by side (they time nothing that is reported; 16 cores;
 # Numba compiles on the CPU); bench runs alone after them. A step that fails or times out is recorded and the next
 # one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
@@ -62,7 +64,7 @@ T_S3=${T_S3:-120}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
 STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3"}
-BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed profile"}
+BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed optim profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 START=$(date +%s)

@@ -34,6 +34,13 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          (what the backward will read), and the ratios against sdpa and the floor. No optimizer update. Beside the
          first: the same step with the adds around the linears unfused (an A/B row: the bias after the GEMM, the
          gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins.
+optim    the optimizer's step on the model's parameters (base: 110M in ~200 tensors, float32): clip_grad_norm to 1
+         and AdamW.step, as pretrain runs them, by refbert's multi-tensor kernels (csrc/optim.cu, through
+         refbert.optim) and by its per-array code (REFBERT_FUSED_OPTIM=0: the spec's ~15 launches a tensor) on the
+         same device arrays, against torch.optim.AdamW (foreach and fused) with torch.nn.utils.clip_grad_norm_ on
+         tensors of the same shapes; the kernels' update first checked equal to the per-array code's bit for bit (on
+         copies, one step). Each the median of CUDA-event timings around the whole call, host work included (the
+         per-array code is host-bound: that is what it costs a training step).
 profile  torch.profiler (CUPTI: it sees CuPy's and Numba's kernels too) over a few steps at the first --step shape:
          for refbert (both decoders) and HF sdpa, the device time per kernel name, launches per step (kernel, copy
          and memset events), GPU-busy time against wall time per step.
@@ -112,7 +119,7 @@ def shape_str(shape):
 def add_arguments(p):
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
     p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, B=4 T=128 only")
-    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "mixed", "profile"],
+    p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "mixed", "optim", "profile"],
                    help="run only these sections (probes always)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
@@ -680,11 +687,8 @@ def run_step(args, timer):
     cp = _xp()
     import refbert
     from refbert.bench import batch
-    from refbert.config import BertConfig
     from refbert_kernels.cuda import versions as VV
-    cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
-        BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
-                   max_position_embeddings=512)
+    cfg = _config(args)
     rows, failed, probe_step = [], False, None
     tmp = tempfile.TemporaryDirectory()
     hf = {}
@@ -868,10 +872,7 @@ def run_mixed(args, timer):
     cp = _xp()
     import refbert
     from refbert.bench import batch, hf_model
-    from refbert.config import BertConfig
-    cfg = BertConfig.preset("base") if getattr(args, "config", "base") == "base" else \
-        BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
-                   max_position_embeddings=512)
+    cfg = _config(args)
     rows, failed = [], False
     tmp = tempfile.TemporaryDirectory()
     hf = None
@@ -967,6 +968,102 @@ def run_mixed(args, timer):
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimizer step: refbert's multi-tensor kernels and per-array code against torch.optim.AdamW
+
+def _config(args):
+    from refbert.config import BertConfig
+    if getattr(args, "config", "base") == "base":
+        return BertConfig.preset("base")
+    return BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=96, max_position_embeddings=512)
+
+
+def run_optim(args, timer):
+    """Rows of the optim section (module docstring) -> (rows, failed)."""
+    cp = _xp()
+    import refbert
+    from refbert import optim
+    host = refbert.BertForPreTraining(_config(args), seed=0).parameters()      # names, shapes, initial values
+    n_params = sum(int(a.size) for a in host.values())
+    rng = np.random.default_rng(0)
+    grads_h = {k: (rng.standard_normal(a.shape) * 1e-2).astype(np.float32) for k, a in host.items()}
+    base = dict(tensors=len(host), parameters=n_params)
+    rows, failed = [], False
+    had = os.environ.get(optim.FUSED_ENV)
+
+    def set_fused(on):
+        os.environ[optim.FUSED_ENV] = "1" if on else "0"
+
+    try:
+        # validate: one step on copies, the kernels against the per-array code, bit for bit
+        res = {}
+        for on in (True, False):
+            set_fused(on)
+            params = {k: cp.asarray(a) for k, a in host.items()}
+            optim.AdamW(params, lr=1e-4, weight_decay=0.01).step({k: cp.asarray(g) for k, g in grads_h.items()})
+            res[on] = ({k: a.get() for k, a in params.items()},
+                       optim.LAST_PATH.get("AdamW.step"))
+        same = all(np.array_equal(res[True][0][k].view(np.uint32), res[False][0][k].view(np.uint32)) for k in host)
+        ok = same and res[True][1] == optim.FUSED
+        failed |= not ok
+        rows.append(dict(base, impl="check", note=f"one AdamW step, kernels = per-array code bit for bit: "
+                         f"{'yes' if same else 'NO'}; path {res[True][1]}"))
+        print(f"  {rows[-1]['note']}", flush=True)
+        params = {k: cp.asarray(a) for k, a in host.items()}
+        grads = {k: cp.asarray(g) for k, g in grads_h.items()}
+        opt = optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+        for on, impl in ((True, "refbert multi-tensor kernels (optim.cu v1)"), (False, "refbert per-array code")):
+            set_fused(on)
+
+            def step():
+                optim.clip_grad_norm(grads, 1.0)
+                opt.step(grads, lr=1e-4)
+            step()
+            path = optim.LAST_PATH.get("AdamW.step")
+            t = timer(step, repeats=max(3, args.repeats // (1 if on else 4)))
+            rows.append(dict(base, impl=impl, ms=t * 1e3, note=path))
+            print(f"  {impl:44s} {t * 1e3:8.3f} ms  ({path})", flush=True)
+    finally:
+        if had is None:
+            os.environ.pop(optim.FUSED_ENV, None)
+        else:
+            os.environ[optim.FUSED_ENV] = had
+    if not args.no_torch:
+        try:
+            import torch
+            tp = [torch.nn.Parameter(torch.as_tensor(a, device="cuda")) for a in host.values()]
+            for p, g in zip(tp, grads_h.values()):
+                p.grad = torch.as_tensor(g, device="cuda")
+            decay = [p for (k, _), p in zip(host.items(), tp) if not any(s in k for s in ("bias", "LayerNorm.weight"))]
+            exempt = [p for (k, _), p in zip(host.items(), tp) if any(s in k for s in ("bias", "LayerNorm.weight"))]
+            groups = [dict(params=decay, weight_decay=0.01), dict(params=exempt, weight_decay=0.0)]
+            for kw in (dict(foreach=True), dict(fused=True)):
+                topt = torch.optim.AdamW(groups, lr=1e-4, eps=1e-6, **kw)
+
+                def tstep(topt=topt):
+                    torch.nn.utils.clip_grad_norm_(tp, 1.0, foreach=True)
+                    topt.step()
+                tstep()
+                t = timer(tstep)
+                name = "torch.optim.AdamW " + ", ".join(f"{k}=True" for k in kw)
+                rows.append(dict(base, impl=name, ms=t * 1e3, note="clip_grad_norm_(foreach=True) + step"))
+                print(f"  {name:44s} {t * 1e3:8.3f} ms", flush=True)
+        except Exception as e:
+            rows.append(dict(base, impl="torch.optim.AdamW", note=_err(e)))
+    fused_ms = next((r["ms"] for r in rows if r["impl"] == "torch.optim.AdamW fused=True" and "ms" in r), None)
+    for r in rows:
+        if "ms" in r and fused_ms:
+            r["x_torch_fused"] = r["ms"] / fused_ms
+    return rows, failed
+
+
+def optim_md(rows):
+    return md_table(["impl", "tensors", "parameters", "ms (clip + AdamW step)", "x torch fused", "note"],
+                    [[r["impl"], r.get("tensors", ""), f"{r.get('parameters', 0):,}", fmt(r.get("ms")),
+                      fmt(r.get("x_torch_fused")), r.get("note", "")] for r in rows])
 
 
 def _held_after_forward(ours, x, decode="all"):
@@ -1338,7 +1435,7 @@ def _main(args):
     paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
     failed = False
-    sections = args.only or ["kernels", "precision", "step", "mixed", "profile"]
+    sections = args.only or ["kernels", "precision", "step", "mixed", "optim", "profile"]
     if "kernels" in sections:
         print("== kernels", flush=True)
         rows, bad, timings = run_kernels(args, timer, bw)
@@ -1375,6 +1472,12 @@ def _main(args):
         failed |= bad
         paths += write(out, "cuda_mixed", f"refbert mixed-precision training step on {device}", header,
                        mixed_md(mixed_rows), dict(command=command, info=info, rows=mixed_rows))
+    if "optim" in sections:
+        print("== optimizer step", flush=True)
+        optim_rows, bad = run_optim(args, timer)
+        failed |= bad
+        paths += write(out, "cuda_optim", f"refbert optimizer step on {device}", header, optim_md(optim_rows),
+                       dict(command=command, info=info, rows=optim_rows))
     if "profile" in sections and models is not None:
         print("== profile", flush=True)
         prof = run_profile(args, models)

@@ -25,11 +25,23 @@ parameters and gradients are. The arithmetic is the same calls on either; on a d
 the checks' few numbers (each gradient's largest magnitude, each one's sum of squares), which come to the host in one
 copy per call. state_dict() hands out NumPy copies (a checkpoint writes them as they are); load_state_dict() takes
 NumPy (or the parameters' library's) arrays and puts its copies beside the parameters, on their device.
+
+Device arrays in a few launches. The per-array code above is the spec; on a device it costs about 15 launches a
+parameter for AdamW.step and a launch or two a parameter for each check (BERT-base: some 3,000 a step). Where every
+array of a call is a device array that refbert_kernels.cuda.optim takes (CuPy's or its emulator's, float32 /
+float64, contiguous), AdamW.step, clip_grad_norm and GradScaler.unscale_ run its multi-tensor kernels instead
+(csrc/optim.cu: one launch for the update, two for the checks' numbers, one for a scaling): the same operations in
+the same order, so the same bits as the per-array code, except the float64 sum of squares behind clip_grad_norm's
+norm, taken in another fixed order (both within 4e-14 of the exact sum). REFBERT_FUSED_OPTIM=0 keeps the per-array
+code; LAST_PATH says what the last call of each ran, and a device call that could not take the kernels warns once,
+why.
 """
 import contextlib
 import importlib
 import math
 import numbers
+import os
+import warnings
 
 import numpy as np
 
@@ -138,6 +150,49 @@ def _host_floats(values):
         for i, x in zip(idx, _host(np.stack([values[i] for i in idx])).tolist()):
             out[i] = float(x)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the multi-tensor kernels for device arrays
+
+FUSED_ENV = "REFBERT_FUSED_OPTIM"
+FUSED = "multi-tensor kernels (refbert_kernels.cuda.optim: csrc/optim.cu v1)"
+PER_ARRAY = "per-array code"
+LAST_PATH = {}          # "AdamW.step" / "clip_grad_norm" / "GradScaler.unscale_" -> what its last call ran
+_WARNED = set()
+
+
+def _fused(who, arrays):
+    """refbert_kernels.cuda.optim when it takes these arrays (every one a device array it handles) and
+    REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). A device call that cannot take the
+    kernels says why, once per reason: a slow path is never silent."""
+    dev = [type(a) is not np.ndarray and hasattr(a, "__cuda_array_interface__") for a in arrays]
+    if not arrays or not all(dev):                  # (an emulated device array is a NumPy subclass: it counts)
+        LAST_PATH[who] = PER_ARRAY + ("" if not any(dev) else " (host and device arrays)")
+        return None
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        LAST_PATH[who] = PER_ARRAY + f" ({FUSED_ENV}=0)"
+        return None
+    try:
+        mod = importlib.import_module("refbert_kernels.cuda.optim")
+        why = mod.why_not(arrays)
+    except Exception as e:                      # no refbert_kernels, no numba or CuPy, a kernel that fails to build
+        mod, why = None, f"refbert_kernels.cuda.optim: {type(e).__name__}: {e}"
+    if why is None:
+        LAST_PATH[who] = FUSED
+        return mod
+    LAST_PATH[who] = f"{PER_ARRAY} ({why})"
+    if (who, why) not in _WARNED:
+        _WARNED.add((who, why))
+        warnings.warn(f"{who}: device arrays took the per-array code, not the multi-tensor kernels ({why})",
+                      RuntimeWarning, stacklevel=3)
+    return None
+
+
+def describe():
+    """One line: what the last call of AdamW.step, clip_grad_norm and GradScaler.unscale_ ran (LAST_PATH), those
+    that ran at all."""
+    return "; ".join(f"{k}: {v}" for k, v in sorted(LAST_PATH.items())) or "no optimizer step yet"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,6 +316,8 @@ class AdamW:
         self.decay = {k: not any(s in k for s in self.no_decay) for k in self.params}
 
     def _check_grads(self, who, grads):
+        """Refuse bad gradients (the class docstring) before anything is written; returns the multi-tensor kernels
+        when they take this step's arrays (_fused), else None."""
         if not isinstance(grads, dict):
             raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient (model.backward()), "
                              f"got {type(grads).__name__}")
@@ -273,24 +330,37 @@ class AdamW:
             if not _same_lib(g, p) or g.shape != p.shape or g.dtype != p.dtype:
                 raise ValueError(f"{who}: argument 'grads' key {name!r} expected an array of shape {p.shape} and "
                                  f"dtype {p.dtype} (the parameter's{_where(p)}), got {_desc(g)}")
+        fused = _fused("AdamW.step", [*self.params.values(), *(grads[k] for k in self.params), *self.m.values(),
+                                      *self.v.values()])
         names = [name for name, g in grads.items() if g.size]
-        peaks = _host_floats([np.max(np.abs(grads[name])) for name in names])
+        if fused is not None and names:                 # every peak in one launch pair and one copy
+            peaks = fused.grad_stats([grads[name] for name in names])[:, 1].tolist()
+        else:
+            peaks = _host_floats([np.max(np.abs(grads[name])) for name in names])
         for name, peak in zip(names, peaks):
             _finite(who, "grads", name, grads[name], peak)
+        return fused
 
     def step(self, grads, lr=None):
         """One update of every parameter in place (the formulas in the class docstring). `lr` overrides the
         learning rate for this step only (pass the schedule's value); None uses self.lr."""
         who = "AdamW.step"
         lr = self.lr if lr is None else _number(who, "lr", lr, 0.0)
-        self._check_grads(who, grads)
+        fused = self._check_grads(who, grads)
         self.step_count += 1
         t = self.step_count
         b1, b2 = self.betas
         eps, wd = self.eps, self.weight_decay
+        step_size, bc2_sqrt = 0.0, 1.0                      # (google's form uses neither)
         if self.correct_bias:
             step_size = lr / (1.0 - b1 ** t)
             bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        if fused is not None:                               # the loop below, every tensor in one launch
+            names = list(self.params)
+            fused.adamw_([self.params[k] for k in names], [grads[k] for k in names], [self.m[k] for k in names],
+                         [self.v[k] for k in names], [bool(self.decay[k] and wd) for k in names], b1, 1.0 - b1, b2,
+                         1.0 - b2, eps, lr, wd, 1.0 - lr * wd, step_size, bc2_sqrt, self.correct_bias)
+            return
         for name, p in self.params.items():
             g, m, v = grads[name], self.m[name], self.v[name]
             lam = wd if self.decay[name] else 0.0
@@ -427,7 +497,11 @@ def clip_grad_norm(grads, max_norm=1.0):
         raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient, got {type(grads).__name__}")
     for name, g in grads.items():
         _float_array(who, "grads", name, g)
-    sums = _host_floats([np.sum(np.square(g, dtype=np.float64)) for g in grads.values()])
+    fused = _fused(who, list(grads.values()))
+    if fused is not None:                               # the sums in one launch pair and one copy
+        sums = fused.grad_stats(list(grads.values()))[:, 0].tolist()
+    else:
+        sums = _host_floats([np.sum(np.square(g, dtype=np.float64)) for g in grads.values()])
     total = 0.0
     for (name, g), s in zip(grads.items(), sums):
         if not math.isfinite(s):                        # a NaN or inf in g (or float64 squares that overflow)
@@ -442,8 +516,11 @@ def clip_grad_norm(grads, max_norm=1.0):
         raise ValueError(f"{who}: argument 'grads' expected a global norm finite in float64, got one that overflows")
     coef = min(max_norm / (norm + 1e-6), 1.0)
     if coef < 1.0:
-        for g in grads.values():
-            g *= coef
+        if fused is not None:
+            fused.scale_(list(grads.values()), coef)
+        else:
+            for g in grads.values():
+                g *= coef
     return norm
 
 
@@ -510,8 +587,15 @@ class GradScaler:
                              f"are already unscaled)")
         for name, g in grads.items():
             _float_array(who, "grads", name, g)
-        bad = _host_floats([np.any(~np.isfinite(g)) for g in grads.values() if g.size])
         inv = np.float32(1.0 / np.float64(np.float32(self._scale)))   # torch: scale.double().reciprocal().float()
+        fused = _fused(who, list(grads.values()))
+        if fused is not None:                           # inf / NaN found from the peaks; one scaling launch
+            live = [g for g in grads.values() if g.size]
+            bad = [not math.isfinite(x) for x in fused.grad_stats(live)[:, 1].tolist()] if live else []
+            fused.scale_(list(grads.values()), inv)
+            self._found_inf = any(bad)
+            return self._found_inf
+        bad = _host_floats([np.any(~np.isfinite(g)) for g in grads.values() if g.size])
         with np.errstate(invalid="ignore", over="ignore"):
             for g in grads.values():
                 g *= g.dtype.type(inv)

@@ -37,6 +37,7 @@ from .defaults import CONTROL, PRETRAIN, SCHEDULE
 from .errors import UserError
 from .fileio import write_text
 from .mixed import FLAGS as MIXED_FLAGS
+from . import optim
 from .optim import AdamW, GradScaler, LinearWarmupDecay, clip_grad_norm
 from .philox import DropoutRNG
 
@@ -454,6 +455,7 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
     bar.close()
     if graph is not None:
         print(f"CUDA graph: {graph.captures} capture(s), {graph.replays} replays")
+    print(f"optimizer: {optim.describe()}")
     if step >= total:
         save_checkpoint(out, "model", model, tokenizer)
         plot(out, f"refbert pretrain ({a['preset'] or 'config'})", baseline)
@@ -863,6 +865,7 @@ def _finetune_epochs(args, task, model, tokenizer, tr, dev, id2label, base, tota
             run.kept = True                              # a model worth keeping: the folder stays
         plot(out, f"refbert finetune {task}")
     bar.close()
+    print(f"optimizer: {optim.describe()}")
     print(f"best dev {metric} {best:.4f} (baseline {base}); the best model is in {os.path.join(out, 'best')}")
     return 0
 

@@ -48,6 +48,11 @@ CI_MAY_SKIP = {
     "test_cuda_graph.py::test_replay_equals_the_eager_step": (_GPU, "a CUDA graph's replay on a GPU"),
     "test_cuda_graph.py::test_replay_at_bert_base_shapes": (_GPU, "BERT-base's CUDA graph on a GPU"),
     "test_cuda_mixed.py::test_precision_study_of_the_cuda_mixed_step": (_GPU, "the GPU's mixed step against float64"),
+    # tests/test_cuda_optim.py: the [gpu] parameter of each (the [emu] one runs in CI)
+    "test_cuda_optim.py::test_adamw_and_unscale_are_the_spec_bit_for_bit": (_GPU, "the optimizer kernels on a GPU"),
+    "test_cuda_optim.py::test_clip_grad_norm_norm_and_scaling": (_GPU, "the optimizer kernels on a GPU"),
+    "test_cuda_optim.py::test_bad_gradients_refused_by_name_before_anything_is_written":
+        (_GPU, "the optimizer kernels on a GPU"),
     # the dev extra allows transformers >= 4.40; these compare with a Python tokenizer only some versions have
     "test_tokenization.py::test_bert_tokenizer_never_split_as_hf_python":
         ("no Python BERT tokenizer in this transformers", "a transformers without a Python BERT tokenizer"),

@@ -275,13 +275,14 @@ def test_emu_value_checks_need_refbert_cuda_checks():
 
 def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
-    step's own arguments) and its mixed-precision section run on the emulator: a tooling check of the code the GPU
-    run will execute (its times mean nothing here). Every CUDA C kernel of the step shows in the launch probe."""
+    step's own arguments), its mixed-precision and its optimizer sections run on the emulator: a tooling check of
+    the code the GPU run will execute (its times mean nothing here). Every CUDA C kernel of the step shows in the
+    launch probe."""
     import json
     code = f"""
         import sys
         from refbert import bench_cuda as BC
-        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "mixed", "--step", "2x8",
+        sys.exit(BC.main(["--config", "tiny", "--no-torch", "--only", "step", "mixed", "optim", "--step", "2x8",
                           "--repeats", "1", "--no-plot", "--out", {str(tmp_path)!r}]))
     """
     out = cudachild.check(_run(_env(code)))
@@ -306,4 +307,9 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v2_drop",
             "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
             "attn_fwd_v1_f32_hs32", "attn_bwd_dq_v1_f32_hs32"} <= kernels, sorted(kernels)
+    optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
+    assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
+                                          "refbert per-array code"], optim
+    assert "bit for bit: yes" in optim[0]["note"] and "multi-tensor kernels" in optim[1]["note"], optim
+    assert optim[2]["note"].endswith("(REFBERT_FUSED_OPTIM=0)") and all(r["ms"] > 0 for r in optim[1:]), optim
     assert "wrote" in out

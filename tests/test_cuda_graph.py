@@ -260,6 +260,8 @@ def test_pretrain_cuda_graph_equals_the_eager_run(tiny):
     out = _child(_PRETRAIN.replace("{tmp!r}", repr(str(tiny))), "emu")
     assert "MODE emu" in out, out
     assert out.count("CUDA graph: 1 capture(s), 2 replays") == 1, out     # one capture; the short batch eager
+    # both runs stepped the optimizer with its multi-tensor kernels (csrc/optim.cu), not the per-array code
+    assert out.count("optimizer: AdamW.step: multi-tensor kernels") == 2, out
     logs = {}
     for line in out.splitlines():
         if line.startswith("LOG "):

@@ -61,7 +61,7 @@ from . import _common as C
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", "softmax.cu", "layernorm.cu", "gelu.cu",
-           "dropout.cu", "cross_entropy.cu", "colsum.cu", "embedding.cu")
+           "dropout.cu", "cross_entropy.cu", "colsum.cu", "embedding.cu", "optim.cu")
 _DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
 F32 = np.dtype(np.float32)
 FELL_BACK = {}          # (op, version) -> why the last call took the Numba version instead
