@@ -14,6 +14,13 @@ step reads nothing back from the device (tests/test_cuda_emu.py asserts it), so 
 cProfile then splits one step's time by where the code lives: refbert and refbert_kernels (ours), the emulated
 CuPy and NumPy (stand-ins for CuPy's own cost, which on a GPU is CuPy's C code instead), import statements run
 inside functions. Timings are this machine's; the calls per launch are the machine-independent part.
+
+--optimizer adds a second table: what one optimizer step (clip_grad_norm to 1, then AdamW.step, as pretrain runs
+them) asks of the device for a model of --layers layers (the tensor count of BERT at that depth; tiny widths),
+counted on the emulator: operations on device arrays through NumPy's functions (each one CuPy kernel on a GPU:
+an element-wise op or a reduction), CUDA C launches, reads back to the host (each a synchronisation) and copies to
+the device, for refbert.optim's per-array code (REFBERT_FUSED_OPTIM=0) and its multi-tensor kernels
+(csrc/optim.cu). These counts depend on the code alone, not on the machine.
 """
 import argparse
 import cProfile
@@ -29,6 +36,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
+    p.add_argument("--optimizer", action="store_true", help="also count one optimizer step's device work")
     args = p.parse_args(argv)
     if os.environ.get("REFBERT_CUDA_EMULATE") != "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("host_overhead.py: run with NUMBA_ENABLE_CUDASIM=1 REFBERT_CUDA_EMULATE=1 (the emulated CuPy)")
@@ -96,6 +104,54 @@ def main(argv=None):
     E.RawKernel.__call__ = real_call
     for n, f in real.items():
         setattr(BL, n, f)
+    if args.optimizer:
+        optimizer_counts(args.layers)
+
+
+def optimizer_counts(layers):
+    """Print the --optimizer table (module docstring)."""
+    import numpy as np
+    import refbert
+    from refbert import optim
+    from refbert.check import tiny_config
+    from refbert_kernels.cuda import emulate as E
+    cfg = tiny_config("BertForPreTraining", num_hidden_layers=layers, hidden_size=128, num_attention_heads=2,
+                      intermediate_size=96)
+    host = refbert.BertForPreTraining(cfg, seed=1).parameters()
+    rng = np.random.default_rng(0)
+    grads_h = {k: rng.standard_normal(a.shape).astype(np.float32) for k, a in host.items()}
+    ops = [0]
+    real = {n: getattr(E.DevArray, n) for n in ("__array_ufunc__", "__array_function__")}
+
+    def counting(name):
+        def f(self, *a, **k):
+            ops[0] += 1
+            return real[name](self, *a, **k)
+        return f
+    print()
+    print(f"| optimizer step (clip to 1 + AdamW), {len(host)} tensors | device operations (NumPy functions: a CuPy "
+          "kernel each) | CUDA C launches | reads to the host | copies to the device |")
+    print("|---|---|---|---|---|")
+    try:
+        for name in real:
+            setattr(E.DevArray, name, counting(name))
+        for fused in ("0", "1"):
+            os.environ[optim.FUSED_ENV] = fused
+            params = {k: E.cupy.asarray(a) for k, a in host.items()}
+            grads = {k: E.cupy.asarray(g) for k, g in grads_h.items()}
+            opt = optim.AdamW(params, lr=1e-4)
+            for _ in range(2):                      # the second step: tables and kernels built by the first
+                ops[0] = 0
+                E.COUNTS.reset()
+                norm = optim.clip_grad_norm(grads, 1.0)
+                opt.step(grads, lr=1e-4)
+            assert norm > 1.0                       # (the clipping scaled the gradients)
+            print(f"| {optim.LAST_PATH['AdamW.step']} | {ops[0]} | {E.COUNTS.launched()} | {E.COUNTS.d2h} | "
+                  f"{E.COUNTS.h2d} |", flush=True)
+    finally:
+        for name, f in real.items():
+            setattr(E.DevArray, name, f)
+        os.environ.pop(optim.FUSED_ENV, None)
 
 
 if __name__ == "__main__":

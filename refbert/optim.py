@@ -95,6 +95,12 @@ def _is_array(x):
     return isinstance(x, np.ndarray) or _is_device(x)
 
 
+def _on_device(x):
+    """x lives on a device: _is_device's arrays, and a NumPy subclass standing for device memory (the emulated
+    CuPy of refbert_kernels.cuda.emulate) too, whose reads back are counted as a GPU's."""
+    return type(x) is not np.ndarray and hasattr(x, "__cuda_array_interface__")
+
+
 def _lib(x):
     """The top-level module of x's type: "numpy", "cupy"."""
     return type(x).__module__.split(".")[0]
@@ -142,7 +148,7 @@ def _host_floats(values):
     out = [None] * len(values)
     groups = {}
     for i, v in enumerate(values):
-        if _is_device(v):
+        if _on_device(v):
             groups.setdefault(_lib(v), []).append(i)
         else:
             out[i] = float(v)
@@ -166,8 +172,8 @@ def _fused(who, arrays):
     """refbert_kernels.cuda.optim when it takes these arrays (every one a device array it handles) and
     REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). A device call that cannot take the
     kernels says why, once per reason: a slow path is never silent."""
-    dev = [type(a) is not np.ndarray and hasattr(a, "__cuda_array_interface__") for a in arrays]
-    if not arrays or not all(dev):                  # (an emulated device array is a NumPy subclass: it counts)
+    dev = [_on_device(a) for a in arrays]
+    if not arrays or not all(dev):
         LAST_PATH[who] = PER_ARRAY + ("" if not any(dev) else " (host and device arrays)")
         return None
     if os.environ.get(FUSED_ENV, "1") == "0":
