@@ -17,8 +17,11 @@ kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C v
          and float16; a version over tolerance is FAIL and never timed), then timed at the spec's bench_shape on CuPy
          arrays (attention: B=8, H=12, hs=64 at each --attention-T: B*H = 96, issue 13's shapes): forward, and
          backward on one cached forward, each the median of --repeats CUDA-event timings after 2 warm-up calls, with
-         the L2 cache flushed (a 256 MiB buffer written) before every timed call; GB/s of a napkin byte count, % of
-         the copy bandwidth; attention
+         the L2 cache flushed (a 256 MiB buffer written) before every timed call, twice: as called (events around
+         the call, its host work included) and on the device alone (the call's launches queued while a blocking
+         kernel holds the stream, nvbench's method: what a small kernel costs inside a CUDA graph or a busy
+         stream, without its launch); GB/s of a napkin byte count, % of the copy bandwidth (of the device times
+         where a call has them); attention
          TFLOP/s (4 B H T^2 hs forward, 2.5x that backward). PyTorch peers on the same inputs (zero-copy through
          DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
          without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times
@@ -230,13 +233,61 @@ def gpu_available():
 # ----------------------------------------------------------------------------------------------------------------
 # GPU timing
 
+# a kernel that holds its stream until the host writes 1 to flag (pinned host memory the GPU reads through UVA) or
+# limit_ns pass (then *timed_out = 1): nvbench's "blocking kernel". Queued before a measurement, it lets the host
+# enqueue every launch of the call while the GPU waits, so the events around the call time the device work alone.
+BLOCKER = r"""
+extern "C" __global__ void refbert_block_until(volatile int* flag, unsigned long long limit_ns, int* timed_out) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (*flag == 0) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > limit_ns) { *timed_out = 1; return; }
+        __nanosleep(1000);
+    }
+}
+"""
+BLOCK_LIMIT_NS = 200_000_000      # 0.2 s: a call longer to enqueue (or synchronising inside) is timed as called
+
+
+class Blocker:
+    """Holds the current stream behind BLOCKER until release(): the launches queued meanwhile then run back to back.
+    A call that synchronises with the device inside (a read back, or Numba's wait on a foreign array's stream) would
+    wait on the held stream: the kernel's time limit ends the hold, and release() then says so (False)."""
+
+    def __init__(self, cp):
+        import ctypes
+        self.ptr = cp.cuda.runtime.hostAlloc(8, 3)        # cudaHostAllocPortable | cudaHostAllocMapped
+        self.flag = ctypes.c_int.from_address(self.ptr)
+        self.timed_out = ctypes.c_int.from_address(self.ptr + 4)
+        self.kernel = cp.RawKernel(BLOCKER, "refbert_block_until")
+
+    def hold(self):
+        self.flag.value, self.timed_out.value = 0, 0
+        self.kernel((1,), (1,), (np.uint64(self.ptr), np.uint64(BLOCK_LIMIT_NS), np.uint64(self.ptr + 4)))
+
+    def release(self, end):
+        """Let the stream go, wait for the event `end`; True when the hold lasted until now (a clean measurement)."""
+        self.flag.value = 1
+        end.synchronize()
+        return self.timed_out.value == 0
+
+
 class Timer:
-    """CUDA-event timings with the L2 flushed (FLUSH_BYTES written) before every timed call."""
+    """CUDA-event timings with the L2 flushed (FLUSH_BYTES written) before every timed call: __call__ times a call
+    as a user sees it (host work included: a small kernel's time is then mostly its launch), device() the GPU's
+    work alone (the launches queued behind a Blocker)."""
 
     def __init__(self, repeats, warmup=2):
         cupy = _xp()
         self.cp, self.repeats, self.warmup = cupy, repeats, warmup
         self.flush_buf = cupy.empty((FLUSH_BYTES if not emulated() else 2 ** 16) // 4, np.float32)
+        self.blocker = None
+        if not emulated():
+            try:
+                self.blocker = Blocker(cupy)
+            except Exception as e:            # pragma: no cover - no NVRTC, no mapped memory
+                print(f"  (device-only timings off: {type(e).__name__}: {e})", flush=True)
 
     def flush(self):
         self.flush_buf.fill(0)
@@ -256,6 +307,29 @@ class Timer:
             fn()
             end.record()
             end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return statistics.median(times)
+
+    def device(self, fn, repeats=None):
+        """Median seconds of fn()'s device work alone: its launches queued while a Blocker holds the stream, between
+        events recorded inside the hold. None on the emulator, without a Blocker, or when a call synchronised
+        inside (its hold timed out: fn's time as called is then all there is)."""
+        if self.blocker is None or emulated():
+            return None
+        cp = self.cp
+        times = []
+        for _ in range(repeats or self.repeats):
+            self.flush()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            self.blocker.hold()
+            try:
+                start.record()
+                fn()
+                end.record()
+            finally:
+                clean = self.blocker.release(end)
+            if not clean:
+                return None
             times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
         return statistics.median(times)
 
@@ -413,14 +487,16 @@ def _fresh(kwargs):
 
 
 def time_pair(timer, forward, backward, inputs, kwargs):
-    """(forward s, backward s) of one implementation on device inputs; backward on one cached forward."""
+    """(forward s, backward s, forward device s, backward device s) of one implementation on device inputs;
+    backward on one cached forward. The device times (Timer.device) are None where they cannot be separated."""
     cp = _xp()
     out, cache = forward(**inputs, **_fresh(kwargs))
     scalar = np.ndim(out) == 0
     dout = 1.0 if scalar else cp.asarray(np.random.default_rng(0).standard_normal(out.shape)).astype(out.dtype)
     tf = timer(lambda: forward(**inputs, **_fresh(kwargs)))
     tb = timer(lambda: backward(dout, cache))
-    return tf, tb
+    df = timer.device(lambda: forward(**inputs, **_fresh(kwargs)))
+    return tf, tb, df, timer.device(lambda: backward(dout, cache))
 
 
 def torch_peer(name, inputs, kwargs):
@@ -556,14 +632,20 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
     base = dict(spec=spec.name, shape=shape_str(shape), dtype=np.dtype(dtype).name, bytes=nbytes)
     rows = []
 
-    def add(impl, tf, tb, note=""):
-        r = dict(base, impl=impl, fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, note=note,
-                 gbps=gbps(nbytes, tf + tb), pct_copy=pct(gbps(nbytes, tf + tb), bw / 1e9))
+    def add(impl, tf, tb, df=None, db=None, note=""):
+        # GB/s, % copy and TFLOP/s of the device times where both were separated (Timer.device), else of the times
+        # as called (host work included: a small kernel's launch then dominates them)
+        dev = df is not None and db is not None
+        f_, b_ = (df, db) if dev else (tf, tb)
+        r = dict(base, impl=impl, fwd_ms=tf * 1e3, bwd_ms=tb * 1e3, fwd_dev_ms=df * 1e3 if df is not None else None,
+                 bwd_dev_ms=db * 1e3 if db is not None else None, rates_of="device" if dev else "call", note=note,
+                 gbps=gbps(nbytes, f_ + b_), pct_copy=pct(gbps(nbytes, f_ + b_), bw / 1e9))
         if fl:
-            r.update(fwd_tflops=tflops(fl[0], tf), bwd_tflops=tflops(fl[1], tb))
+            r.update(fwd_tflops=tflops(fl[0], f_), bwd_tflops=tflops(fl[1], b_))
         rows.append(r)
         print(f"  {spec.name:28s} {r['shape']:28s} {r['dtype']:8s} {impl:30s} fwd {fmt(r['fwd_ms'])} ms  "
-              f"bwd {fmt(r['bwd_ms'])} ms  {fmt(r['gbps'])} GB/s ({fmt(r['pct_copy'], '.0f')}% copy)"
+              f"bwd {fmt(r['bwd_ms'])} ms  device {fmt(r['fwd_dev_ms'])} + {fmt(r['bwd_dev_ms'])} ms  "
+              f"{fmt(r['gbps'])} GB/s ({fmt(r['pct_copy'], '.0f')}% copy)"
               + (f"  {fmt(r.get('fwd_tflops'))}/{fmt(r.get('bwd_tflops'))} TFLOP/s" if fl else ""), flush=True)
 
     c_versions = cuda_c_versions(spec.name)
@@ -579,8 +661,7 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
             rows.append(dict(base, impl="v1", note="skipped: materialises (B, H, T, T) three times"))
             continue
         try:
-            tf, tb = time_pair(timer, *spec.versions[v], inputs, kwargs)
-            add(f"v{v}", tf, tb, spec.notes.get(v, ""))
+            add(f"v{v}", *time_pair(timer, *spec.versions[v], inputs, kwargs), note=spec.notes.get(v, ""))
         except Exception as e:
             rows.append(dict(base, impl=f"v{v}", note=_err(e)))
             print(f"  {spec.name} v{v}: {_err(e, 1000)}", flush=True)
@@ -598,7 +679,7 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
             if isinstance(pr, str):
                 rows.append(dict(base, impl=name, note=pr))
                 continue
-            add(name, timer(pr[0]), timer(pr[1]))
+            add(name, timer(pr[0]), timer(pr[1]), timer.device(pr[0]), timer.device(pr[1]))
     except ImportError as e:
         rows.append(dict(base, impl="torch", note=f"not installed: {e}"))
     except Exception as e:
@@ -1281,12 +1362,18 @@ def kernels_md(rows, bw):
                       [(r["spec"], f"v{r['version']}" if r.get("version") else "—", r["status"],
                         fmt(r.get("err_tol")), r.get("error") or r.get("note", ""))
                        for r in rows if "status" in r])
-    lines += ["", "Timings (median CUDA-event ms, L2 flushed before each call; GB/s of forward + backward):", ""]
-    lines += md_table(("kernel", "shape", "dtype", "impl", "fwd ms", "bwd ms", "GB/s", "% copy", "fwd TFLOP/s",
-                       "bwd TFLOP/s", "note"),
+    lines += ["", "Timings (median CUDA-event ms, L2 flushed before each call): fwd / bwd ms as called (events around "
+              "the call: its host work included), device ms the GPU's work alone (the call's launches queued while a "
+              "blocking kernel held the stream; — where a call synchronises inside, as Numba's launches on CuPy "
+              "arrays do); GB/s of forward + backward, % copy and TFLOP/s of the device times where there are both, "
+              "else of the times as called (the column \"of\" says which):", ""]
+    lines += md_table(("kernel", "shape", "dtype", "impl", "fwd ms", "bwd ms", "fwd device ms", "bwd device ms",
+                       "GB/s", "% copy", "fwd TFLOP/s", "bwd TFLOP/s", "of", "note"),
                       [(r["spec"], r["shape"], r["dtype"], r["impl"], fmt(r.get("fwd_ms")), fmt(r.get("bwd_ms")),
-                        fmt(r.get("gbps")), fmt(r.get("pct_copy"), ".0f"), fmt(r.get("fwd_tflops")),
-                        fmt(r.get("bwd_tflops")), r.get("note", "")) for r in rows if "impl" in r])
+                        fmt(r.get("fwd_dev_ms")), fmt(r.get("bwd_dev_ms")), fmt(r.get("gbps")),
+                        fmt(r.get("pct_copy"), ".0f"), fmt(r.get("fwd_tflops")), fmt(r.get("bwd_tflops")),
+                        r.get("rates_of", "call") if r.get("fwd_ms") is not None else "", r.get("note", ""))
+                       for r in rows if "impl" in r])
     return lines
 
 

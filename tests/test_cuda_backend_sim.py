@@ -510,8 +510,13 @@ def test_bench_cuda_tables():
     md = BC.kernels_md(rows, 3e12)
     assert md[0].startswith("Copy bandwidth") and "3000 GB/s" in md[0]
     assert "| softmax | v1 | ok | 0.25 | a thread per row |" in md
-    assert "| softmax | B=4, H=12, T=512 | float32 | v1 | 0.5 | 0.25 | 1.5e+03 | 50 | — | — |  |" in md
-    assert any("| 200 | 180 |" in line for line in md)
+    assert ("| softmax | B=4, H=12, T=512 | float32 | v1 | 0.5 | 0.25 | — | — | 1.5e+03 | 50 | — | — | call |  |"
+            in md)
+    assert any("| 200 | 180 | call |" in line for line in md)
+    rows.append(dict(spec="softmax", shape="B=4, H=12, T=512", dtype="float32", impl="v2", fwd_ms=0.05, bwd_ms=0.06,
+                     fwd_dev_ms=0.01, bwd_dev_ms=0.02, rates_of="device", gbps=1e5, pct_copy=80.0, note=""))
+    assert ("| softmax | B=4, H=12, T=512 | float32 | v2 | 0.05 | 0.06 | 0.01 | 0.02 | 1e+05 | 80 | — | — | device "
+            "|  |") in BC.kernels_md(rows, 3e12)
     step = BC.step_md([dict(impl="refbert cuda fp32 (all)", shape="B=4 T=128", ms=50.0, tokens_per_s=10240.0,
                             vs_sdpa=1.25, floor_ms=40.0, held_mb=900.4),
                        dict(impl="check", shape="B=4 T=128", note="ok")])

@@ -215,3 +215,17 @@ def test_cuda_c_matches_oracle():
                     failures.append((op, v.key, dt, worst, err, dict(K.FELL_BACK)))
     assert not failures, failures
     assert ran >= 15, ran                                          # (every op's CUDA C versions were reached)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: the CUDA C sources are not compiled")
+def test_bench_blocking_kernel_compiles(tmp_path):
+    """The bench's blocking kernel (refbert/bench_cuda.py BLOCKER: CuPy compiles it at run time, so nothing else
+    would see a typo in its inline PTX before a GPU run) assembles for sm_90, its globaltimer reads and the
+    __nanosleep loop included."""
+    from refbert import bench_cuda as BC
+    src = tmp_path / "blocker.cu"
+    src.write_text(BC.BLOCKER)
+    _, r = _nvcc(["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "-Xptxas", "-v", "-c", str(src), "-o",
+                  str(tmp_path / "blocker.o")])
+    assert r.returncode == 0, r.stderr
+    assert "refbert_block_until" in _ptxas(r.stdout + r.stderr), r.stderr
