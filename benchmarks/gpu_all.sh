@@ -34,13 +34,16 @@
 #               16-bit GEMM floor, the optimizer step (clip + AdamW: refbert's multi-tensor kernels and per-array
 #               code against torch.optim.AdamW foreach / fused), the launch probe with the step's own arguments,
 #               the torch.profiler table
+#   ncu         Nsight Compute (where installed; --clock-control none) on one call of each flash attention
+#               version's forward and backward at B=4 H=12 T=2048 (benchmarks/ncu_attention.py): speed of light,
+#               tensor-pipe and shared-memory load, bank conflicts, stall reasons, occupancy: report/ncu.log
 # mains, tests, check, verify, train and graphdiag run side by side (they time nothing that is reported; 16 cores;
 # Numba compiles on the CPU); bench runs alone after them. A step that fails or times out is recorded and the next
 # one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
-# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... (seconds),
-# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench s3" (a subset). DRY=1:
+# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
+# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench s3 ncu" (a subset). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, the bench says SKIPPED, train and graphdiag are skipped).
 set -u
@@ -61,9 +64,10 @@ T_BENCH=${T_BENCH:-240}                 # preflight (~20 s) + 200 + 240 at worst
 T_VERIFY=${T_VERIFY:-150}
 T_TRAIN=${T_TRAIN:-150}
 T_S3=${T_S3:-120}
+T_NCU=${T_NCU:-150}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3"}
+STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3 ncu"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed optim profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -223,6 +227,17 @@ fi
 if wants s3; then       # the mixed step again with the attention as S3's flash kernels (csrc/mixed.cu s3_*)
     REFBERT_MIXED_ATTENTION=S3 step s3 "$T_S3" "$PY" -m refbert.bench_cuda --out "$R/bench_s3" --repeats 10 \
         --step 32x128 8x512 --only mixed
+fi
+
+if wants ncu && [ -z "${DRY:-}" ]; then   # where the flash kernels' time goes: Nsight Compute's counters, one call each
+    if command -v ncu > /dev/null; then
+        step ncu "$T_NCU" ncu --clock-control none -k 'regex:^attn_(fwd|bwd_(dkdv|dq|fused))' \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
+            --section WarpStateStats --section InstructionStats "$PY" benchmarks/ncu_attention.py
+    else
+        echo "ncu: not on PATH, skipped" | tee -a "$SUMMARY"
+    fi
 fi
 
 FAILED=$(grep -E "^[a-z]+: rc=" "$SUMMARY" | grep -vc "rc=0,")

@@ -313,3 +313,22 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     assert "bit for bit: yes" in optim[0]["note"] and "multi-tensor kernels" in optim[1]["note"], optim
     assert optim[2]["note"].endswith("(REFBERT_FUSED_OPTIM=0)") and all(r["ms"] > 0 for r in optim[1:]), optim
     assert "wrote" in out
+
+
+def test_emu_ncu_attention_driver_runs():
+    """benchmarks/ncu_attention.py (what gpu_all.sh's ncu step hands Nsight Compute) runs every flash version's
+    forward and backward through the launchers, at a tiny shape on the emulator: the kernels it names are the fast
+    ones of each version (so the profile is of what the bench times), every output finite."""
+    code = """
+        import runpy, sys
+        sys.argv = ["ncu_attention.py", "--B", "1", "--H", "1", "--T", "40"]
+        runpy.run_path("benchmarks/ncu_attention.py", run_name="__main__")
+    """
+    import re
+    out = cudachild.check(_run(_env(code)))
+    # (C5's forward is version 5 where its grid fills the SMs twice, else version 4: here 4)
+    for version, kernels in (("C2", "attn_fwd_v3_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v3_f16_hs64 attn_bwd_dq_v3"),
+                             ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v4_f16_hs64 attn_bwd_dq_v4"),
+                             ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64"),
+                             ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64")):
+        assert re.search(rf"^{version} \w+ B=1 .*kernels {kernels}.*\|out, dq, dk, dv\| \d", out, re.M), (version, out)
