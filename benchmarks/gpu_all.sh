@@ -25,7 +25,8 @@
 #   train       benchmarks/mixed_train.py --backend cuda --cuda-graph --steps $TRAIN_STEPS (300): `refbert pretrain
 #               --backend cuda --cuda-graph` (each step one CUDA graph replay; eager if the graph is refused)
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
-#               bf16-mixed within 2% of fp32)
+#               bf16-mixed within 2% of fp32), and each run trained again by HF + PyTorch on its data and initial
+#               weights (--torch-peer: benchmarks/torch_pretrain.py; issue 13: refbert's faster?)
 #   s3          the bench's mixed section again under REFBERT_MIXED_ATTENTION=S3 (the attention as csrc/mixed.cu's
 #               tensor-core flash kernels: the spec's roundings, no (B, H, T, T) array), report/bench_s3/
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
@@ -62,7 +63,7 @@ T_CHECK=${T_CHECK:-200}
 T_BENCH=${T_BENCH:-240}                 # preflight (~20 s) + 200 + 240 at worst; ~5.5 minutes as measured before
 #                                         the A/B rows (adds unfused, no twins) and C4 were added
 T_VERIFY=${T_VERIFY:-150}
-T_TRAIN=${T_TRAIN:-150}
+T_TRAIN=${T_TRAIN:-240}
 T_S3=${T_S3:-120}
 T_NCU=${T_NCU:-150}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -207,8 +208,8 @@ if wants graphdiag && [ -z "${DRY:-}" ]; then   # the small model's CUDA graph f
         '$PY' benchmarks/graph_diag.py --poison" &
 fi
 if wants train && [ -z "${DRY:-}" ]; then    # the demo corpus trained on the GPU in each precision (losses side by side)
-    step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --cuda-graph --steps "$TRAIN_STEPS" \
-        --out "$R/mixed_train_cuda.md" &
+    step train "$T_TRAIN" "$PY" benchmarks/mixed_train.py --backend cuda --cuda-graph --torch-peer \
+        --steps "$TRAIN_STEPS" --out "$R/mixed_train_cuda.md" &
 fi
 if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU half needs no GPU; CI runs it)
     step check "$T_CHECK" "$PY" -m refbert.precision --device cuda --no-step --json "$R/precision.json" &

@@ -12,12 +12,17 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
    the last 50 steps (log.csv), and for fp16 the loss scale at the end and the steps the scaler skipped.
    With --backend cuda the same three runs train on the GPU (`--backend cuda`: the CUDA kernels, cuBLAS's 16-bit
    GEMMs): issue 14's test that bf16-mixed on the GPU ends within 2% of the fp32 run's loss; no step times.
+   With --torch-peer each run is trained again by HF transformers + PyTorch on exactly its data and initial
+   weights (benchmarks/torch_pretrain.py: the same recipe in PyTorch's idiom, torch.autocast for the mixed ones,
+   on the GPU with --backend cuda, else the CPU): its losses beside the run's, and the median milliseconds of a
+   step on both sides (refbert's from its log: a batch's tokens over its tokens/s).
 2. Step time (numpy backend only): one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
    V 2000) at B=4 T=64 on the numpy backend, in each precision: 7 rounds, each running the three precisions once
    in turn (interleaved, so a busy moment of the machine hits all three alike), the median per precision.
 """
 import argparse
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -44,8 +49,20 @@ def _refbert(args, env):
     return r.stdout + r.stderr
 
 
-def train(work, steps, backend="numpy", graph=False):
-    """{flag: dict(mlm, total, train_last50, scale, skipped, seconds)} of the three pretraining runs."""
+def torch_peer(run, device):
+    """benchmarks/torch_pretrain.py's result (a dict) for a finished run, or {"error": ...}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peer.json")
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "torch_pretrain.py"), run, "--device",
+                            device, "--json", out], capture_output=True, text=True)
+        if r.returncode:
+            return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def train(work, steps, backend="numpy", graph=False, peer=False):
+    """{flag: dict(mlm, total, train_last50, scale, skipped, seconds[, peer])} of the three pretraining runs."""
     env = dict(os.environ, TQDM_DISABLE="1")
     _refbert(["demo-data", os.path.join(work, "demo")], env)
     out = {}
@@ -66,6 +83,8 @@ def train(work, steps, backend="numpy", graph=False):
                          skipped=skipped, seconds=seconds, step=int(ev["step"]),
                          graph=" ".join(ln.strip() for ln in said.splitlines()
                                         if ln.startswith(("CUDA graph:", "--cuda-graph:"))))
+        if peer:
+            out[flag]["peer"] = torch_peer(run, "cuda" if backend == "cuda" else "cpu")
         print(flag, out[flag], flush=True)
     return out
 
@@ -96,11 +115,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
     ap.add_argument("--backend", choices=["numpy", "cuda"], default="numpy")
     ap.add_argument("--cuda-graph", action="store_true", help="with --backend cuda: pretrain --cuda-graph")
+    ap.add_argument("--torch-peer", action="store_true", help="each run trained again by HF + PyTorch, compared")
     a = ap.parse_args()
     from refbert.bench import results_header
     times = step_times() if a.backend == "numpy" else None
     with tempfile.TemporaryDirectory() as work:
-        runs = train(work, a.steps, a.backend, a.cuda_graph)
+        runs = train(work, a.steps, a.backend, a.cuda_graph, a.torch_peer)
     f32 = runs["no"]
 
     def rel(v, ref):
@@ -109,7 +129,7 @@ def main():
         "on the GPU (--backend cuda): what the kernels' mixed step costs"
     lines = [*results_header(f"Mixed precision {where}", f"python benchmarks/mixed_train.py --steps {a.steps}"
                              + ("" if a.backend == "numpy" else " --backend cuda")
-                             + (" --cuda-graph" if a.cuda_graph else "")),
+                             + (" --cuda-graph" if a.cuda_graph else "") + (" --torch-peer" if a.torch_peer else "")),
              "Method: the script's docstring.", "",
              f"## Training: the demo's tiny preset, {a.steps} steps", "",
              "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "
@@ -123,6 +143,21 @@ def main():
                      f"{rel(r['train_last50'], f32['train_last50'])} | "
                      f"{scale} | {r['skipped']} | "
                      f"{r['seconds']:.0f} |")
+    if a.torch_peer:
+        lines += ["", "## The same runs in HF transformers + PyTorch (benchmarks/torch_pretrain.py: the same data and "
+                  "initial weights)", "",
+                  "| run | refbert held-out MLM | HF + PyTorch held-out MLM | refbert MLM + NSP | HF + PyTorch MLM + "
+                  "NSP | refbert ms / step | HF + PyTorch ms / step | x HF + PyTorch | HF + PyTorch loop s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for flag, name in PRECISIONS:
+            r, q = runs[flag], runs[flag].get("peer", {})
+            if "error" in q:
+                lines.append(f"| {name} | {r['mlm']:.3f} | failed: {q['error']} | | | | | | |")
+                continue
+            ours = q.get("refbert_step_ms")
+            ms, x = ("—", "—") if ours is None else (f"{ours:.2f}", f"{ours / q['step_ms']:.2f}")
+            lines.append(f"| {name} | {r['mlm']:.3f} | {q['mlm']:.3f} | {r['total']:.3f} | {q['mlm'] + q['nsp']:.3f} | "
+                         f"{ms} | {q['step_ms']:.2f} | {x} | {q['loop_s']:.1f} |")
     if a.cuda_graph:
         lines += ["", "CUDA graphs (pretrain's own report per run): " +
                   "; ".join(f"{name}: {runs[flag]['graph'] or 'none reported'}" for flag, name in PRECISIONS)]

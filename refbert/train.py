@@ -329,7 +329,6 @@ def _resumed_args(saved, given, step):
 
 
 def pretrain(args):
-    from .data import PretrainingData, read_documents
     from .tokenization import BertTokenizer
 
     given = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -350,18 +349,7 @@ def pretrain(args):
         if a.get("cuda_graph") and a["backend"] != "cuda":
             raise UserError(f"--cuda-graph: expected --backend cuda (the training step captured as a CUDA graph), "
                             f"got --backend {a['backend']}")
-        docs = read_documents(a["corpus"])
-        rng = np.random.default_rng(a["seed"])
-        order = rng.permutation(len(docs))
-        n_eval = min(max(1, len(docs) // 20), len(docs) - 1) if len(docs) > 1 else 0
-        eval_docs = [docs[i] for i in order[:n_eval]]
-        train_docs = [docs[i] for i in order[n_eval:]] or docs
-        data_kw = dict(max_seq_length=a["max_seq_length"], short_seq_prob=a["short_seq_prob"],
-                       next_sentence=a["objective"], masked_lm_prob=a["mlm_prob"],
-                       max_predictions_per_seq=a["max_predictions"], whole_word=a["whole_word"], ngram=a["ngram"],
-                       dynamic=not a["static_masking"], dupe_factor=a["dupe_factor"])
-        data = PretrainingData(train_docs, tokenizer, seed=a["seed"], **data_kw)
-        eval_data = PretrainingData(eval_docs, tokenizer, seed=a["seed"] + 1, **data_kw) if eval_docs else None
+        data, eval_data, n_train_docs, n_eval = pretraining_data(a, tokenizer)
         if not resume:
             model = _pretrain_model(a, tokenizer, a["backend"])
             opt_state, state = None, dict(step=0, epoch=0, batch=0)
@@ -379,7 +367,28 @@ def pretrain(args):
             if vocab_tmp is not None:
                 shutil.rmtree(vocab_tmp, ignore_errors=True)
         return _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, eval_data,
-                               len(train_docs), n_eval, run)
+                               n_train_docs, n_eval, run)
+
+
+def pretraining_data(a, tokenizer):
+    """(data, eval_data or None, training documents, held-out documents) of a pretrain run's arguments `a` (the
+    checkpoint's state["args"]): the corpus's documents split by the run's seed, 1 in 20 held out, each side's
+    instances and masks drawn from the seed (the held-out side's from seed + 1). The same arguments give the same
+    batches, masks included: benchmarks/torch_pretrain.py trains HF + PyTorch on exactly a run's data."""
+    from .data import PretrainingData, read_documents
+    docs = read_documents(a["corpus"])
+    rng = np.random.default_rng(a["seed"])
+    order = rng.permutation(len(docs))
+    n_eval = min(max(1, len(docs) // 20), len(docs) - 1) if len(docs) > 1 else 0
+    eval_docs = [docs[i] for i in order[:n_eval]]
+    train_docs = [docs[i] for i in order[n_eval:]] or docs
+    data_kw = dict(max_seq_length=a["max_seq_length"], short_seq_prob=a["short_seq_prob"],
+                   next_sentence=a["objective"], masked_lm_prob=a["mlm_prob"],
+                   max_predictions_per_seq=a["max_predictions"], whole_word=a["whole_word"], ngram=a["ngram"],
+                   dynamic=not a["static_masking"], dupe_factor=a["dupe_factor"])
+    data = PretrainingData(train_docs, tokenizer, seed=a["seed"], **data_kw)
+    eval_data = PretrainingData(eval_docs, tokenizer, seed=a["seed"] + 1, **data_kw) if eval_docs else None
+    return data, eval_data, len(train_docs), n_eval
 
 
 def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, eval_data, n_train_docs, n_eval, run):

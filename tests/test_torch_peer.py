@@ -1,0 +1,50 @@
+"""benchmarks/torch_pretrain.py trains HF + PyTorch on exactly a refbert pretrain run's job: the same initial
+weights and the same held-out data (so its losses and step times can stand beside the run's), on the CPU here.
+
+Tolerance: refbert's numpy backend and torch both evaluate the same float32 weights on the same batches in float32,
+summing the same products in other orders: ~1e-6 relative apart in a loss; 1e-5 allows for it. The run's initial
+model drawn from another seed moves the held-out losses by far more (checked: the comparison can fail).
+"""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from refbert import cli
+from refbert import train as T
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _peer():
+    spec = importlib.util.spec_from_file_location("torch_pretrain", ROOT / "benchmarks" / "torch_pretrain.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_torch_peer_trains_the_runs_job(tmp_path, torch, transformers, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert cli.main(["demo-data", str(tmp_path / "demo")]) == 0
+    run = tmp_path / "run"
+    assert cli.main(["pretrain", "--corpus", str(tmp_path / "demo" / "corpus.txt"), "--out", str(run), "--preset",
+                     "tiny", "--vocab-size", "500", "--max-seq-length", "32", "--batch-size", "8", "--steps", "2",
+                     "--save-every", "2", "--eval-every", "2"]) == 0
+    P = _peer()
+    a = P.run_args(str(run))
+    tok = P.tokenizer_of(str(run), a)
+    _, eval_data, _, _ = T.pretraining_data(a, tok)
+    cpu = torch.device("cpu")
+    ours = T.evaluate_pretraining(T._pretrain_model(a, tok), eval_data, a["batch_size"])
+    mlm, nsp = P.held_out(P.initial_model(str(run), a, tok, cpu), eval_data, a["batch_size"], cpu)
+    assert abs(mlm - ours["mlm_loss"]) <= 1e-5 * ours["mlm_loss"], (mlm, ours)
+    assert abs(nsp - ours["nsp_loss"]) <= 1e-5 * ours["nsp_loss"], (nsp, ours)
+    other = P.held_out(P.initial_model(str(run), dict(a, seed=a["seed"] + 1), tok, cpu), eval_data,
+                       a["batch_size"], cpu)
+    assert abs(other[0] - ours["mlm_loss"]) > 1e-3 * ours["mlm_loss"], (other, ours)   # another init: caught
+    out = tmp_path / "peer.json"
+    assert P.main([str(run), "--device", "cpu", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["steps"] == 2 and res["precision"] == "fp32" and res["device"] == "cpu", res
+    assert all(math.isfinite(res[k]) and res[k] > 0 for k in ("mlm", "nsp", "train_last50", "step_ms",
+                                                               "refbert_step_ms")), res
