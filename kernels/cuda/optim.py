@@ -47,9 +47,9 @@ def why_not(arrays):
         if not C.on_device(a):
             return "host (NumPy) arrays"
         if xp is None:
-            xp = C.xp_of(a)
-        elif C.xp_of(a) is not xp:
-            return "arrays of more than one array module"
+            xp, dev = C.xp_of(a), _device(a)
+        elif C.xp_of(a) is not xp or _device(a) != dev:
+            return "arrays of more than one array module or device"
         if a.dtype not in _SUFFIX:
             return f"dtype {a.dtype} (the kernels take float32 and float64)"
         if not a.flags.c_contiguous:
@@ -57,14 +57,21 @@ def why_not(arrays):
     return None
 
 
+def _device(a):
+    """The device an array lives on, as a number (CuPy's Device id; 0 for the emulator's arrays)."""
+    return int(getattr(getattr(a, "device", None), "id", 0) or 0)
+
+
 def _cached(kind, xp, key, make):
-    t = _CACHE.get((kind, xp, key))
+    """The device table of (kind, key) on the current device, made by make() the first time."""
+    full = (kind, xp, xp.cuda.Device().id, key)                 # (the current device: the arrays')
+    t = _CACHE.get(full)
     if t is None:
-        t = _CACHE[(kind, xp, key)] = make()
+        t = _CACHE[full] = make()
         while len(_CACHE) > _KEEP:
             _CACHE.popitem(last=False)
     else:
-        _CACHE.move_to_end((kind, xp, key))
+        _CACHE.move_to_end(full)
     return t
 
 
@@ -98,7 +105,7 @@ def _by_dtype(arrays):
     return out
 
 
-def grad_stats(arrays):
+def _grad_stats(arrays):
     """(N, 2) float64 NumPy array: per array, the sum of its squares in float64 and its largest magnitude (NaN if
     it holds a NaN, inf if an inf), by csrc/optim.cu grad_stats_partial_v1 / grad_stats_final_v1; one copy to the
     host for all of them (the only synchronisation)."""
@@ -122,7 +129,7 @@ def grad_stats(arrays):
     return res
 
 
-def scale_(arrays, factor):
+def _scale_(arrays, factor):
     """Every array *= factor in place (factor cast to each array's dtype, as NumPy casts a Python float)."""
     xp = C.xp_of(arrays[0])
     for dt, idx in _by_dtype(arrays).items():
@@ -133,7 +140,7 @@ def scale_(arrays, factor):
                 (nb,), (THREADS,), (_pointers(xp, [group]), size, btens, bfirst, dt.type(factor)))
 
 
-def adamw_(params, grads, ms, vs, decay, b1, omb1, b2, omb2, eps, lr, wd, dfac, step, bc2, correct):
+def _adamw_(params, grads, ms, vs, decay, b1, omb1, b2, omb2, eps, lr, wd, dfac, step, bc2, correct):
     """refbert.optim.AdamW.step's update of every (p, g, m, v) in place, one launch per dtype (csrc/optim.cu
     adamw_v1_f32 / _f64). decay: per tensor, whether its decay term applies (decayed and λ != 0); the scalars are
     the Python floats AdamW.step computes (b1, 1 - b1, b2, 1 - b2, eps, lr, λ, 1 - lr λ, lr / (1 - b1^t),
@@ -151,3 +158,18 @@ def adamw_(params, grads, ms, vs, decay, b1, omb1, b2, omb2, eps, lr, wd, dfac, 
             (nb,), (THREADS,), (_pointers(xp, [ps, gs, m_, v_]), size, btens, bfirst, dec, cuda_c._i(len(ps)),
                                 f(b1), f(omb1), f(b2), f(omb2), f(eps), f(lr), f(wd), f(dfac), f(step), f(bc2),
                                 cuda_c._i(1 if correct else 0)))
+
+
+def _on_their_device(fn):
+    """fn run with the arrays' device current (the tables and launches are made there)."""
+    def wrapped(arrays, *args):
+        xp = C.xp_of(arrays[0])
+        with xp.cuda.Device(_device(arrays[0])):
+            return fn(arrays, *args)
+    wrapped.__name__, wrapped.__doc__ = fn.__name__.lstrip("_"), fn.__doc__
+    return wrapped
+
+
+grad_stats = _on_their_device(_grad_stats)
+scale_ = _on_their_device(_scale_)
+adamw_ = _on_their_device(_adamw_)
