@@ -15,7 +15,9 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
    With --torch-peer each run is trained again by HF transformers + PyTorch on exactly its data and initial
    weights (benchmarks/torch_pretrain.py: the same recipe in PyTorch's idiom, torch.autocast for the mixed ones,
    on the GPU with --backend cuda, else the CPU): its losses beside the run's, and the median milliseconds of a
-   step on both sides (refbert's from its log: a batch's tokens over its tokens/s).
+   step on both sides (refbert's from its log: a batch's tokens over its tokens/s). Under benchmarks/gpu_all.sh
+   these runs share the machine with its other parallel steps (mains, tests, check), each side at another moment:
+   the milliseconds are for orientation there; the bench's step and optim sections are the uncontended figures.
 2. Step time (numpy backend only): one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
    V 2000) at B=4 T=64 on the numpy backend, in each precision: 7 rounds, each running the three precisions once
    in turn (interleaved, so a busy moment of the machine hits all three alike), the median per precision.
@@ -145,7 +147,8 @@ def main():
                      f"{r['seconds']:.0f} |")
     if a.torch_peer:
         lines += ["", "## The same runs in HF transformers + PyTorch (benchmarks/torch_pretrain.py: the same data and "
-                  "initial weights)", "",
+                  "initial weights)", "", "(Milliseconds a step as measured, beside whatever else ran on the machine "
+                  "then: under gpu_all.sh, its other parallel steps.)", "",
                   "| run | refbert held-out MLM | HF + PyTorch held-out MLM | refbert MLM + NSP | HF + PyTorch MLM + "
                   "NSP | refbert ms / step | HF + PyTorch ms / step | x HF + PyTorch | HF + PyTorch loop s |",
                   "|---|---|---|---|---|---|---|---|---|"]

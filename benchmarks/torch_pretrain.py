@@ -35,13 +35,19 @@ sys.path.insert(0, ROOT)
 
 
 def run_args(run):
-    """The run's arguments (its last checkpoint's trainer_state.json)."""
+    """The run's arguments (its last checkpoint's trainer_state.json), with "trained" set to the steps it took (a
+    run stopped early by --stop-after took fewer than --steps). Runs torch.optim.AdamW cannot repeat are refused."""
     ckpts = sorted(glob.glob(os.path.join(run, "checkpoint-*", "trainer_state.json")))
     if not ckpts:
         raise SystemExit(f"torch_pretrain.py: {run} holds no checkpoint-*/trainer_state.json (a refbert pretrain run "
                          f"folder is expected)")
     with open(ckpts[-1]) as f:
-        return json.load(f)["args"]
+        state = json.load(f)
+    a = state["args"]
+    if a.get("no_bias_correction"):
+        raise SystemExit("torch_pretrain.py: the run used --no-bias-correction (the original BERT's AdamW); "
+                         "torch.optim.AdamW always corrects the bias, so PyTorch would train another job")
+    return dict(a, trained=int(state["step"]))
 
 
 def tokenizer_of(run, a):
@@ -122,11 +128,10 @@ def main(argv=None):
     prec = args.precision or {"no": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}[a["mixed_precision"]]
     tok = tokenizer_of(args.run, a)
     data, eval_data, _, _ = T.pretraining_data(a, tok)
-    steps = a["steps"] or a["epochs"] * max(1, -(-len(data) // a["batch_size"]))
-    batches = epochs_of_batches(data, a["batch_size"], steps)
+    steps = a["steps"] or a["epochs"] * max(1, -(-len(data) // a["batch_size"]))   # the schedule's length
+    batches = epochs_of_batches(data, a["batch_size"], min(steps, a["trained"]))    # the steps the run took
     dev = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = False          # fp32 stays fp32, as refbert's
-    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")          # fp32 stays fp32 (no TF32), as refbert's
     model = initial_model(args.run, a, tok, dev)
     no_decay = ("bias", "LayerNorm.weight")
     groups = [dict(params=[q for n, q in model.named_parameters() if not any(s in n for s in no_decay)],
@@ -167,7 +172,7 @@ def main(argv=None):
         times.append(time.perf_counter() - t)
     loop_s = time.perf_counter() - t_loop
     mlm, nsp = held_out(model, eval_data, a["batch_size"], dev, dtype) if eval_data is not None else (np.nan,) * 2
-    res = dict(precision=prec, device=str(dev), steps=steps, mlm=mlm, nsp=nsp,
+    res = dict(precision=prec, device=str(dev), steps=len(batches), mlm=mlm, nsp=nsp,
                train_last50=float(np.mean(losses[-50:])), step_ms=1e3 * statistics.median(times[1:] or times),
                loop_s=loop_s, refbert_step_ms=refbert_step_ms(args.run, batches),
                torch=torch.__version__, transformers=transformers.__version__)

@@ -168,10 +168,11 @@ LAST_PATH = {}          # "AdamW.step" / "clip_grad_norm" / "GradScaler.unscale_
 _WARNED = set()
 
 
-def _fused(who, arrays):
-    """refbert_kernels.cuda.optim when it takes these arrays (every one a device array it handles) and
-    REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). A device call that cannot take the
-    kernels says why, once per reason: a slow path is never silent."""
+def _fused(who, arrays, depth=3):
+    """refbert_kernels.cuda.optim when it takes these arrays (every one a device array it handles, its kernels
+    built) and REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). A device call that cannot
+    take the kernels says why, once per reason (the warning points `depth` frames up: the user's call): a slow path
+    is never silent."""
     dev = [_on_device(a) for a in arrays]
     if not arrays or not all(dev):
         LAST_PATH[who] = PER_ARRAY + ("" if not any(dev) else " (host and device arrays)")
@@ -182,6 +183,8 @@ def _fused(who, arrays):
     try:
         mod = importlib.import_module("refbert_kernels.cuda.optim")
         why = mod.why_not(arrays)
+        if why is None:
+            mod.prepare(arrays)
     except Exception as e:                      # no refbert_kernels, no numba or CuPy, a kernel that fails to build
         mod, why = None, f"refbert_kernels.cuda.optim: {type(e).__name__}: {e}"
     if why is None:
@@ -191,7 +194,7 @@ def _fused(who, arrays):
     if (who, why) not in _WARNED:
         _WARNED.add((who, why))
         warnings.warn(f"{who}: device arrays took the per-array code, not the multi-tensor kernels ({why})",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=depth)
     return None
 
 
@@ -337,7 +340,7 @@ class AdamW:
                 raise ValueError(f"{who}: argument 'grads' key {name!r} expected an array of shape {p.shape} and "
                                  f"dtype {p.dtype} (the parameter's{_where(p)}), got {_desc(g)}")
         fused = _fused("AdamW.step", [*self.params.values(), *(grads[k] for k in self.params), *self.m.values(),
-                                      *self.v.values()])
+                                      *self.v.values()], depth=4)
         names = [name for name, g in grads.items() if g.size]
         if fused is not None and names:                 # every peak in one launch pair and one copy
             peaks = fused.grad_stats([grads[name] for name in names])[:, 1].tolist()

@@ -16,11 +16,12 @@ refbert.optim hands the call here instead:
 
 Versions: optim.cu v1 (the only one). REFBERT_FUSED_OPTIM=0 turns this path off (refbert.optim then runs its
 per-array code on the device arrays: the A/B of benchmarks and the spec's own run). Which path ran is what
-refbert.optim's `last_path` (AdamW) and `PATH` record.
+refbert.optim.LAST_PATH records (refbert.optim.describe()).
 
 Tables: a tensor's data pointer, size and blocks go to the device once per set of arrays (a set seen before reuses
 its tables: the model's parameters and moments never move, and a CUDA-graph step hands back the same gradient
-buffers every step), so a step copies nothing to the device but its launch arguments.
+buffers every step, so such a step copies nothing to the device; an eager step's new gradient arrays cost two
+small copies of their addresses, benchmarks/results/host_overhead.md).
 """
 import collections
 
@@ -35,6 +36,20 @@ THREADS = 256           # threads a block (OPT_THREADS)
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _CACHE = collections.OrderedDict()      # (kind, xp, key) -> device tables; the most recent _KEEP kept
 _KEEP = 16
+
+
+KERNELS = ("adamw_v1_f32", "adamw_v1_f64", "scale_v1_f32", "scale_v1_f64", "grad_stats_partial_v1_f32",
+           "grad_stats_partial_v1_f64", "grad_stats_final_v1")
+
+
+def prepare(arrays):
+    """Build every kernel of this module for the arrays' array module and device (NVRTC on a GPU, g++ on the
+    emulator; once): refbert.optim calls it before it commits to this path, so a kernel that fails to build means
+    the per-array code, said, instead of an error halfway through a step."""
+    xp = C.xp_of(arrays[0])
+    with xp.cuda.Device(_device(arrays[0])):
+        for name in KERNELS:
+            cuda_c.kernel(SOURCE, name, xp)
 
 
 def why_not(arrays):
