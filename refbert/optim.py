@@ -170,9 +170,10 @@ _WARNED = set()
 
 def _fused(who, arrays, depth=3):
     """refbert_kernels.cuda.optim when it takes these arrays (every one a device array it handles, its kernels
-    built) and REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). A device call that cannot
-    take the kernels says why, once per reason (the warning points `depth` frames up: the user's call): a slow path
-    is never silent."""
+    built) and REFBERT_FUSED_OPTIM is not "0"; None otherwise (the per-array code runs). CuPy arrays that cannot
+    take the kernels say why, once per reason (the warning points `depth` frames up: the user's call): a slow path
+    is never silent; another device library's arrays (which the kernels are not for) take the per-array code, as
+    LAST_PATH records, without a warning."""
     dev = [_on_device(a) for a in arrays]
     if not arrays or not all(dev):
         LAST_PATH[who] = PER_ARRAY + ("" if not any(dev) else " (host and device arrays)")
@@ -180,8 +181,10 @@ def _fused(who, arrays, depth=3):
     if os.environ.get(FUSED_ENV, "1") == "0":
         LAST_PATH[who] = PER_ARRAY + f" ({FUSED_ENV}=0)"
         return None
+    ours = True                                 # (arrays refbert_kernels.cuda is for: CuPy's, the emulator's)
     try:
         mod = importlib.import_module("refbert_kernels.cuda.optim")
+        ours = mod.owns(arrays)
         why = mod.why_not(arrays)
         if why is None:
             mod.prepare(arrays)
@@ -191,7 +194,7 @@ def _fused(who, arrays, depth=3):
         LAST_PATH[who] = FUSED
         return mod
     LAST_PATH[who] = f"{PER_ARRAY} ({why})"
-    if (who, why) not in _WARNED:
+    if ours and (who, why) not in _WARNED:      # (another device library's arrays: the per-array code, unsaid)
         _WARNED.add((who, why))
         warnings.warn(f"{who}: device arrays took the per-array code, not the multi-tensor kernels ({why})",
                       RuntimeWarning, stacklevel=depth)

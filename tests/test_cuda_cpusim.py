@@ -104,3 +104,24 @@ def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)   # T = 20: one tile, a tail
     assert run.returncode != 0 and "mismatch" in run.stdout, run.stdout[-3000:]
+
+
+def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
+    """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
+    the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of
+    136 bytes) instead of 16 is stopped at its first cp.async, naming it."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
+    for f in CSRC.glob("*"):
+        (tmp_path / f.name).write_text(f.read_text())
+    src = tmp_path / "attention_forward.cu"
+    text = src.read_text()
+    assert text.count("LD = HS + 8;") == 2
+    src.write_text(text.replace("LD = HS + 8;", "LD = HS + 4;"))
+    exe = tmp_path / "x"
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
+                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "not 16-byte aligned" in run.stderr, (run.stdout[-2000:], run.stderr[-2000:])

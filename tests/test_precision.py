@@ -211,7 +211,8 @@ def test_gpu_study_large_ulps_are_cancellation():
     bias_gelu db 4655 ulp and attention dq 1388 ulp where norm was ~0.7 and ~0.5: a defect, or rounding of
     cancelling sums? The kernels' arithmetic written in NumPy float32 — bias_gelu v2: du stored in fp16 and summed
     as stored, 64 chunks of rows then the chunks in order; attention v3: out stored in fp16 and read back for
-    D_i = dout_i . out_i — gives the GPU's numbers (max to 0.01%, mean to 1%: libdevice's erfc is not NumPy's),
+    D_i = dout_i . out_i — gives the GPU's numbers (db's max to 0.01%, dq's within one float16 ulp: its replica sums
+    in BLAS's order; means to 1%: libdevice's erfc is not NumPy's),
     and every element within its terms' rounding: cond <= 1.5 (0.5 for the store, 1 for the one rounded
     intermediate). Cancellation, not a defect: with D from the float32 out, dq's max falls to a few ulps."""
     f16 = np.float16
@@ -255,8 +256,11 @@ def test_gpu_study_large_ulps_are_cancellation():
         assert cond <= 1.5, (mx, cond)
         if bound is None:
             want = gpu[("attention", "dq")]
-            assert mx == pytest.approx(want["max_ulp"], rel=1e-4) and mean == pytest.approx(want["mean_ulp"],
-                                                                                           rel=1e-2), (mx, mean)
+            # the replica's float32 products (dh @ vh, (p (dp - D)) @ kh) sum in the order of NumPy's BLAS, which
+            # is neither the GPU's nor the same in every OpenBLAS build (numpy 2.4.6's gives 1387.41 where others
+            # gave the GPU's 1387.91): an element's float16 store may then round the other way, moving its error
+            # by up to one float16 ulp, so the largest error is held to the GPU's within 1 ulp
+            assert abs(mx - want["max_ulp"]) <= 1.0 and mean == pytest.approx(want["mean_ulp"], rel=1e-2), (mx, mean)
             assert norm == pytest.approx(want["norm_ulp"], rel=1e-2) and mx > 1000, norm
         else:
             assert mx <= bound, mx                                               # D's rounding made the 1388

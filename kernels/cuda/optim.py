@@ -52,6 +52,12 @@ def prepare(arrays):
             cuda_c.kernel(SOURCE, name, xp)
 
 
+def owns(arrays):
+    """Whether these are arrays of the kind this module is for (CuPy's or the emulator's device arrays): for those,
+    refbert.optim says when the kernels cannot take them; another library's arrays simply take the per-array code."""
+    return bool(arrays) and all(C.on_device(a) for a in arrays)
+
+
 def why_not(arrays):
     """None when the kernels take these arrays (device arrays, CuPy's or the emulator's, of one array module,
     float32 / float64, C-contiguous), else why not, in words."""
@@ -60,7 +66,7 @@ def why_not(arrays):
     xp = None
     for a in arrays:
         if not C.on_device(a):
-            return "host (NumPy) arrays"
+            return f"{type(a).__module__.split('.')[0]} arrays (the kernels take CuPy's)"
         if xp is None:
             xp, dev = C.xp_of(a), _device(a)
         elif C.xp_of(a) is not xp or _device(a) != dev:

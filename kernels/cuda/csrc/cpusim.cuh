@@ -405,7 +405,17 @@ inline LdsmWarp& ldsm_warp() {                                   // one per warp
     if ((int)all.size() < (int)block->warps.size()) all.resize(block->warps.size());
     return all[ltid / 32];
 }
+// what the hardware demands and a CPU would not notice: ldmatrix's row addresses and cp.async's two addresses
+// 16-byte aligned (a misaligned one is a fault on the GPU: here it stops the program, naming the instruction)
+inline void need_aligned16(const void* a, const char* what) {
+    if (reinterpret_cast<std::uintptr_t>(a) % 16) {
+        std::fprintf(stderr, "cpusim: %s address %p not 16-byte aligned (a misaligned-address fault on a GPU)\n",
+                     what, a);
+        std::abort();
+    }
+}
 template <bool TRANS> inline void ldsm_x4(unsigned* r, const void* addr) {
+    need_aligned16(addr, "ldmatrix row");
     LdsmWarp& m = ldsm_warp();
     const int lane = ltid % 32, ph = m.phase[lane];
     m.phase[lane] ^= 1;
@@ -425,6 +435,8 @@ template <bool TRANS> inline void ldsm_x4(unsigned* r, const void* addr) {
     }
 }
 inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    need_aligned16(smem, "cp.async shared");
+    need_aligned16(gmem, "cp.async global");
     std::memset(smem, 0, 16);
     std::memcpy(smem, gmem, (size_t)std::min(src_bytes, 16));
 }
