@@ -26,10 +26,11 @@ the checks' few numbers (each gradient's largest magnitude, each one's sum of sq
 copy per call. state_dict() hands out NumPy copies (a checkpoint writes them as they are); load_state_dict() takes
 NumPy (or the parameters' library's) arrays and puts its copies beside the parameters, on their device.
 
-Device arrays in a few launches. The per-array code above is the spec; on a device it costs about 15 launches a
-parameter for AdamW.step and a launch or two a parameter for each check (BERT-base: some 3,000 a step). Where every
-array of a call is a device array that refbert_kernels.cuda.optim takes (CuPy's or its emulator's, float32 /
-float64, contiguous), AdamW.step, clip_grad_norm and GradScaler.unscale_ run its multi-tensor kernels instead
+Device arrays in a few launches. The per-array code above is the spec; on a device it costs 13 launches a
+parameter for AdamW.step's update (14 with weight decay) and 5 more for its check and the clipping (BERT-base:
+3,788 a step). Where every array of a call is a device array that refbert_kernels.cuda.optim takes (CuPy's or its
+emulator's, float32 / float64, contiguous), AdamW.step, clip_grad_norm and GradScaler.unscale_ run its multi-tensor
+kernels instead
 (csrc/optim.cu: one launch for the update, two for the checks' numbers, one for a scaling): the same operations in
 the same order, so the same bits as the per-array code, except the float64 sum of squares behind clip_grad_norm's
 norm, taken in another fixed order (both within 4e-14 of the exact sum). REFBERT_FUSED_OPTIM=0 keeps the per-array

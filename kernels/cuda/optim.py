@@ -1,10 +1,10 @@
 """The optimizer's step on the GPU in a few launches: csrc/optim.cu's multi-tensor kernels behind refbert.optim.
 
 refbert.optim (AdamW.step, clip_grad_norm, GradScaler.unscale_) is the spec: per-array NumPy code that, on CuPy
-arrays, launches about 15 element-wise kernels a parameter for AdamW and reads a value back per parameter for each
-check (BERT-base: about 200 tensors, some 3,000 launches and three reads a step, more launches than the forward and
-backward together). When every array of a call is a device array this module takes (`why_not(arrays)` is None),
-refbert.optim hands the call here instead:
+arrays, launches 13 element-wise kernels a parameter for AdamW's update (14 with weight decay) and 5 more for its
+check and the clipping (BERT-base's 206 tensors: 3,788 launches a step, benchmarks/results/host_overhead.md; its
+forward and backward make 560). When every array of a call is a device array this module takes (`why_not(arrays)`
+is None), refbert.optim hands the call here instead:
 
     grad_stats(arrays)       per tensor (sum of g² in float64, max |g|): one launch pair for every tensor and one
                              copy to the host; AdamW's checks read the maxima (NumPy's exactly), clip_grad_norm the
@@ -34,7 +34,7 @@ SOURCE = "optim.cu"
 CHUNK = 4096            # elements a block (csrc/optim.cu OPT_CHUNK)
 THREADS = 256           # threads a block (OPT_THREADS)
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
-_CACHE = collections.OrderedDict()      # (kind, xp, key) -> device tables; the most recent _KEEP kept
+_CACHE = collections.OrderedDict()      # (kind, xp, device, key) -> tables; the most recent _KEEP kept
 _KEEP = 16
 
 
