@@ -11,7 +11,8 @@ Tables (device arrays; N tensors, nb blocks, CHUNK = 4096 elements a block):
     size   (N,)   i64   elements of tensor t
     btens  (nb,)  i32   the tensor of block b;   bfirst (nb,) i64: block b's first element in that tensor
     first  (N + 1,) i32 tensor t's blocks are first[t] .. first[t + 1] - 1 (a tensor of no elements has none)
-Thread i of a block takes the chunk's elements i, i + 256, ... (consecutive threads, consecutive addresses).
+Thread i of a block takes the chunk's elements i, i + 256, ... (consecutive threads, consecutive addresses; on CPU
+threads 64 a block: OPT_THREADS below).
 
 AdamW (adamw_v1_f32 / _f64: T = float / double, the parameter's dtype; refbert.optim.AdamW's docstring has the
 math). Every operation is NumPy's, in NumPy's order, rounded once to T: the per-array code's scalars are Python
@@ -46,7 +47,16 @@ On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM
 #include "common.cuh"
 
 #define OPT_CHUNK 4096
+#ifndef CPUSIM
 #define OPT_THREADS 256
+#else
+// on CPU threads (the mains, the emulator) 64 threads a block, two warps: every OS thread of a block costs a
+// hand-off there, and the emulated training runs step the optimizer every few launches (256 made a tiny model's step
+// take seconds). The arithmetic of each element is the same with any count (AdamW's and the scaling's bits do not
+// depend on it); the statistics' sums take another fixed order (no claim ties them to the GPU's), and both warps
+// still meet in the block's reduction. kernels/cuda/optim.py launches what the build it runs has.
+#define OPT_THREADS 64
+#endif
 
 // one correctly rounded operation each (no contraction into an FMA): NumPy's element-wise arithmetic
 __device__ __forceinline__ float o_mul(float a, float b) { return __fmul_rn(a, b); }
@@ -93,7 +103,7 @@ __device__ __forceinline__ void adamw_body(const u64* __restrict__ ptr, const lo
     }
 }
 
-// grid nb, 256 threads; ptr (4, N): p, g, m, v
+// grid nb, OPT_THREADS threads; ptr (4, N): p, g, m, v
 extern "C" __global__ void __launch_bounds__(OPT_THREADS)
     adamw_v1_f32(const u64* ptr, const long long* size, const int* btens, const long long* bfirst, const int* decay,
                  int N, float b1, float omb1, float b2, float omb2, float eps, float lr, float wd, float dfac,
@@ -107,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(OPT_THREADS)
     adamw_body<double>(ptr, size, btens, bfirst, decay, N, b1, omb1, b2, omb2, eps, lr, wd, dfac, step, bc2, correct);
 }
 
-// g = g f in place; grid nb, 256 threads; ptr (1, N)
+// g = g f in place; grid nb, OPT_THREADS threads; ptr (1, N)
 template <class T>
 __device__ __forceinline__ void scale_body(const u64* __restrict__ ptr, const long long* __restrict__ size,
                                            const int* __restrict__ btens, const long long* __restrict__ bfirst, T f) {
@@ -141,7 +151,7 @@ __device__ __forceinline__ int o_warp_any(int f) {
 }
 
 // partials of each block: psum[b] = sum of g^2 over its chunk (float64), pmax[b] = max |g| (NaN if any NaN);
-// grid nb, 256 threads; ptr (1, N)
+// grid nb, OPT_THREADS threads; ptr (1, N)
 template <class T>
 __device__ __forceinline__ void stats_body(const u64* __restrict__ ptr, const long long* __restrict__ size,
                                            const int* __restrict__ btens, const long long* __restrict__ bfirst,
@@ -186,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(OPT_THREADS)
 }
 
 // out[t] = (sum of tensor t's psum, max of its pmax), a warp per tensor: lane l takes its blocks l, l + 32, ... in
-// order, then the fixed tree; grid ceil(N / 8), 256 threads
+// order, then the fixed tree; grid ceil(N / (OPT_THREADS / 32)), OPT_THREADS threads
 extern "C" __global__ void __launch_bounds__(OPT_THREADS)
     grad_stats_final_v1(const double* __restrict__ psum, const double* __restrict__ pmax, const int* __restrict__ first,
                         int N, double* __restrict__ out) {
@@ -373,7 +383,8 @@ static void check_stats_and_scale(const char* tname, const std::vector<long long
             LAUNCH(grad_stats_partial_v1_f32, tb.nb, OPT_THREADS, dptr, tb.d_size, tb.d_btens, tb.d_bfirst, psum, pmax);
         else
             LAUNCH(grad_stats_partial_v1_f64, tb.nb, OPT_THREADS, dptr, tb.d_size, tb.d_btens, tb.d_bfirst, psum, pmax);
-        LAUNCH(grad_stats_final_v1, (N + 7) / 8, OPT_THREADS, psum, pmax, tb.d_first, N, out);
+        const int warps = OPT_THREADS / 32;                    // a warp a tensor
+        LAUNCH(grad_stats_final_v1, (N + warps - 1) / warps, OPT_THREADS, psum, pmax, tb.d_first, N, out);
     };
     if (tb.nb) stats();
     cudaCheck(cudaDeviceSynchronize());
