@@ -26,8 +26,10 @@ def _peer():
 def test_torch_peer_trains_the_runs_job(tmp_path, torch, transformers, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
     assert cli.main(["demo-data", str(tmp_path / "demo")]) == 0
+    docs = (tmp_path / "demo" / "corpus.txt").read_text().strip().split("\n\n")
+    (tmp_path / "corpus.txt").write_text("\n\n".join(docs[:200]) + "\n")       # 10 held out: a quick eval
     run = tmp_path / "run"
-    assert cli.main(["pretrain", "--corpus", str(tmp_path / "demo" / "corpus.txt"), "--out", str(run), "--preset",
+    assert cli.main(["pretrain", "--corpus", str(tmp_path / "corpus.txt"), "--out", str(run), "--preset",
                      "tiny", "--vocab-size", "500", "--max-seq-length", "32", "--batch-size", "8", "--steps", "2",
                      "--save-every", "2", "--eval-every", "2"]) == 0
     P = _peer()
