@@ -1143,6 +1143,7 @@ def make_inputs(shape, dtype, seed):
 SHAPES = [
     dict(B=1, T=1, H=1, hs=4, mask="none", p=0.0, train=False),
     dict(B=1, T=1, H=1, hs=3, mask="hf"),
+    dict(B=2, T=9, H=2, hs=3, mask="none"),                 # no mask, dropout on: full-length batches in training
     dict(B=2, T=37, H=3, hs=4, mask="hf"),                  # C = 12, odd T, a sequence of one real token
     dict(B=2, T=37, H=3, hs=4, mask="hf", train=False),
     dict(B=3, T=37, H=1, hs=5, mask="ninf", p=0.2),

@@ -303,48 +303,42 @@ class Timer:
     def __call__(self, fn, repeats=None):
         """Median seconds of fn() (device time between events recorded around the call: includes the host-side
         work of the call, as a user sees it)."""
-        cp = self.cp
         emu = emulated()                               # the emulator: one run, its time means nothing
         for _ in range(0 if emu else self.warmup):
             fn()
-        times = []
-        for _ in range(1 if emu else (repeats or self.repeats)):
-            self.flush()
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        return statistics.median(times)
+        return self._median(fn, 1 if emu else (repeats or self.repeats), held=False)
 
     def device(self, fn, repeats=None):
         """Median seconds of fn()'s device work alone: its launches queued while a Blocker holds the stream, between
         events recorded inside the hold. None on the emulator, without a Blocker, or when a call synchronised
-        inside (its hold timed out: fn's time as called is then all there is)."""
+        inside (its hold timed out: fn's time as called is then all there is). Call it after __call__ (its warmup)."""
         if self.blocker is None or emulated():
             return None
         try:
-            return self._device(fn, repeats)
+            return self._median(fn, repeats or self.repeats, held=True)
         except Exception as e:                            # a device-only time is extra: never lose the row to it
             print(f"  (device-only timing failed: {_err(e)})", flush=True)
             return None
 
-    def _device(self, fn, repeats):
+    def _median(self, fn, n, held):
+        """The median of n timed calls of fn, the L2 flushed before each; held: queued behind the Blocker (None
+        when a hold timed out)."""
         cp = self.cp
         times = []
-        for _ in range(repeats or self.repeats):
+        for _ in range(n):
             self.flush()
             start, end = cp.cuda.Event(), cp.cuda.Event()
-            self.blocker.hold()
+            if held:
+                self.blocker.hold()
             try:
                 start.record()
                 fn()
                 end.record()
             finally:
-                clean = self.blocker.release(end)
+                clean = self.blocker.release(end) if held else True
             if not clean:
                 return None
+            end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
         return statistics.median(times)
 

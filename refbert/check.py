@@ -5,6 +5,8 @@ Each row is one differentiable input of one op: the shape it was checked at and 
 (refbert.gradcheck.rel_error) against the numerical gradient. Any error above gradcheck.TOLERANCE fails the run.
 The shapes are deliberately small and irregular (odd sizes, padding, a row with one real token, logits of 1e4).
 """
+import multiprocessing
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -193,37 +195,82 @@ def format_table(rows):
     return text_table(head, body)
 
 
-def kernel_rows(progress=None):
-    """One row per kernel version and dtype: the fused Numba kernels (refbert_kernels) against their oracle op,
-    forward and backward, on each spec's small irregular shapes: (kernel, dtype, max |diff|, max err/tol, ok).
-    None when numba is not installed. progress(line), if given, hears of each kernel file as it is checked: the
-    first run compiles every version (minutes), which would otherwise pass in silence."""
-    try:
-        from refbert_kernels import _harness, backend
-    except ImportError:
-        return None
-    say = progress or (lambda line: None)
+def _kernel_specs():
+    """Every fused kernel's spec, once each, in refbert_kernels' file order."""
+    from refbert_kernels import backend
     specs, seen = [], set()
     for spec in backend.specs():
         if spec.name not in seen:      # the same op listed again for another bench shape (cross_entropy's V=512 rows)
             seen.add(spec.name)
             specs.append(spec)
-    n = sum(len(s.versions) for s in specs)
-    say(f"checking {n} fused kernel versions against their ops, float64 and float32; each compiles on its first "
-        f"call (up to ~2.5 minutes on a cold cache; Numba keeps them, so later runs take seconds)")
-    rows, start = [], time.perf_counter()
-    for i, spec in enumerate(specs, 1):            # said as each starts: what is compiling now, and for how long
-        say(f"  [{i}/{len(specs)}] {spec.name}: {len(spec.versions)} version(s) x 2 dtypes "
-            f"({time.perf_counter() - start:.0f} s so far)")
-        for v in sorted(spec.versions):
-            for dtype in (np.float64, np.float32):
-                ratio = diff = 0.0
-                for shape in spec.shapes:
-                    r, d = _harness.validate(spec, v, dtype, shape)
-                    ratio, diff = max(ratio, r), max(diff, d)
-                rows.append((f"{spec.name} v{v}", np.dtype(dtype).name, diff, ratio, ratio <= 1))
+    return specs
+
+
+def _version_rows(job):
+    """(job, rows) for job = (spec index, version): the version in float64 and float32, worst over the spec's
+    shapes. A worker process's job when the kernels are checked side by side (each process compiles, and caches,
+    what it checks)."""
+    from refbert_kernels import _harness
+    index, v = job
+    spec = _kernel_specs()[index]
+    rows = []
+    for dtype in (np.float64, np.float32):
+        ratio = diff = 0.0
+        for shape in spec.shapes:
+            r, d = _harness.validate(spec, v, dtype, shape)
+            ratio, diff = max(ratio, r), max(diff, d)
+        rows.append((f"{spec.name} v{v}", np.dtype(dtype).name, diff, ratio, ratio <= 1))
+    return job, rows
+
+
+def default_jobs():
+    """Processes for the kernels' rows: one a core, at most 4 (each Numba compile is single-threaded and a cold
+    cache is minutes of them; each process holds its own Numba, a few hundred MB)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def kernel_rows(progress=None, jobs=None):
+    """One row per kernel version and dtype: the fused Numba kernels (refbert_kernels) against their oracle op,
+    forward and backward, on each spec's small irregular shapes: (kernel, dtype, max |diff|, max err/tol, ok).
+    None when numba is not installed. progress(line), if given, hears of each kernel file as it is checked: the
+    first run compiles every version (minutes), which would otherwise pass in silence. jobs: processes that check
+    (and compile) versions side by side (default_jobs(); 1: all in this process, in file order); the rows come in
+    file order either way, and are the same."""
+    try:
+        from refbert_kernels import _harness  # noqa: F401
+        specs = _kernel_specs()
+    except ImportError:
+        return None
+    say = progress or (lambda line: None)
+    todo = [(i, v) for i, spec in enumerate(specs) for v in sorted(spec.versions)]
+    jobs = max(1, min(default_jobs() if jobs is None else jobs, len(todo)))
+    say(f"checking {len(todo)} fused kernel versions against their ops, float64 and float32; each compiles on its "
+        f"first call (minutes on a cold cache{f', {jobs} processes side by side' if jobs > 1 else ''}; Numba keeps "
+        f"them, so later runs take seconds)")
+    start, done, files = time.perf_counter(), {}, set()
+
+    def said(i, verb):
+        say(f"  [{len(files) + (verb == 'checking')}/{len(specs)}] {specs[i].name}: {len(specs[i].versions)} "
+            f"version(s) x 2 dtypes {verb} ({time.perf_counter() - start:.0f} s so far)")
+
+    if jobs == 1:
+        for i, v in todo:                           # said as each file starts: what is compiling now, for how long
+            if v == min(specs[i].versions):
+                said(i, "checking")
+                files.add(i)
+            done[i, v] = _version_rows((i, v))[1]
+    else:
+        # spawn, not fork: this process may hold Numba's and the BLAS's threads. The files with the most versions
+        # first (attention's are most of a cold compile), so no process is left with a long one at the end.
+        todo_first = sorted(todo, key=lambda iv: -len(specs[iv[0]].versions))
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for (i, v), rows in pool.imap_unordered(_version_rows, todo_first):
+                done[i, v] = rows
+                if all((i, w) in done for w in specs[i].versions):
+                    files.add(i)
+                    said(i, "checked")
     say(f"  kernels checked in {time.perf_counter() - start:.0f} s")
-    return rows
+    return [r for iv in todo for r in done[iv]]
 
 
 def format_kernel_table(rows):
@@ -242,7 +289,7 @@ def main(args=None):
     print(format_table(rows), flush=True)                # seen while the kernels compile
     failed = sum(not r[4] for r in rows)
     n = len(rows)
-    krows = kernel_rows(progress=_to_stderr) if getattr(args, "kernels", True) else []
+    krows = kernel_rows(progress=_to_stderr, jobs=getattr(args, "jobs", None)) if getattr(args, "kernels", True) else []
     if krows is None:
         print("\n(kernels: numba is not installed, so the fused kernels were not checked: pip install 'refbert[kernels]')")
     elif krows:

@@ -112,6 +112,9 @@ def build_parser():
     p = sub.add_parser("check", help="every op's and every head's backward against finite differences (float64), "
                                      "and every fused kernel against its op")
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="skip the fused kernels' rows")
+    p.add_argument("--jobs", type=positive, default=None,
+                   help="processes that check (and on a cold cache compile) the fused kernels side by side (default: "
+                        "one a core, at most 4; 1: all in this process)")
     p.add_argument("--precision", action="store_true",
                    help="also the reduced-precision study: fp16/bf16 storage against the float64 oracle, in ulps")
     from .precision import add_arguments as _precision_args

@@ -116,3 +116,15 @@ def pytest_make_collect_report(collector):
         if why is not None:                       # a whole file skipped: an error under CI
             report.outcome = "failed"
             report.longrepr = why
+
+
+# The test that runs `refbert check` compiles every Numba kernel version on a cold cache, in one process a core
+# (refbert.check.kernel_rows; about 2 minutes on 2 cores where one process takes 4). Run first, it leaves a warm cache
+# (Numba's cache=True) for every later test that calls the same kernels, which would otherwise compile them one at a
+# time on one core (the backend parity tests alone: about 50 s). Only the order changes; every test still runs.
+FIRST = "tests/test_cli.py::test_refbert_check_lists_every_op_and_exits_0"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [i for i in items if i.nodeid == FIRST]
+    items[:] = first + [i for i in items if i.nodeid != FIRST]

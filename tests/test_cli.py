@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from refbert import check, ops
 
@@ -26,6 +27,16 @@ def test_refbert_check_lists_every_op_and_exits_0():
         assert n == int(re.search(r"^  \[\d+/(\d+)\]", res.stderr, re.M).group(1)) >= 5, res.stderr
         assert "kernels checked in" in res.stderr
         assert "version(s)" not in res.stdout and "compiles" not in res.stdout      # the table stays clean
+
+
+def test_kernel_rows_are_the_same_in_one_process_and_side_by_side():
+    """refbert check compiles and checks the kernel versions in worker processes (a cold cache's minutes, shared
+    out); the rows, in file order, are those of one process checking them in turn."""
+    pytest.importorskip("numba")
+    lines = []
+    two = check.kernel_rows(progress=lines.append, jobs=2)
+    assert "2 processes side by side" in lines[0] and len(re.findall(r"checked \(", "\n".join(lines))) >= 5, lines
+    assert two == check.kernel_rows(jobs=1)
 
 
 def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):

@@ -7,7 +7,7 @@ module finds those without a GPU: it runs every host wrapper of every spec, in e
 launch replaced by `numba.cuda.compile_ptx(kernel, argument types, cc)` (NVVM only; no driver), and reports each
 distinct (kernel, signature) that fails to compile.
 
-    python -m refbert_kernels.cuda.compile_check [--cc 9.0] [--shapes sim|gpu]
+    python -m refbert_kernels.cuda.compile_check [--cc 9.0] [--shapes sim|gpu] [--jobs N] [--ptx-dir DIR]
 
 How the launches are intercepted (this process only, never in the library): `cuda.to_device` and
 `cuda.device_array` return NumPy arrays (their Numba types are the device arrays' types: same dtype, layout and
@@ -21,6 +21,9 @@ Needs numba-cuda with NVVM (libnvvm from a CUDA toolkit) and NVRTC (`pip install
 the CUDA driver is not needed. Must run in a process whose numba.cuda is not the simulator.
 """
 import argparse
+import io
+import multiprocessing
+import os
 import sys
 import traceback
 import warnings
@@ -34,14 +37,19 @@ def _install_hooks(cc, compiled, failures):
 
     def compile_launch(disp, args):
         sig = tuple(typeof(a) for a in args)
-        key = (disp.py_func.__qualname__, disp.py_func.__code__.co_firstlineno, id(disp), sig)
+        f = disp.py_func
+        key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, _closure(f))
         if key in compiled or key in failures:
             return
-        try:
-            PTX[key], _ = cuda.compile_ptx(disp.py_func, sig, cc=cc)
+        if key not in PTX and key not in FAILED:       # compiled once a process, whichever run() reaches it
+            try:
+                PTX[key], _ = cuda.compile_ptx(disp.py_func, sig, cc=cc)
+            except Exception as e:  # noqa: BLE001  (NVVM / typing errors of every kind are the findings)
+                FAILED[key] = f"{type(e).__name__}: {e}"
+        if key in PTX:
             compiled.add(key)
-        except Exception as e:  # noqa: BLE001  (NVVM / typing errors of every kind are the findings)
-            failures[key] = f"{type(e).__name__}: {e}"
+        else:
+            failures[key] = FAILED[key]
 
     class Launch:
         def __init__(self, disp):
@@ -61,13 +69,17 @@ def _install_hooks(cc, compiled, failures):
     cuda.device_array = lambda shape, dtype=np.float64, *_, **__: np.zeros(shape, dtype)
 
 
-PTX = {}        # (kernel qualname, first line, dispatcher id, signature) -> PTX text, of every kernel compiled
+PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure) -> PTX text, of every kernel compiled
+FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process, any compute
+                # capability asked: one run() a process in practice)
 
 
-def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None):
-    """Compile every kernel reached by every spec's versions (or the specs named in `names`) in every storage dtype;
-    their PTX goes to PTX. Returns (compiled, failures, host_errors): a set of keys, {key: message} of kernels that
-    did not compile, {(spec, version, dtype, shape): message} of runs that stopped in host code."""
+def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=None):
+    """Compile every kernel reached by every spec's versions (or the specs named in `names`) in every storage dtype
+    (or those named in `dtypes`); their PTX goes to PTX, each (spec, version, dtype)'s progress line to `out` (and
+    to the list `lines`, if given, as ((spec, version, dtype), line)). Returns (compiled, failures,
+    host_errors): a set of keys, {key: message} of kernels that did not compile, {(spec, version, dtype, shape):
+    message} of runs that stopped in host code. Hooks stay installed in this process (it compiles, never launches)."""
     from numba.core import config
     if config.ENABLE_CUDASIM:
         raise RuntimeError("compile_check needs the real numba.cuda (unset NUMBA_ENABLE_CUDASIM)")
@@ -82,6 +94,8 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None):
         todo = spec.shapes if shapes == "sim" else spec.notes.get("gpu_shapes", spec.shapes)
         for v in sorted(spec.versions):
             for dt in C.dtypes():
+                if dtypes is not None and np.dtype(dt).name not in dtypes:
+                    continue
                 n0 = len(compiled) + len(failures)
                 for shape in todo:
                     ins, kw = spec.make_inputs(shape, np.float32, 0)
@@ -94,9 +108,62 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None):
                     except Exception as e:  # noqa: BLE001
                         host_errors[(spec.name, v, np.dtype(dt).name, repr(shape))] = "".join(
                             traceback.format_exception_only(type(e), e)).strip()
-                print(f"  {spec.name:28s} v{v} {np.dtype(dt).name:9s} "
-                      f"{len(compiled) + len(failures) - n0:3d} kernel signatures", file=out, flush=True)
+                line = (f"  {spec.name:28s} v{v} {np.dtype(dt).name:9s} "
+                        f"{len(compiled) + len(failures) - n0:3d} kernel signatures")
+                print(line, file=out, flush=True)
+                if lines is not None:
+                    lines.append(((spec.name, v, np.dtype(dt).name), line))
     return compiled, failures, host_errors
+
+
+def _closure(fn):
+    """What a kernel made by a factory closes over, as text: the values of its simple cells (the flags and kinds
+    that make one factory's kernels differ), the qualnames of the rest."""
+    cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
+    return ", ".join(f"{n}={c.cell_contents!r}" if isinstance(c.cell_contents, (bool, int, float, str, type(None)))
+                     else f"{n}={getattr(getattr(c.cell_contents, 'py_func', c.cell_contents), '__qualname__', '?')}"
+                     for n, c in cells)
+
+
+def _name(key):
+    """A kernel signature's key as text, the same in every process (the dispatcher's id is not): module.qualname,
+    first line, what it closes over, signature."""
+    return f"{key[0]} (line {key[1]}) [{key[4]}] {key[3]}"
+
+
+def _job(job):
+    """One (spec, storage dtype), every version, in a worker process: (progress lines, {name: PTX} of what
+    compiled, {name: message} of what did not, {run: message} of host-code stops). Split by dtype, not version:
+    the versions of one file share device functions, which a process compiles once per signature."""
+    cc, shapes, name, dtype = job
+    lines = []
+    compiled, failures, host_errors = run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines)
+    return (lines, {_name(k): PTX[k] for k in compiled}, {_name(k): m for k, m in failures.items()},
+            {repr(k): m for k, m in host_errors.items()})
+
+
+def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
+    """run() in `jobs` worker processes, one (spec, storage dtype) a job (NVVM's compiles are single-threaded and
+    independent), the files with most versions first. Returns ({name: PTX} of every kernel signature compiled,
+    {name: message} of those that failed, {run: message} of host-code stops); the progress lines printed at the
+    end, in run()'s order."""
+    from refbert_kernels.cuda import _common as C, specs
+    order = {s.name: i for i, s in enumerate(specs())}
+    todo = [(cc, shapes, spec.name, np.dtype(dt).name)
+            for spec in sorted(specs(), key=lambda s: -len(s.versions)) for dt in C.dtypes()]
+    ptx, failures, host_errors, lines = {}, {}, {}, []
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:     # spawn: no forked Numba or driver state
+        for ls, p, f, h in pool.imap_unordered(_job, todo):
+            lines += ls
+            ptx.update(p)
+            failures.update(f)
+            host_errors.update(h)
+    dts = [np.dtype(dt).name for dt in C.dtypes()]
+    for (name, v, dt), line in sorted(lines, key=lambda x: (order[x[0][0]], x[0][1], dts.index(x[0][2]))):
+        print(line, file=out, flush=True)
+    for name in failures:                      # compiled in one process, failed in another: a failure
+        ptx.pop(name, None)
+    return ptx, failures, host_errors
 
 
 def main(argv=None):
@@ -104,16 +171,33 @@ def main(argv=None):
     ap.add_argument("--cc", default="9.0", help="compute capability to compile for (default 9.0: H100/H200)")
     ap.add_argument("--shapes", choices=("sim", "gpu"), default="sim",
                     help="the specs' simulator shapes (fast) or their GPU shapes (more launch configurations)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="worker processes compiling side by side, a (kernel file, dtype) each (default 1: this process)")
+    ap.add_argument("--ptx-dir", help="write each compiled kernel signature's PTX to a file here (an index in "
+                                      "index.txt: file name, then the signature)")
     a = ap.parse_args(argv)
     cc = tuple(int(p) for p in a.cc.split("."))
-    compiled, failures, host_errors = run(cc, a.shapes)
-    for key, msg in failures.items():
-        print(f"FAILED {key[0]} (line {key[1]}) {key[3]}:\n    {msg.splitlines()[0] if msg else ''}")
+    if a.jobs > 1:
+        ptx, failures, host_errors = run_parallel(cc, a.shapes, jobs=a.jobs)
+    else:
+        compiled, failures, host_errors = run(cc, a.shapes)
+        ptx = {_name(k): PTX[k] for k in compiled}
+        failures = {_name(k): m for k, m in failures.items()}
+        host_errors = {repr(k): m for k, m in host_errors.items()}
+    for name, msg in failures.items():
+        print(f"FAILED {name}:\n    {msg.splitlines()[0] if msg else ''}")
         for line in msg.splitlines()[1:12]:
             print("    " + line)
     for key, msg in host_errors.items():
         print(f"host code after a skipped launch: {key}: {msg.splitlines()[-1]}")
-    print(f"{len(compiled)} kernel signatures compiled for sm_{cc[0]}{cc[1]}, {len(failures)} failed, "
+    if a.ptx_dir:
+        os.makedirs(a.ptx_dir, exist_ok=True)
+        with open(os.path.join(a.ptx_dir, "index.txt"), "w") as index:
+            for i, (name, text) in enumerate(sorted(ptx.items())):
+                with open(os.path.join(a.ptx_dir, f"{i:04d}.ptx"), "w") as f:
+                    f.write(text)
+                index.write(f"{i:04d}.ptx {name}\n")
+    print(f"{len(ptx)} kernel signatures compiled for sm_{cc[0]}{cc[1]}, {len(failures)} failed, "
           f"{len(host_errors)} spec/version/dtype/shape runs stopped in host code")
     return 1 if failures or host_errors else 0
 
