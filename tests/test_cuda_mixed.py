@@ -26,6 +26,7 @@ What must hold, and why these bounds:
 import functools
 import importlib.util
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -159,7 +160,8 @@ _OPS = """
         assert float(np.abs(got - ref).max()) <= 1e-5 * scale, (what, float(np.abs(got - ref).max()) / scale)
 
     r = np.random.default_rng(3)
-    for compute in ("bfloat16", "float16"):
+    COMPUTES = ("bfloat16", "float16")                    # (the simulator's run: one child a dtype, side by side)
+    for compute in COMPUTES:
         Rn = lambda a: ops.round_compute(np.asarray(a, np.float32), compute)   # noqa: E731
         # linear: 3 x 5 rows, 48 -> 40, with and without a bias
         x = r.standard_normal((3, 5, 48)).astype(np.float32)
@@ -243,13 +245,23 @@ _OPS = """
         print("OPS OK", compute)
     want = "S1" if B.MODE == "sim" else "S2"             # the array-operation version on NumPy arrays
     if B.MODE != "sim":                                   # the kernels rounded (no rule around them)
-        assert VV.RAN[("layernorm", "float16", "K1")] == 2 and VV.RAN[("bias_gelu", "bfloat16", "K1")] == 4, VV.RAN
-    assert VV.RAN[("linear", "bfloat16", "M1")] == 2 and VV.RAN[("attention", "float16", want)] == 2, VV.RAN
+        assert "float16" not in COMPUTES or VV.RAN[("layernorm", "float16", "K1")] == 2, VV.RAN
+        assert "bfloat16" not in COMPUTES or VV.RAN[("bias_gelu", "bfloat16", "K1")] == 4, VV.RAN
+    assert "bfloat16" not in COMPUTES or VV.RAN[("linear", "bfloat16", "M1")] == 2, VV.RAN
+    assert "float16" not in COMPUTES or VV.RAN[("attention", "float16", want)] == 2, VV.RAN
 """
 
 
 @pytest.mark.parametrize("mode", ["emu", "sim", "gpu"])
 def test_linear_and_attention_equal_the_spec(mode):
+    if mode == "sim":                      # the simulator holds the GIL, one core a child: a child a dtype, two at once
+        one = '    COMPUTES = ("bfloat16", "float16")'
+        assert _OPS.count(one) == 1
+        with ThreadPoolExecutor(2) as ex:
+            outs = list(ex.map(lambda c: _child(_OPS.replace(one, f"    COMPUTES = ({c!r},)"), mode),
+                               ("bfloat16", "float16")))
+        assert "OPS OK bfloat16" in outs[0] and "OPS OK float16" in outs[1], outs
+        return
     out = _child(_OPS, mode)
     assert "OPS OK bfloat16" in out and "OPS OK float16" in out, out
 
