@@ -229,13 +229,14 @@ def default_jobs():
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def kernel_rows(progress=None, jobs=None):
+def kernel_rows(progress=None, jobs=1):
     """One row per kernel version and dtype: the fused Numba kernels (refbert_kernels) against their oracle op,
     forward and backward, on each spec's small irregular shapes: (kernel, dtype, max |diff|, max err/tol, ok).
     None when numba is not installed. progress(line), if given, hears of each kernel file as it is checked: the
     first run compiles every version (minutes), which would otherwise pass in silence. jobs: processes that check
-    (and compile) versions side by side (default_jobs(); 1: all in this process, in file order); the rows come in
-    file order either way, and are the same."""
+    (and compile) versions side by side (1: all in this process, in file order; `refbert check` passes
+    default_jobs()); the rows come in file order either way, and are the same. The worker processes are spawned:
+    from a script, call this with jobs > 1 under `if __name__ == "__main__":` (each worker imports the main module)."""
     try:
         from refbert_kernels import _harness  # noqa: F401
         specs = _kernel_specs()
@@ -243,7 +244,7 @@ def kernel_rows(progress=None, jobs=None):
         return None
     say = progress or (lambda line: None)
     todo = [(i, v) for i, spec in enumerate(specs) for v in sorted(spec.versions)]
-    jobs = max(1, min(default_jobs() if jobs is None else jobs, len(todo)))
+    jobs = max(1, min(jobs, len(todo)))
     say(f"checking {len(todo)} fused kernel versions against their ops, float64 and float32; each compiles on its "
         f"first call (minutes on a cold cache{f', {jobs} processes side by side' if jobs > 1 else ''}; Numba keeps "
         f"them, so later runs take seconds)")
@@ -289,7 +290,9 @@ def main(args=None):
     print(format_table(rows), flush=True)                # seen while the kernels compile
     failed = sum(not r[4] for r in rows)
     n = len(rows)
-    krows = kernel_rows(progress=_to_stderr, jobs=getattr(args, "jobs", None)) if getattr(args, "kernels", True) else []
+    jobs = getattr(args, "jobs", 1)                     # the command line's None: one process a core
+    krows = kernel_rows(progress=_to_stderr, jobs=default_jobs() if jobs is None else jobs) \
+        if getattr(args, "kernels", True) else []
     if krows is None:
         print("\n(kernels: numba is not installed, so the fused kernels were not checked: pip install 'refbert[kernels]')")
     elif krows:

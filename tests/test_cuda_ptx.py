@@ -4,9 +4,9 @@ The simulator tests (test_cuda_*_sim.py) run the kernels as Python and never typ
 runs can still fail Numba's CUDA typing or NVVM on the first real GPU. refbert_kernels.cuda.compile_check drives
 every host wrapper of every CUDA spec, in fp64 / fp32 / fp16 / bf16 storage, with each launch replaced by
 numba.cuda.compile_ptx (NVVM only, no driver). Runs in a child process (the real numba.cuda, not the simulator
-this suite's other CUDA tests switch on in their own children), in 2 worker processes: ~30 s on 2 cores. Skips when NVVM or NVRTC cannot
-be found (a machine without a CUDA toolkit's libnvvm; `pip install nvidia-cuda-nvrtc`, in the dev extra, gives
-NVRTC).
+this suite's other CUDA tests switch on in their own children), with 2 worker processes: ~30 s on 2 cores. Skips
+when NVVM or NVRTC cannot be found (a machine without a CUDA toolkit's libnvvm; `pip install nvidia-cuda-nvrtc`,
+in the dev extra, gives NVRTC).
 """
 import importlib.util
 import re

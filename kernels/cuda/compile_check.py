@@ -69,7 +69,8 @@ def _install_hooks(cc, compiled, failures):
     cuda.device_array = lambda shape, dtype=np.float64, *_, **__: np.zeros(shape, dtype)
 
 
-PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure) -> PTX text, of every kernel compiled
+PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure) -> PTX text, of every
+                # kernel compiled
 FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process, any compute
                 # capability asked: one run() a process in practice)
 
@@ -120,7 +121,8 @@ def _closure(fn):
     """What a kernel made by a factory closes over, as text: the values of its simple cells (the flags and kinds
     that make one factory's kernels differ), the qualnames of the rest."""
     cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    return ", ".join(f"{n}={c.cell_contents!r}" if isinstance(c.cell_contents, (bool, int, float, str, type(None)))
+    return ", ".join(f"{n}={c.cell_contents!r}" if isinstance(c.cell_contents, (bool, int, float, str, type(None),
+                                                                               np.generic))
                      else f"{n}={getattr(getattr(c.cell_contents, 'py_func', c.cell_contents), '__qualname__', '?')}"
                      for n, c in cells)
 
@@ -172,7 +174,8 @@ def main(argv=None):
     ap.add_argument("--shapes", choices=("sim", "gpu"), default="sim",
                     help="the specs' simulator shapes (fast) or their GPU shapes (more launch configurations)")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="worker processes compiling side by side, a (kernel file, dtype) each (default 1: this process)")
+                    help="worker processes compiling side by side, a (kernel file, dtype) each (default 1: this "
+                         "process)")
     ap.add_argument("--ptx-dir", help="write each compiled kernel signature's PTX to a file here (an index in "
                                       "index.txt: file name, then the signature)")
     a = ap.parse_args(argv)
