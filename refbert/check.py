@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -206,11 +207,40 @@ def _kernel_specs():
     return specs
 
 
+def _lock_cache_saves():
+    """In a worker process: Numba's on-disk cache saves one function's entries as read index, pick a free data
+    file, write index, write data, which two processes saving different signatures of one function (a helper both
+    versions call, in float32 and float64) could interleave into an index that points a signature at the other's
+    data. Each save here holds an exclusive lock (fcntl) on a file beside that function's index, so saves of one
+    function come one at a time. False where it cannot (no fcntl, a Numba without IndexDataCacheFile.save): then
+    the caller checks in one process."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+        save = caching.IndexDataCacheFile.save
+    except (ImportError, AttributeError):
+        return False
+    if getattr(save, "refbert_locked", False):
+        return True
+
+    def locked_save(self, key, data):
+        with open(self._index_path + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)                 # released when f closes
+            return save(self, key, data)
+
+    locked_save.refbert_locked = True
+    caching.IndexDataCacheFile.save = locked_save
+    return True
+
+
 def _version_rows(job):
     """(job, rows) for job = (spec index, version): the version in float64 and float32, worst over the spec's
     shapes. A worker process's job when the kernels are checked side by side (each process compiles, and caches,
-    what it checks)."""
+    what it checks, its cache saves locked: _lock_cache_saves)."""
     from refbert_kernels import _harness
+    if multiprocessing.parent_process() is not None:
+        _lock_cache_saves()
     index, v = job
     spec = _kernel_specs()[index]
     rows = []
@@ -235,7 +265,8 @@ def kernel_rows(progress=None, jobs=1):
     None when numba is not installed. progress(line), if given, hears of each kernel file as it is checked: the
     first run compiles every version (minutes), which would otherwise pass in silence. jobs: processes that check
     (and compile) versions side by side (1: all in this process, in file order; `refbert check` passes
-    default_jobs()); the rows come in file order either way, and are the same. The worker processes are spawned:
+    default_jobs()); the rows come in file order either way, and are the same on the same Numba cache (the last
+    digits can differ between caches: a kernel's float32 sums as LLVM compiled them in the process that cached it). The worker processes are spawned:
     from a script, call this with jobs > 1 under `if __name__ == "__main__":` (each worker imports the main module)."""
     try:
         from refbert_kernels import _harness  # noqa: F401
@@ -254,6 +285,9 @@ def kernel_rows(progress=None, jobs=1):
         say(f"  [{len(files) + (verb == 'checking')}/{len(specs)}] {specs[i].name}: {len(specs[i].versions)} "
             f"version(s) x 2 dtypes {verb} ({time.perf_counter() - start:.0f} s so far)")
 
+    if jobs > 1 and not _lock_cache_saves():             # (this process's check of what workers could do)
+        say("  (one process: this platform's Numba cache cannot be locked for processes side by side)")
+        jobs = 1
     if jobs == 1:
         for i, v in todo:                           # said as each file starts: what is compiling now, for how long
             if v == min(specs[i].versions):
@@ -263,9 +297,11 @@ def kernel_rows(progress=None, jobs=1):
     else:
         # spawn, not fork: this process may hold Numba's and the BLAS's threads. The files with the most versions
         # first (attention's are most of a cold compile), so no process is left with a long one at the end.
+        # A worker that dies (out of memory, a crash in LLVM) breaks the pool: an error here, never a wait.
         todo_first = sorted(todo, key=lambda iv: -len(specs[iv[0]].versions))
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            for (i, v), rows in pool.imap_unordered(_version_rows, todo_first):
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            for fut in as_completed([ex.submit(_version_rows, iv) for iv in todo_first]):
+                (i, v), rows = fut.result()
                 done[i, v] = rows
                 if all((i, w) in done for w in specs[i].versions):
                     files.add(i)

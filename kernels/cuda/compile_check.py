@@ -27,6 +27,7 @@ import os
 import sys
 import traceback
 import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def _install_hooks(cc, compiled, failures):
     def compile_launch(disp, args):
         sig = tuple(typeof(a) for a in args)
         f = disp.py_func
-        key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, _closure(f))
+        key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, _closure(f), cc)
         if key in compiled or key in failures:
             return
         if key not in PTX and key not in FAILED:       # compiled once a process, whichever run() reaches it
@@ -69,10 +70,9 @@ def _install_hooks(cc, compiled, failures):
     cuda.device_array = lambda shape, dtype=np.float64, *_, **__: np.zeros(shape, dtype)
 
 
-PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure) -> PTX text, of every
-                # kernel compiled
-FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process, any compute
-                # capability asked: one run() a process in practice)
+PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure, cc) -> PTX text, of
+                # every kernel compiled
+FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process)
 
 
 def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=None):
@@ -117,14 +117,21 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=
     return compiled, failures, host_errors
 
 
-def _closure(fn):
+def _closure(fn, depth=4):
     """What a kernel made by a factory closes over, as text: the values of its simple cells (the flags and kinds
-    that make one factory's kernels differ), the qualnames of the rest."""
+    that make one factory's kernels differ), and for a function or device function, its qualname with what it
+    closes over in turn (to `depth` levels): two kernels of one factory that differ only inside a device function
+    they call (layernorm's sval, with or without a residual) get different names."""
+    def cell(v, d):
+        if isinstance(v, (bool, int, float, str, type(None), np.generic)):
+            return repr(v)
+        f = getattr(v, "py_func", v)
+        name = getattr(f, "__qualname__", type(v).__name__)
+        inner = _closure(f, d - 1) if d > 0 and getattr(f, "__code__", None) is not None else ""
+        return f"{name}[{inner}]" if inner else name
+
     cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    return ", ".join(f"{n}={c.cell_contents!r}" if isinstance(c.cell_contents, (bool, int, float, str, type(None),
-                                                                               np.generic))
-                     else f"{n}={getattr(getattr(c.cell_contents, 'py_func', c.cell_contents), '__qualname__', '?')}"
-                     for n, c in cells)
+    return ", ".join(f"{n}={cell(c.cell_contents, depth)}" for n, c in cells)
 
 
 def _name(key):
@@ -154,8 +161,10 @@ def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
     todo = [(cc, shapes, spec.name, np.dtype(dt).name)
             for spec in sorted(specs(), key=lambda s: -len(s.versions)) for dt in C.dtypes()]
     ptx, failures, host_errors, lines = {}, {}, {}, []
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:     # spawn: no forked Numba or driver state
-        for ls, p, f, h in pool.imap_unordered(_job, todo):
+    # spawn: no forked Numba or driver state; a worker that dies breaks the pool (an error, never a wait)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for fut in as_completed([ex.submit(_job, job) for job in todo]):
+            ls, p, f, h = fut.result()
             lines += ls
             ptx.update(p)
             failures.update(f)
