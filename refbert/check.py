@@ -266,8 +266,9 @@ def kernel_rows(progress=None, jobs=1):
     first run compiles every version (minutes), which would otherwise pass in silence. jobs: processes that check
     (and compile) versions side by side (1: all in this process, in file order; `refbert check` passes
     default_jobs()); the rows come in file order either way, and are the same on the same Numba cache (the last
-    digits can differ between caches: a kernel's float32 sums as LLVM compiled them in the process that cached it). The worker processes are spawned:
-    from a script, call this with jobs > 1 under `if __name__ == "__main__":` (each worker imports the main module)."""
+    digits can differ between caches: a kernel's float32 sums as LLVM compiled them in the process that cached
+    it). The worker processes are spawned: from a script, call this with jobs > 1 under a main guard (each
+    worker imports the main module)."""
     try:
         from refbert_kernels import _harness  # noqa: F401
         specs = _kernel_specs()
@@ -276,6 +277,9 @@ def kernel_rows(progress=None, jobs=1):
     say = progress or (lambda line: None)
     todo = [(i, v) for i, spec in enumerate(specs) for v in sorted(spec.versions)]
     jobs = max(1, min(jobs, len(todo)))
+    if jobs > 1 and not _lock_cache_saves():            # (what the workers will need, tried here)
+        say("  (one process: this platform's Numba cache cannot be locked for processes side by side)")
+        jobs = 1
     say(f"checking {len(todo)} fused kernel versions against their ops, float64 and float32; each compiles on its "
         f"first call (minutes on a cold cache{f', {jobs} processes side by side' if jobs > 1 else ''}; Numba keeps "
         f"them, so later runs take seconds)")
@@ -285,9 +289,6 @@ def kernel_rows(progress=None, jobs=1):
         say(f"  [{len(files) + (verb == 'checking')}/{len(specs)}] {specs[i].name}: {len(specs[i].versions)} "
             f"version(s) x 2 dtypes {verb} ({time.perf_counter() - start:.0f} s so far)")
 
-    if jobs > 1 and not _lock_cache_saves():             # (this process's check of what workers could do)
-        say("  (one process: this platform's Numba cache cannot be locked for processes side by side)")
-        jobs = 1
     if jobs == 1:
         for i, v in todo:                           # said as each file starts: what is compiling now, for how long
             if v == min(specs[i].versions):
