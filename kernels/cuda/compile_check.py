@@ -39,12 +39,14 @@ def _install_hooks(cc, compiled, failures):
     def compile_launch(disp, args):
         sig = tuple(typeof(a) for a in args)
         f = disp.py_func
-        key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, _closure(f), cc)
+        if id(disp) not in CLOSURES:                    # (what a dispatcher closes over does not change)
+            CLOSURES[id(disp)] = _closure(f)
+        key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, CLOSURES[id(disp)], cc)
         if key in compiled or key in failures:
             return
         if key not in PTX and key not in FAILED:       # compiled once a process, whichever run() reaches it
             try:
-                PTX[key], _ = cuda.compile_ptx(disp.py_func, sig, cc=cc)
+                PTX[key], _ = cuda.compile_ptx(f, sig, cc=cc)
             except Exception as e:  # noqa: BLE001  (NVVM / typing errors of every kind are the findings)
                 FAILED[key] = f"{type(e).__name__}: {e}"
         if key in PTX:
@@ -73,6 +75,7 @@ def _install_hooks(cc, compiled, failures):
 PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature, closure, cc) -> PTX text, of
                 # every kernel compiled
 FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process)
+CLOSURES = {}   # dispatcher id -> _closure of its function (the keys' part that takes a walk to make)
 
 
 def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=None):
@@ -140,15 +143,19 @@ def _name(key):
     return f"{key[0]} (line {key[1]}) [{key[4]}] {key[3]}"
 
 
+def _named(compiled, failures, host_errors):
+    """run()'s results with text keys, the same in every process: ({name: PTX}, {name: message}, {run: message})."""
+    return ({_name(k): PTX[k] for k in compiled}, {_name(k): m for k, m in failures.items()},
+            {repr(k): m for k, m in host_errors.items()})
+
+
 def _job(job):
     """One (spec, storage dtype), every version, in a worker process: (progress lines, {name: PTX} of what
     compiled, {name: message} of what did not, {run: message} of host-code stops). Split by dtype, not version:
     the versions of one file share device functions, which a process compiles once per signature."""
     cc, shapes, name, dtype = job
     lines = []
-    compiled, failures, host_errors = run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines)
-    return (lines, {_name(k): PTX[k] for k in compiled}, {_name(k): m for k, m in failures.items()},
-            {repr(k): m for k, m in host_errors.items()})
+    return (lines, *_named(*run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines)))
 
 
 def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
@@ -192,10 +199,7 @@ def main(argv=None):
     if a.jobs > 1:
         ptx, failures, host_errors = run_parallel(cc, a.shapes, jobs=a.jobs)
     else:
-        compiled, failures, host_errors = run(cc, a.shapes)
-        ptx = {_name(k): PTX[k] for k in compiled}
-        failures = {_name(k): m for k, m in failures.items()}
-        host_errors = {repr(k): m for k, m in host_errors.items()}
+        ptx, failures, host_errors = _named(*run(cc, a.shapes))
     for name, msg in failures.items():
         print(f"FAILED {name}:\n    {msg.splitlines()[0] if msg else ''}")
         for line in msg.splitlines()[1:12]:
