@@ -27,14 +27,15 @@
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
 #               bf16-mixed within 2% of fp32), and each run trained again by HF + PyTorch on its data and initial
 #               weights (--torch-peer: benchmarks/torch_pretrain.py; issue 13: refbert's faster?)
-#   s3          the bench's mixed section again under REFBERT_MIXED_ATTENTION=S3 (the attention as csrc/mixed.cu's
-#               tensor-core flash kernels: the spec's roundings, no (B, H, T, T) array), report/bench_s3/
 #   bench       python -m refbert.bench_cuda: kernels (validated, timed, PyTorch peers, cuda_order.json), the
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
 #               16-bit GEMM floor, the optimizer step (clip + AdamW: refbert's multi-tensor kernels and per-array
 #               code against torch.optim.AdamW foreach / fused), the launch probe with the step's own arguments,
 #               the torch.profiler table
+#               (The mixed section's A/B rows time the bf16-mixed graph step with the attention as S3's and S4's
+#               tensor-core flash kernels, csrc/mixed.cu s3_* / s4_*, beside the default S2: in the same run, where
+#               a separate s3 step used to run the whole section again.)
 #   ncu         Nsight Compute (where installed; --clock-control none) on one call of each flash attention
 #               version's forward and backward at B=4 H=12 T=2048 (benchmarks/ncu_attention.py): speed of light,
 #               tensor-pipe and shared-memory load, bank conflicts, stall reasons, occupancy: report/ncu.log
@@ -44,7 +45,7 @@
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
-# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench s3 ncu" (a subset). DRY=1:
+# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench ncu" (a subset). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, the bench says SKIPPED, train and graphdiag are skipped).
 set -u
@@ -64,11 +65,10 @@ T_BENCH=${T_BENCH:-240}                 # preflight (~20 s) + 200 + 240 at worst
 #                                         the A/B rows (adds unfused, no twins) and C4 were added
 T_VERIFY=${T_VERIFY:-150}
 T_TRAIN=${T_TRAIN:-240}
-T_S3=${T_S3:-120}
 T_NCU=${T_NCU:-150}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train graphdiag bench s3 ncu"}
+STEPS=${STEPS:-"mains tests check verify train graphdiag bench ncu"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed optim profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -224,10 +224,6 @@ wait
 if wants bench; then
     # shellcheck disable=SC2086
     step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$R/bench" $BENCH_ARGS
-fi
-if wants s3; then       # the mixed step again with the attention as S3's flash kernels (csrc/mixed.cu s3_*)
-    REFBERT_MIXED_ATTENTION=S3 step s3 "$T_S3" "$PY" -m refbert.bench_cuda --out "$R/bench_s3" --repeats 10 \
-        --step 32x128 8x512 --only mixed
 fi
 
 if wants ncu && [ -z "${DRY:-}" ]; then   # where the flash kernels' time goes: Nsight Compute's counters, one call each

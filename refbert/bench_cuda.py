@@ -36,7 +36,8 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          matrix products alone on cuBLAS, step_gemms(), timed in the same run), the memory held after the forward
          (what the backward will read), and the ratios against sdpa and the floor. No optimizer update. Beside the
          first: the same step with the adds around the linears unfused (an A/B row: the bias after the GEMM, the
-         gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins.
+         gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins,
+         and with the attention as S3's and S4's flash kernels (REFBERT_MIXED_ATTENTION's choices) instead of S2.
 optim    the optimizer's step on the model's parameters (base: 110M in ~200 tensors, float32): clip_grad_norm to 1
          and AdamW.step, as pretrain runs them, by refbert's multi-tensor kernels (csrc/optim.cu, through
          refbert.optim) and by its per-array code (REFBERT_FUSED_OPTIM=0: the spec's ~15 launches a tensor) on the
@@ -1055,9 +1056,35 @@ def run_mixed(args, timer):
                         os.environ["REFBERT_MIXED_TWINS"] = had
                 rows.append(row)
                 failed |= "ms" not in row
+                for attention in ("S3", "S4"):           # A/B: the attention as csrc/mixed.cu's flash kernels
+                    row = attention_row(timer, args, ours, dict(x, mlm_decode="all"), base, precision, attention,
+                                        floor, hf_ms)
+                    rows.append(row)
+                    failed |= "ms" not in row or not row["attention_ran"]
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
+
+
+def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_ms):
+    """An A/B row of the mixed section: the step's CUDA graph with the mixed attention `attention` ("S3": the spec
+    as csrc/mixed.cu's tensor-core flash kernels, no (B, H, T, T) array; "S4": S3 with a Philox call per 4 scores,
+    S3's bits) in place of the default S2 (refbert_kernels.cuda.mixed.ATTENTION, REFBERT_MIXED_ATTENTION's).
+    Its note says whether the flash kernels ran (they take head size 64: elsewhere S2 runs, and the row says so)."""
+    from refbert_kernels.cuda import mixed as M, versions as VV
+    key = ("attention", "bfloat16" if precision == "bf16-mixed" else "float16", attention)
+    had, before = M.ATTENTION, VV.RAN.get(key, 0)
+    M.ATTENTION = attention
+    try:
+        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), attention {attention}", floor,
+                        peer_ms, "vs_hf")
+    finally:
+        M.ATTENTION = had
+    row["attention_ran"] = ran = VV.RAN.get(key, 0) > before
+    row["note"] = (f"attention {attention} ran" if ran else f"attention {attention} did NOT run (S2 did: head size "
+                   f"{ours.config.hidden_size // ours.config.num_attention_heads}, the flash kernels take 64)") + \
+        ("; " + row["note"] if row.get("note") else "")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1067,8 +1094,8 @@ def _config(args):
     from refbert.config import BertConfig
     if getattr(args, "config", "base") == "base":
         return BertConfig.preset("base")
-    return BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=96, max_position_embeddings=512)
+    return BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=1,
+                      intermediate_size=96, max_position_embeddings=512)   # (head size 64, as base's)
 
 
 def run_optim(args, timer):

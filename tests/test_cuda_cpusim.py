@@ -22,15 +22,19 @@ CSRC = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
 # what each main prints when every version it validates passed (validate_result exits 1 at the first mismatch)
 # (attention: versions 3 skip key tiles of padding and must give version 2's bits, having skipped some; the
-# forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits; a main
-# exits 1 when any of these differs)
+# forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits, the
+# backward's version 5 version 4's, at T % 4 != 0 (a Philox call a score) and == 0 (a call per 4 scores); a main
+# exits 1 when any of these differs). A tuple: every line in it, each at least once.
 DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
-        "attention_backward.cu": "v4 = v3 bit for bit (bf16 dq, dk, dv): yes", "softmax.cu": "dx ok"}
+        "attention_backward.cu": ("v4 = v3 bit for bit (bf16 dq, dk, dv): yes",
+                                  "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
+                                  "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes"),
+        "softmax.cu": "dx ok"}
 
 
-# mains run again at another size: attention_forward.cu at T = 72 (its default 70 is not a multiple of 4, so the
-# forward's versions 4 and 5 would never take their Philox call per 4 keys)
-AGAIN = {"attention_forward.cu": "72"}
+# mains run again at another size: the attention mains at T = 72 (their default 70 is not a multiple of 4, so the
+# forward's versions 4 and 5 and the backward's version 5 would never draw a Philox call per 4 keys)
+AGAIN = {"attention_forward.cu": "72", "attention_backward.cu": "72"}
 
 
 def _build_and_run(src, tmp):
@@ -57,7 +61,11 @@ def test_every_cuda_c_main_validates_on_cpu_threads():
     for name, rc, out in results:
         assert rc == 0, f"{name} (rc {rc}):\n{out[-4000:]}"
         assert "mismatch" not in out, f"{name}:\n{out[-4000:]}"
-        assert out.count(DONE.get(name, "every version ok")) >= (2 if name in AGAIN else 1), f"{name}:\n{out[-4000:]}"
+        done = DONE.get(name, "every version ok")
+        if isinstance(done, tuple):
+            assert all(line in out for line in done), f"{name}:\n{out[-4000:]}"
+        else:
+            assert out.count(done) >= (2 if name in AGAIN else 1), f"{name}:\n{out[-4000:]}"
         if name.startswith("attention_") and name != "attention_f32.cu":
             skipped = re.search(r"v3(?:, v4)?(?:, v5)? skipped (\d+)", out)
             assert skipped and int(skipped.group(1)) > 0, f"{name}:\n{out[-4000:]}"
@@ -85,6 +93,9 @@ def test_cpusim_catches_a_wrong_kernel(tmp_path):
     # the emulated ldmatrix.trans hands out a column's two rows swapped: the forward's versions 4 and 5 (V's
     # fragments by ldmatrix.trans) must fail, or the emulation proves nothing about them
     ("cpusim.cuh", "lo = m.row[ph][8 * i + 2 * t][g];", "lo = m.row[ph][8 * i + 2 * t + 1][g];"),
+    # the backward's version 5 hands a lane the word of its fourth score from the wrong Philox block (the 4 x 4
+    # transpose of the dk, dv pass): that score's keep-mask goes wrong, and dk, dv with it
+    ("flash_tc.cuh", "w[e] = tc_word(got, e ^ a);", "w[e] = tc_word(got, (e ^ a) ^ (e == 3));"),
 ])
 def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
     """The tensor-core validation can fail: a fragment read from the wrong place (in the emulation, or in the

@@ -91,9 +91,10 @@ def test_emu_every_cuda_c_version_matches_oracle():
                     assert not K.FELL_BACK, (op, v.key, K.FELL_BACK)      # the CUDA C path ran, not the Numba one
                     assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
                     print(f"OK {op} {v.key} {dtype} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
-        # C5 (attention_forward.cu v5 and v4, attention_backward.cu v4) reorganises C2 (v3, v3): out, m, 1/l and
-        # dq, dk, dv the same bits, with dropout at T % 4 == 0 (a Philox call per 4 keys shared by two lanes) and
-        # not (a call per pair), padding (whole key tiles skipped) and a mask with query rows (read per score)
+        # C5 (attention_forward.cu v5 and v4, attention_backward.cu v5) reorganises C2 (v3, v3): out, m, 1/l and
+        # dq, dk, dv the same bits, with dropout at T % 4 == 0 (a Philox call per 4 keys shared by two lanes, and
+        # in the backward per 4 scores) and not (a call per pair; per score), padding (whole key tiles skipped) and
+        # a mask with query rows (read per score)
         from refbert_kernels.cuda.attention import DropoutRNG
         r = np.random.default_rng(5)
         for (Bn, T, H), mk in (((2, 132, 2), "pad"), ((1, 70, 2), "rows")):
@@ -112,6 +113,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
                 got_d = K.attention_backward_c5(dout, got[1]) if rows == 128 else ref_d
                 assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
+                assert rows == 64 or {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"} <= set(E.COUNTS.launches)
                 for a, b in ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7]), *zip(ref_d, got_d)):
                     assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
                                           b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, rows)
@@ -277,7 +279,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
     step's own arguments), its mixed-precision and its optimizer sections run on the emulator: a tooling check of
     the code the GPU run will execute (its times mean nothing here). Every CUDA C kernel of the step shows in the
-    launch probe."""
+    launch probe. (The tiny config has base's head size, 64: the step runs the attention kernels base does, C4's, and
+    the mixed section's S3 / S4 rows their flash kernels.)"""
     import json
     code = f"""
         import sys
@@ -288,8 +291,13 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     out = cudachild.check(_run(_env(code)))
     mixed = json.loads((tmp_path / "cuda_mixed.json").read_text())["rows"]
     assert [r["impl"] for r in mixed] == [f"refbert cuda {p}-mixed (all){g}" for p in ("bf16", "fp16")
-                                          for g in ("", " + CUDA graph") + ((", no twins + CUDA graph",)
+                                          for g in ("", " + CUDA graph") + ((", no twins + CUDA graph",
+                                                                              ", attention S3 + CUDA graph",
+                                                                              ", attention S4 + CUDA graph")
                                                                              if p == "bf16" else ())], mixed
+    # (the A/B rows' attention ran as asked: the tiny config's head size is 64, as base's)
+    assert all(r["note"].startswith(f"attention {a} ran;") for r in mixed for a in ("S3", "S4")
+               if r["impl"].endswith(f"attention {a} + CUDA graph")), mixed
     assert all(r["ms"] > 0 and ("eval loss" in r["note"] or "replay = eager step within 0.0e+00" in r["note"])
                for r in mixed), mixed
     assert all("held_mb" in r for r in mixed if r["impl"].endswith(("(all)", "no twins + CUDA graph"))), mixed
@@ -306,7 +314,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     kernels = {r["kernel"] for r in data["launch"]}
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v2_drop",
             "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
-            "attn_fwd_v1_f32_hs32", "attn_bwd_dq_v1_f32_hs32"} <= kernels, sorted(kernels)
+            "attn_fwd_v3_f32_hs64", "attn_bwd_fused_v4_f32_hs64"} <= kernels, sorted(kernels)
     optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
     assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
                                           "refbert per-array code"], optim
@@ -328,7 +336,7 @@ def test_emu_ncu_attention_driver_runs():
     out = cudachild.check(_run(_env(code)))
     # (C5's forward is version 5 where its grid fills the SMs twice, else version 4: here 4)
     for version, kernels in (("C2", "attn_fwd_v3_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v3_f16_hs64 attn_bwd_dq_v3"),
-                             ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v4_f16_hs64 attn_bwd_dq_v4"),
+                             ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
                              ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64"),
                              ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64")):
         assert re.search(rf"^{version} \w+ B=1 .*kernels {kernels}.*\|out, dq, dk, dv\| \d", out, re.M), (version, out)

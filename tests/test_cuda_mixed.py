@@ -394,6 +394,49 @@ def test_attention_s3_flash_equals_the_spec(mode):
     assert "S3 OK" in out, out
 
 
+# S4: S3's kernels with dropout's keep-mask drawn a Philox call per 4 scores (T % 4 == 0; a call per score
+# otherwise): the same words, so S3's bits, which is the whole spec of S4 (S3's own bound against the spec is the
+# test above). At T = 68 (two key tiles, the second a tail; padding in the last sequence) S4 shares its calls, at
+# T = 70 it cannot; dropout 0.3 so that many scores of every tile are dropped; and at p = 0 (no words drawn).
+_S4 = """
+    import numpy as np
+    from refbert import ops
+    from refbert.philox import DropoutRNG
+    from refbert_kernels.cuda import backend as B, mixed as M, versions as VV
+    H = lambda a: a.get() if hasattr(a, "get") else a            # noqa: E731  (a device array's host copy)
+    r = np.random.default_rng(3)
+    for compute in ("bfloat16", "float16"):
+        for (Bn, T, Hn, p) in ((2, 68, 1, 0.3), (1, 70, 2, 0.3), (1, 68, 1, 0.0)):
+            q, k, v, dout = (B.to_device(ops.round_compute(r.standard_normal((Bn, T, Hn * 64)).astype(np.float32),
+                                                           compute)) for _ in range(4))
+            mask = np.zeros((Bn, 1, 1, T), np.float32)
+            mask[-1, ..., T - 20:] = np.finfo(np.float32).min
+            runs = []
+            for kernels in ("s3", "s4"):
+                out, c = M.attention_forward_s3(q, k, v, Hn, B.to_device(mask), p, DropoutRNG(11), True, compute,
+                                                kernels)
+                runs.append([H(a) for a in (out, c.m, c.l, *M.attention_backward_s3(dout, c))])
+            for name, a, b in zip(("out", "m", "l", "dq", "dk", "dv"), *runs):
+                assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)), \
+                    (compute, T, p, name)
+            print("S4 = S3", compute, T, p, flush=True)
+    assert VV.RAN.get(("attention", "bfloat16", "S4")) and VV.RAN.get(("attention", "float16", "S4")), VV.RAN
+    M.ATTENTION = "S5"                                      # (REFBERT_MIXED_ATTENTION=S5): said, never S2 unsaid
+    try:
+        M.attention_forward_mixed(q, k, v, Hn)
+        raise AssertionError("an unknown REFBERT_MIXED_ATTENTION ran")
+    except ValueError as e:
+        assert "REFBERT_MIXED_ATTENTION expected one of S2, S3, S4, got 'S5'" in str(e), e
+    print("S4 OK")
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_attention_s4_gives_s3s_bits(mode):
+    out = _child(_S4, mode)
+    assert "S4 OK" in out, out
+
+
 _MARKED = """
     import numpy as np
     from refbert import ops

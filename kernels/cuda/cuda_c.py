@@ -13,7 +13,8 @@ raised by the same checks before any launch; the same dropout elements).
                                           attention_backward.cu v3 (tensor cores)
                                  C5       attention_forward.cu v5 / v4 (v3's bits: ldmatrix,    f16, hs = 64
                                           128 / 64 query rows a block), attention_backward.cu
-                                          v4 (v3's bits: ldmatrix, the mask read once)
+                                          v5 (v3's bits: ldmatrix, the mask read once, a
+                                          Philox call per 4 scores)
                                  C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
                                           forward and backward, dynamic shared memory)
                                  C4       C3's forward; attention_f32.cu v4 backward (dk, dv,  f32, hs = 64
@@ -238,8 +239,9 @@ def attention_backward(dout, cache):
 
 def _attention_backward(dout, cache, version):
     """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size), 3 (tensor cores with
-    padding tiles skipped) or 4 (version 3 with ldmatrix fragments: its bits); 3 and 4 need float16, hs = 64,
-    16-byte aligned rows, otherwise version 1 runs, recorded in FELL_BACK."""
+    padding tiles skipped) or 5 (version 3 with ldmatrix fragments and dropout's words a Philox call per 4 scores:
+    its bits); 3 and 5 need float16, hs = 64, 16-byte aligned rows, otherwise version 1 runs, recorded in
+    FELL_BACK."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -261,7 +263,7 @@ def _attention_backward(dout, cache, version):
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
-    if version in (3, 4) and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
+    if version in (3, 5) and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
         op = "C2 backward" if version == 3 else "C5 backward"
         FELL_BACK[("attention", op)] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
                                         f"(tensor cores: float16, hs 64): the scalar backward ran")
@@ -269,7 +271,7 @@ def _attention_backward(dout, cache, version):
         warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward "
                       f"({FELL_BACK[('attention', op)]})", RuntimeWarning, stacklevel=3)
         version = 1
-    if version in (3, 4):
+    if version in (3, 5):
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v{version}_f16_hs64", xp)(grid, (128,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v{version}_f16_hs64", xp)(grid, (128,), args + (dq,))
     else:
@@ -286,9 +288,11 @@ def attention_backward_c2(dout, cache):
 
 
 def attention_backward_c5(dout, cache):
-    """C5's backward: attention_backward.cu version 4 (version 3 with ldmatrix fragments and the mask read once per
-    key row (dk, dv) or per (b, h) row (dq): version 3's bits) for float16 at hs 64."""
-    return _attention_backward(dout, cache, 4)
+    """C5's backward: attention_backward.cu version 5 (version 3 with ldmatrix fragments, the mask read once per key
+    row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox call per 4 scores where T % 4 == 0: version
+    3's bits) for float16 at hs 64. (Version 4, without the shared Philox calls, is timed beside it by the .cu's
+    main.)"""
+    return _attention_backward(dout, cache, 5)
 
 
 def attention_probs(cache):

@@ -26,7 +26,10 @@ precision="bf16-mixed")` runs:
                       operations (any array module: the simulator's NumPy). S3 (REFBERT_MIXED_ATTENTION=S3, head
                       size 64): the same spec as tensor-core flash kernels (csrc/mixed.cu s3_fwd, s3_dkdv, s3_dq),
                       no (B, H, T, T) array; the forward walks the keys twice so that R(pt) uses the row's final
-                      max as the spec does; opt-in until a GPU has timed it against S2.
+                      max as the spec does; opt-in until a GPU has timed it against S2. S4
+                      (REFBERT_MIXED_ATTENTION=S4): S3 with dropout's keep-mask a Philox call per 4 scores where
+                      T % 4 == 0 (s4_fwd, s4_dkdv, s4_dq; S3 makes a call a score, three times over a step): S3's
+                      bits.
     fused ops (K1)    layernorm, residual_layernorm, dropout_residual_layernorm, gelu, bias_gelu: their CUDA C
                       versions (layernorm.cu v2, gelu.cu v1) with the rounding inside (rk: every compute-dtype
                       value rounded as it is loaded, every activation written rounded as it is stored): the
@@ -470,11 +473,15 @@ def _attention_checks(q, k, v, n_heads, mask, dropout_p):
 
 
 def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
-    """refbert.ops.attention_forward_mixed: S2 on device arrays (a GPU's, the emulator's), S1 on NumPy's."""
+    """refbert.ops.attention_forward_mixed: S2 on device arrays (a GPU's, the emulator's; S3 / S4 where
+    REFBERT_MIXED_ATTENTION (ATTENTION) asks and the head size is 64), S1 on NumPy's."""
     mask = _dev(mask)
     if C.on_device(q):
-        if ATTENTION == "S3" and q.shape[-1] == 64 * int(n_heads):
-            return attention_forward_s3(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
+        if ATTENTION not in ATTENTIONS:
+            raise ValueError(f"attention: REFBERT_MIXED_ATTENTION expected one of {', '.join(ATTENTIONS)}, got "
+                             f"{ATTENTION!r}")
+        if ATTENTION in ("S3", "S4") and q.shape[-1] == 64 * int(n_heads):
+            return attention_forward_s3(q, k, v, n_heads, mask, dropout_p, rng, train, compute, ATTENTION.lower())
         return attention_forward_s2(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
     return attention_forward_s1(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
 
@@ -733,9 +740,11 @@ def attention_probs_s2(cache):
 # attention S3: csrc/mixed.cu's tensor-core flash kernels (hs = 64): the spec's rounding sites (float32 noise apart:
 # sum order, the tensor cores' accumulation, exp's last bits, as S2), no (B, H, T, T) array, q / k / v / dout
 # rounded into 16-bit storage by round16 first. Chosen by REFBERT_MIXED_ATTENTION=S3 (head
-# size 64, device arrays) until a GPU has timed it against S2; S2 otherwise.
+# size 64, device arrays) until a GPU has timed it against S2; S2 otherwise. S4 (REFBERT_MIXED_ATTENTION=S4): S3's
+# kernels drawing dropout's words a Philox call per 4 scores (csrc/mixed.cu s4_*): S3's bits.
 
-ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3": the flash kernels where they apply
+ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3" / "S4": the flash kernels where they apply
+ATTENTIONS = ("S2", "S3", "S4")
 
 
 class S3Cache(NamedTuple):
@@ -751,6 +760,7 @@ class S3Cache(NamedTuple):
     p: float
     compute: str
     shape: tuple     # (B, T, H, hs)
+    kernels: str = "s3"   # "s3" / "s4": csrc/mixed.cu's kernels of that name (S4: S3's bits)
 
 
 def _storage16(x, compute):
@@ -776,8 +786,12 @@ def _s3(name, compute, grid, args, xp):
     k(grid, (128,), args)
 
 
-def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16"):
-    """S3: the spec's attention forward as one tensor-core flash kernel (csrc/mixed.cu s3_fwd; see above)."""
+def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16",
+                         kernels="s3"):
+    """S3: the spec's attention forward as one tensor-core flash kernel (csrc/mixed.cu s3_fwd; see above).
+    kernels="s4": S4's (s4_fwd: a Philox call per 4 scores; S3's bits), and S4's backward after it."""
+    if kernels not in ("s3", "s4"):
+        raise ValueError(f"attention_forward_s3: argument 'kernels' expected 's3' or 's4', got {kernels!r}")
     xp = C.xp_of(q)
     B, T, Cw, H, hs = _attention_checks(q, k, v, n_heads, mask, dropout_p)
     C.heads_grid("attention", B, H)
@@ -792,19 +806,20 @@ def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     rp = np.float32(1.0 / (1.0 - p)) if p < 1.0 else np.float32(0.0)
     scale = 1.0 / math.sqrt(hs)
     if out.size:
-        _s3("s3_fwd", compute, (-(-T // 64), B * H), (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H),
-                                                       np.float32(scale), seed, stream, thresh, _kind(compute),
-                                                       rp, out, _or_null(o16, xp), m, l), xp)
+        _s3(f"{kernels}_fwd", compute, (-(-T // 64), B * H), (q16, k16, v16, *_mask_args(mask4), np.int32(T),
+                                                              np.int32(H), np.float32(scale), seed, stream, thresh,
+                                                              _kind(compute), rp, out, _or_null(o16, xp), m, l), xp)
     _check_rows(m, l)
-    _ran("attention", compute, "S3")
-    cache = S3Cache(q16, k16, v16, _kept_out(out, compute), m, l, mask4, drop, scale, p, compute, (B, T, H, hs))
+    _ran("attention", compute, kernels.upper())
+    cache = S3Cache(q16, k16, v16, _kept_out(out, compute), m, l, mask4, drop, scale, p, compute, (B, T, H, hs),
+                    kernels)
     return twin(mark(out, compute), o16, compute), cache
 
 
 def attention_backward_s3(dout, cache):
     """S3: the spec's attention backward as two tensor-core flash kernels (s3_dkdv per key tile, s3_dq per query
-    tile), D by D_v1 as S2."""
-    q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, shape = cache
+    tile), D by D_v1 as S2; S4's (s4_dkdv, s4_dq) where the forward ran S4."""
+    q16, k16, v16, out, m, l, mask4, drop, scale, p, compute, shape, kernels = cache
     xp = C.xp_of(out)
     B, T, H, hs = shape
     dout = _dev(dout)
@@ -822,9 +837,9 @@ def attention_backward_s3(dout, cache):
     common = (q16, k16, v16, *_mask_args(mask4), np.int32(T), np.int32(H), np.float32(scale), seed, stream, thresh,
               _kind(compute), m, l, d16, D)
     if dq.size:
-        _s3("s3_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv, _or_null(dk16, xp),
+        _s3(f"{kernels}_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv, _or_null(dk16, xp),
                                                                 _or_null(dv16, xp)), xp)
-        _s3("s3_dq", compute, (-(-T // 64), B * H), common + (g, dq, _or_null(dq16, xp)), xp)
+        _s3(f"{kernels}_dq", compute, (-(-T // 64), B * H), common + (g, dq, _or_null(dq16, xp)), xp)
     return tuple(twin(mark(a, compute), a16, compute) for a, a16 in ((dq, dq16), (dk, dk16), (dv, dv16)))
 
 
@@ -838,7 +853,7 @@ def _values16(a16, compute):
 
 def attention_probs_s3(cache):
     """R(keep * P / (1 - p)) (B, H, T, T) from S3's cache (array operations: output_attentions only)."""
-    q16, k16, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs) = cache
+    q16, k16, _, _, m, l, mask4, drop, scale, p, compute, (B, T, H, hs), _ = cache
     xp = C.xp_of(m)
     qh, kh = (_values16(a, compute).reshape(B, T, H, hs).transpose(0, 2, 1, 3) for a in (q16, k16))
     s = xp.matmul(qh, kh.transpose(0, 1, 3, 2))

@@ -30,6 +30,15 @@ Versions:
      and a mask constant along the queries read once (the dk, dv pass: the thread's two key rows into registers;
      the dq pass: the (b, h) row into shared memory, T <= 2048) instead of once per score with a 64-bit index:
      version 3's values in version 3's order, so its bits (the main compares them).
+  5  version 4 with dropout's keep-mask drawn a Philox call per 4 scores instead of one a score (T % 4 == 0, where
+     keys 4G .. 4G + 3 of a row are one Philox block; otherwise as version 4). Version 4 spends a whole
+     philox4x32_10 (10 rounds of two 32-bit multiplies and their high halves) on each score's one word, twice
+     (both passes recompute z). The dq pass (S: rows x keys) trades as the forward's version 5 does: lanes
+     t4 = 2G, 2G + 1 hold keys 4G .. 4G + 3 of the same two rows, each draws one row's block and they swap two
+     words. The dk, dv pass (S^T: keys x queries) holds 4 consecutive keys in the lanes g = 4A .. 4A + 3 of one
+     t4, for two queries and two key rows: 4 blocks, one drawn by each of the four lanes, then a 4 x 4 transpose by
+     three xor shuffles (flash_tc.cuh tc_words_cols). The same words, so version 4's bits (the main compares them,
+     at T % 4 == 0 and not).
 
 Build and run standalone (validates against the CPU reference, then times; fp16 / bf16: versions 1 and 2 against
 the reference of the same rounded inputs):
@@ -235,7 +244,10 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
 // V4 (version 4): version 3 with the B fragments by ldmatrix (flash_tc.cuh LDSM) and, under a mask constant along
 // the queries (si == 0), the mask of the thread's two key rows read once into registers instead of once per score:
 // the same values in the same order, so version 3's bits
-template <typename T, bool SKIP, bool V4 = false>
+// V5 (version 5): version 4 with dropout's words drawn a Philox call per 4 scores when T % 4 == 0 (flash_tc.cuh
+// tc_words_cols: the four lanes of 4 consecutive keys draw a block each and trade by three shuffles), a call per
+// score otherwise: the same words, so version 4's bits
+template <typename T, bool SKIP, bool V4 = false, bool V5 = false>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
@@ -249,16 +261,36 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
         for (int r = 0; r < 2; r++) mk[r] = jr[r] < Tn ? mask[b * sb + h * sh + jr[r] * sj] : 0.f;
     float dka[8][4], dva[8][4];
     // (flash_tc.cuh: S^T, dP^T per query tile; here p = exp(x - m) linv, pz = p z, ds = p (dp z - D))
-    tc_bwd_keys<T, V4>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
-                       [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
-                           const float x = s * scale + (mask ? (staged ? (j == jr[0] ? mk[0] : mk[1])
-                                                                       : mask[b * sb + h * sh + i * si + j * sj])
-                                                             : 0.f);
-                           const float p = __expf(x - mi) * li;
-                           const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                           pz = p * z;
-                           ds = p * (dp * z - D);
-                       });
+    auto score = [&](float s, float dp, int i, int j, float mi, float li, float D, float z, float& pz, float& ds) {
+        const float x = s * scale + (mask ? (staged ? (j == jr[0] ? mk[0] : mk[1])
+                                                    : mask[b * sb + h * sh + i * si + j * sj])
+                                          : 0.f);
+        const float p = __expf(x - mi) * li;
+        pz = p * z;
+        ds = p * (dp * z - D);
+    };
+    if constexpr (V5) {
+        const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
+        tc_bwd_keys<T, V4, true>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
+                                 [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz,
+                                     float& ds, u32 w) {
+                                     const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
+                                                          : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream,
+                                                                   thresh, dscale);
+                                     score(s, dp, i, j, mi, li, D, z, pz, ds);
+                                 },
+                                 [&](int n, int i0, u32 (&w)[4]) {
+                                     if (quad)
+                                         tc_words_cols(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + n * 8 + t4 * 2,
+                                                       g & 3, seed, stream);
+                                 });
+    } else {
+        tc_bwd_keys<T, V4>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
+                           [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
+                               score(s, dp, i, j, mi, li, D,
+                                     keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale), pz, ds);
+                           });
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (jr[r] >= Tn) continue;
@@ -278,7 +310,9 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
 // tile met a real key in the forward (m > PAD_MIN), key tiles of padding are skipped
 // V4 (version 4): the B fragments by ldmatrix; under a mask constant along the queries with T <= 2048, the (b, h)
 // mask row read once into shared memory (Mrow, the kernel's) instead of once per score: version 3's bits
-template <typename T, bool SKIP, bool V4 = false>
+// V5 (version 5): version 4 with dropout's words a Philox call per 4 scores when T % 4 == 0 (flash_tc.cuh
+// tc_words_rows: lanes t4 = 2G, 2G + 1 draw a row each and trade two words), a call per score otherwise: its bits
+template <typename T, bool SKIP, bool V4 = false, bool V5 = false>
 __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float* Mrow = nullptr) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
@@ -298,18 +332,33 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
         for (int j = tid; j < Tn; j += 128) Mrow[j] = mask[b * sb + h * sh + j * sj];
     float dqa[8][4];
     // (flash_tc.cuh: S, dP per key tile; here ds = p (dp z - D), p = exp(x - m) linv)
-    tc_bwd_queries<T, V4>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa,
-                          [&](int j0) {                   // (rows_real: block-uniform)
-                              return rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
-                          },
-                          [&](float s, float dp, int i, int j, float mr, float lr, float D) {
-                              const float x = s * scale + (mask ? (staged ? Mrow[j]
-                                                                          : mask[b * sb + h * sh + i * si + j * sj])
-                                                                : 0.f);
-                              const float p = __expf(x - mr) * lr;
-                              const float z = keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
-                              return p * (dp * z - D);
-                          });
+    auto skip = [&](int j0) {                                 // (rows_real: block-uniform)
+        return rows_real && keys_all_padding(mask, b * sb + h * sh, sj, j0, Tn, tid);
+    };
+    auto score = [&](float s, float dp, int i, int j, float mr, float lr, float D, float z) {
+        const float x = s * scale + (mask ? (staged ? Mrow[j] : mask[b * sb + h * sh + i * si + j * sj]) : 0.f);
+        const float p = __expf(x - mr) * lr;
+        return p * (dp * z - D);
+    };
+    if constexpr (V5) {
+        const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
+        tc_bwd_queries<T, V4, true>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, skip,
+                                    [&](float s, float dp, int i, int j, float mr, float lr, float D, u32 w) {
+                                        const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
+                                                             : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream,
+                                                                      thresh, dscale);
+                                        return score(s, dp, i, j, mr, lr, D, z);
+                                    },
+                                    [&](int n, int j0, u32 (&w)[4]) {
+                                        if (quad) tc_words_rows(w, bh, Tn, ir[0], ir[1], j0 + n * 8, t4, seed, stream);
+                                    });
+    } else {
+        tc_bwd_queries<T, V4>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, skip,
+                              [&](float s, float dp, int i, int j, float mr, float lr, float D) {
+                                  return score(s, dp, i, j, mr, lr, D,
+                                               keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale));
+                              });
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;
@@ -325,7 +374,7 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
 
 // the names cuda_c.py loads: attn_bwd_D_<dtype> (block 256, grid ceil(B*H*T / 8)),
 // attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H)),
-// attn_bwd_dkdv_v<2|3>_<f16|bf16>_hs64, attn_bwd_dq_v<2|3>_<f16|bf16>_hs64 (block 128, the same grid)
+// attn_bwd_dkdv_v<2-5>_<f16|bf16>_hs64, attn_bwd_dq_v<2-5>_<f16|bf16>_hs64 (block 128, the same grid)
 #define FWD_CALL q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr
 #define INST_D(T, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
@@ -377,6 +426,18 @@ INST_TC(__nv_bfloat16, bf16, 3, true)
     }
 INST_TC4(__half, f16)
 INST_TC4(__nv_bfloat16, bf16)
+// version 5: version 4 with dropout's words a Philox call per 4 scores (the same grid and block)
+#define INST_TC5(T, NAME)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkdv_v5_##NAME##_hs64(BWD_ARGS(T), T* dk,        \
+                                                                                    T* dv) {                    \
+        bwd_dkdv_tc<T, true, true, true>(FWD_CALL, dk, dv);                                                     \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_v5_##NAME##_hs64(BWD_ARGS(T), T* dq) {       \
+        __shared__ float Mrow[BWD_MROW];                                                                        \
+        bwd_dq_tc<T, true, true, true>(FWD_CALL, dq, Mrow);                                                     \
+    }
+INST_TC5(__half, f16)
+INST_TC5(__nv_bfloat16, bf16)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -397,7 +458,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
 }
 
 #ifdef HALF_TYPES
-// 16-bit storage: version 1 (scalar) or 2 (tensor cores), D by attn_bwd_D_<dtype>
+// 16-bit storage: version 1 (scalar) or 2-5 (tensor cores), D by attn_bwd_D_<dtype>
 template <typename T>
 void attention_backward_16(int version, const T* q, const T* k, const T* v, const float* mask, int B, int Tn, int H,
                            float scale, u64 seed, u64 stream, u64 thresh, float dscale, const float* m,
@@ -425,10 +486,15 @@ void attention_backward_16(int version, const T* q, const T* k, const T* v, cons
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v3_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
-        } else {                                                                                                \
+        } else if (version == 4) {                                                                              \
             LAUNCH(attn_bwd_dkdv_v4_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v4_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        } else {                                                                                                \
+            LAUNCH(attn_bwd_dkdv_v5_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
+                   Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
+            LAUNCH(attn_bwd_dq_v5_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
         }                                                                                                       \
         cudaCheck(cudaGetLastError());                                                                          \
@@ -483,8 +549,8 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     for (size_t i = 0; i < n; i++)
         scale_ref = std::max({scale_ref, (double)fabsf(rq[i]), (double)fabsf(rk[i]), (double)fabsf(rv[i])});
     const float u = std::ldexp(1.f, -bits), atol = (float)(4.0 * u * scale_ref), rtol = 2.f * u;
-    std::vector<std::vector<T>> got(5);
-    for (int version = 1; version <= 4; version++) {
+    std::vector<std::vector<T>> got(6);
+    for (int version = 1; version <= 5; version++) {
         auto launch = [&]() {
             attention_backward_16<T>(version, dq_, dk_, dv_, dmask, B, Tn, H, scale, seed, stream, thresh, dscale,
                                      dm, dl, dout_, ddo, dD, gq, gk, gv);
@@ -512,7 +578,10 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     // version 4 loads version 3's values another way: its bits, or it is wrong
     const bool same4 = std::memcmp(got[3].data(), got[4].data(), 3 * n * sizeof(T)) == 0;
     printf("v4 = v3 bit for bit (%s dq, dk, dv): %s\n", name, same4 ? "yes" : "NO");
-    if (!same || !same4) exit(EXIT_FAILURE);
+    // version 5 draws version 4's dropout words with fewer Philox calls (T % 4 == 0; else as version 4): its bits
+    const bool same5 = std::memcmp(got[4].data(), got[5].data(), 3 * n * sizeof(T)) == 0;
+    printf("v5 = v4 bit for bit (%s dq, dk, dv, T %% 4 %s 0): %s\n", name, Tn % 4 ? "!=" : "==", same5 ? "yes" : "NO");
+    if (!same || !same4 || !same5) exit(EXIT_FAILURE);
     cudaFree(dq_); cudaFree(dk_); cudaFree(dv_); cudaFree(ddo); cudaFree(dout_); cudaFree(dmask); cudaFree(dm);
     cudaFree(dl); cudaFree(dD); cudaFree(gq); cudaFree(gk); cudaFree(gv);
 }

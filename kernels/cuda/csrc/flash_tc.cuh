@@ -144,11 +144,55 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
     }
 }
 
-// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-4 (float16 / bfloat16
+// Dropout words a Philox call per 4 scores (attention_backward.cu version 5): the words of a thread's four scores of
+// one n-tile, w[e] for fragment element e (row / key r = e >> 1, column c = e & 1), each the word philox_word gives
+// that score's flat index (so the same keep-mask), one philox4x32_10 call a lane where a call a score drew them.
+// Needs T % 4 == 0 (keys 4G .. 4G + 3 of a row are the four words of one Philox block) and every lane of the warp.
+// A block index past T is harmless: its words are drawn and never used.
+__device__ __forceinline__ u32 tc_word(uint4 b, int i) { return i == 0 ? b.x : i == 1 ? b.y : i == 2 ? b.z : b.w; }
+
+// pass 2 (S: query rows x keys): rows row0, row1, keys k0 + 2 t4 + 0 / 1 (k0 = j0 + 8 n). Lanes t4 = 2G, 2G + 1 hold
+// keys 4G .. 4G + 3 of both rows: lane t4 draws the block of row (t4 & 1 ? row1 : row0), keeps the two words of its
+// own keys and trades the other two with lane t4 ^ 1 (attention_forward.cu version 5's trade)
+__device__ __forceinline__ void tc_words_rows(u32 (&w)[4], int bh, int Tn, int row0, int row1, int k0, int t4,
+                                              u64 seed, u64 stream) {
+    const bool odd = t4 & 1;
+    const uint4 b = philox4x32_10((((u64)bh * Tn + (odd ? row1 : row0)) * Tn + k0 + (t4 >> 1) * 4) >> 2, stream, seed);
+    const u32 got0 = __shfl_xor_sync(0xffffffffu, odd ? b.x : b.z, 1);
+    const u32 got1 = __shfl_xor_sync(0xffffffffu, odd ? b.y : b.w, 1);
+    w[0] = odd ? got0 : b.x; w[1] = odd ? got1 : b.y;         // row0: keys k0 + 2 t4, + 1
+    w[2] = odd ? b.z : got0; w[3] = odd ? b.w : got1;         // row1
+}
+
+// pass 1 (S^T: key rows x queries): key rows key0 + a and key0 + 8 + a (key0 = j0 + 16 warp + 4 (g >> 2), a = g & 3),
+// queries c0 + 0 / 1 (c0 = i0 + 8 n + 2 t4). The four lanes a = 0..3 of one t4 and g >> 2 hold four consecutive keys
+// of each key row: their 16 words are 4 Philox blocks, block 2 r + c = (query c0 + c, keys key0 + 8 r ..), and lane
+// a needs word a of each. Lane a draws block a; a 4 x 4 transpose by three xor shuffles (lanes 4 x apart: round x
+// sends word a ^ x, receives word a of block a ^ x) gives each lane its four
+__device__ __forceinline__ void tc_words_cols(u32 (&w)[4], int bh, int Tn, int key0, int c0, int a, u64 seed,
+                                              u64 stream) {
+    const uint4 b = philox4x32_10((((u64)bh * Tn + c0 + (a & 1)) * Tn + key0 + 8 * (a >> 1)) >> 2, stream, seed);
+    uint4 got;                                                // got[x]: word a of block a ^ x
+    got.x = tc_word(b, a);
+    got.y = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 1), 4);
+    got.z = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 2), 8);
+    got.w = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 3), 12);
+#pragma unroll
+    for (int e = 0; e < 4; e++) w[e] = tc_word(got, e ^ a);
+}
+
+// what a caller passes for `words` when it has none (versions 2-4, S3: elem draws its own)
+struct TcNoWords {
+    __device__ void operator()(int, int, u32 (&)[4]) const {}
+};
+
+// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-5 (float16 / bfloat16
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
 // score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
 // these. LDSM (attention_backward.cu version 4): B fragments by ldmatrix (pass 1: the transposed ones of dV and dK
-// alone; pass 2: all), the same bits. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64;
+// alone; pass 2: all), the same bits. WORDS (version 5): before the scores of each n-tile, words(n, i0 or j0, w)
+// fills the thread's four dropout words (tc_words_cols / tc_words_rows, every lane together) and elem takes the
+// score's word as its last argument. q, k, v, dout: (B, T, C) storage at base (the head's column 0), C = H * 64;
 // rows past T read as zeros.
 
 // pass 1, per 64-key tile j0 (grid (ceil(T / 64), B * H), block 128): the block's k and v kept as A fragments; for
@@ -157,13 +201,13 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
 // operands of dV += pz^T dout and dK += ds^T q (pz = ds = 0 elsewhere). keypad (block-uniform: this key tile is
 // all padding, attention_backward.cu v3): a query tile whose rows all met a real key in the forward
 // (r0 = m > PAD_MIN) is skipped, its p exactly 0.
-template <typename T, bool LDSM = false, class Elem>
+template <typename T, bool LDSM = false, bool WORDS = false, class Elem, class Words = TcNoWords>
 __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ dout,
                                             const float* __restrict__ r0, const float* __restrict__ r1,
                                             const float* __restrict__ r2, float r1_pad, int Tn, int C, size_t base,
                                             int bh, int j0, bool keypad, float (&dka)[8][4], float (&dva)[8][4],
-                                            Elem elem) {
+                                            Elem elem, Words words = Words()) {
     __shared__ __align__(16) T Qs[2][64 * TC_LD];
     __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
     __shared__ float R0[2][64], R1[2][64], R2[2][64];
@@ -205,15 +249,23 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
         tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
         tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dout^T: keys x queries
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < 8; n++) {
+            u32 w[4];
+            if constexpr (WORDS) words(n, i0, w);             // (every lane: words may shuffle)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
                 float pz = 0.f, ds = 0.f;
-                if (i < Tn && j < Tn) elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds);
+                if (i < Tn && j < Tn) {
+                    if constexpr (WORDS)
+                        elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds, w[e]);
+                    else
+                        elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds);
+                }
                 s[n][e] = pz;
                 dp[n][e] = ds;
             }
+        }
         tc_acc_times<T, LDSM>(dva, s, Os[cur], g, t4);        // dV += pz^T dout
         tc_acc_times<T, LDSM>(dka, dp, Qs[cur], g, t4);       // dK += ds^T q
         __syncthreads();                                      // this tile's buffers may be refilled next
@@ -224,12 +276,12 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
 // r0, r1, r2 in registers (ri[r], r = 0, 1: the thread's rows i0 + warp * 16 + g + 8 r); for each 64-key tile (k, v
 // double-buffered) that skip(j0) does not pass (block-uniform), S = q k^T and dP = dout v^T, elem(s, dp, i, j,
 // r0_i, r1_i, r2_i) gives ds for every real pair (0 elsewhere), dQ += ds k
-template <typename T, bool LDSM = false, class Skip, class Elem>
+template <typename T, bool LDSM = false, bool WORDS = false, class Skip, class Elem, class Words = TcNoWords>
 __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T* __restrict__ k,
                                                const T* __restrict__ v, const T* __restrict__ dout,
                                                const float (&r0)[2], const float (&r1)[2], const float (&r2)[2],
                                                int Tn, int C, size_t base, int i0, float (&dqa)[8][4], Skip skip,
-                                               Elem elem) {
+                                               Elem elem, Words words = Words()) {
     __shared__ __align__(16) T Ks[2][64 * TC_LD];
     __shared__ __align__(16) T Vs[2][64 * TC_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -247,14 +299,22 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
         tc_rows_times_t<T, LDSM>(s, qa, Ks[cur], g, t4);      // S: queries x keys
         tc_rows_times_t<T, LDSM>(dp, oa, Vs[cur], g, t4);     // dP = dout V^T
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < 8; n++) {
+            u32 w[4];
+            if constexpr (WORDS) words(n, j0, w);             // (every lane: words may shuffle)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
                 float ds = 0.f;
-                if (i < Tn && j < Tn) ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r]);
+                if (i < Tn && j < Tn) {
+                    if constexpr (WORDS)
+                        ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r], w[e]);
+                    else
+                        ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r]);
+                }
                 dp[n][e] = ds;
             }
+        }
         tc_acc_times<T, LDSM>(dqa, dp, Ks[cur], g, t4);       // dq += ds K
     });
 }

@@ -433,8 +433,13 @@ __device__ __forceinline__ float s3_score(float s, float scale, const float* mas
     return mask && i < Tn ? __fadd_rn(x, mask[mb + i * si + j * sj]) : x;
 }
 
+// S4 (QUAD): S3 with dropout's keep-mask drawn a Philox call per 4 scores where T % 4 == 0 (keys 4G .. 4G + 3 of a
+// row are one Philox block: flash_tc.cuh tc_words_rows in the forward and the dq pass, tc_words_cols in the dk, dv
+// pass), where S3 makes a call a score (in the forward and again in each backward pass) and uses one of its four
+// words: the same words, so S3's bits (tests/test_cuda_mixed.py compares them).
+
 // forward: out = R((sum_j keep R(pt) v_j) (1 / l) rp), m, l per row; grid (ceil(T / 64), B H), block 128
-template <typename T>
+template <typename T, bool QUAD = false>
 __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__ out,
                                        unsigned short* __restrict__ o16, float* __restrict__ m_out,
                                        float* __restrict__ l_out) {
@@ -468,11 +473,14 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
     float y[8][4], lrow[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < 8; n++) y[n][0] = y[n][1] = y[n][2] = y[n][3] = 0.f;
+    const bool quad = QUAD && thresh && (Tn & 3) == 0;       // (uniform: every lane draws, or none)
     tc_key_tiles<T>(Ks, Vs, k + base, v + base, Tn, C, [&](int cur, int j0) {
         float s[8][4];
         tc_rows_times_t<T>(s, qa, Ks[cur], g, t4);
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < 8; n++) {
+            u32 w[4] = {0u, 0u, 0u, 0u};
+            if (quad) tc_words_rows(w, bh, Tn, ir[0], ir[1], j0 + n * 8, t4, seed, stream);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = e >> 1, j = j0 + n * 8 + t4 * 2 + (e & 1);
@@ -480,10 +488,12 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
                 if (j < Tn) {
                     pt = expf(s3_score(s[n][e], scale, mask, mb, si, sj, ir[r], j, Tn) - mrow[r]);
                     lrow[r] += pt;
-                    if (!kept(((u64)bh * Tn + ir[r]) * Tn + j, seed, stream, thresh)) pt = 0.f;
+                    if (quad ? (u64)w[e] < thresh : !kept(((u64)bh * Tn + ir[r]) * Tn + j, seed, stream, thresh))
+                        pt = 0.f;
                 }
                 s[n][e] = pt;                                 // rounded to 16 bits as the P V operand
             }
+        }
         tc_acc_times<T>(y, s, Vs[cur], g, t4);
     });
 #pragma unroll
@@ -510,7 +520,7 @@ __device__ __forceinline__ void s3_fwd(S3_ARGS(T), float rp, float* __restrict__
 
 // backward pass 1, per 64-key tile: dv = R((sum_i keep R(P) dO_i) rp), dk = R((sum_i R(dS') q_i) g) with
 // P = exp(s' - m) / l and dS' = P (keep dP - D) (D: D_v1's, (1 - p) already in); block 128
-template <typename T>
+template <typename T, bool QUAD = false>
 __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
                                         const T* __restrict__ dout, const float* __restrict__ Dr, float rp, float gq,
                                         float* __restrict__ dk, float* __restrict__ dv,
@@ -521,13 +531,33 @@ __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m,
     const long long mb = b * sb + h * sh;
     float dka[8][4], dva[8][4];
     // (flash_tc.cuh: S^T, dP^T per query tile; here P = exp(s' - m) / l, pz = keep P, dS' = P (keep dP - D))
-    tc_bwd_keys<T>(q, k, v, dout, m, l, Dr, 1.f, Tn, C, base, bh, j0, false, dka, dva,
-                   [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
-                       const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mi) / li;
-                       const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
-                       pz = z ? P : 0.f;
-                       ds = __fmul_rn(P, (z ? dp : 0.f) - D);
-                   });
+    auto score = [&](float s, float dp, int i, int j, float mi, float li, float D, bool z, float& pz, float& ds) {
+        const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mi) / li;
+        pz = z ? P : 0.f;
+        ds = __fmul_rn(P, (z ? dp : 0.f) - D);
+    };
+    if constexpr (QUAD) {
+        const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
+        tc_bwd_keys<T, false, true>(q, k, v, dout, m, l, Dr, 1.f, Tn, C, base, bh, j0, false, dka, dva,
+                                    [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz,
+                                        float& ds, u32 w) {
+                                        score(s, dp, i, j, mi, li, D,
+                                              quad ? (u64)w >= thresh
+                                                   : kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh),
+                                              pz, ds);
+                                    },
+                                    [&](int n, int i0, u32 (&w)[4]) {
+                                        if (quad)
+                                            tc_words_cols(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + n * 8 + t4 * 2,
+                                                          g & 3, seed, stream);
+                                    });
+    } else {
+        tc_bwd_keys<T>(q, k, v, dout, m, l, Dr, 1.f, Tn, C, base, bh, j0, false, dka, dva,
+                       [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
+                           score(s, dp, i, j, mi, li, D, kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh), pz,
+                                 ds);
+                       });
+    }
     const int jr[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -550,7 +580,7 @@ __device__ __forceinline__ void s3_dkdv(S3_ARGS(T), const float* __restrict__ m,
 }
 
 // backward pass 2, per 64-query tile: dq = R((sum_j R(dS') k_j) g); block 128
-template <typename T>
+template <typename T, bool QUAD = false>
 __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, const float* __restrict__ l,
                                       const T* __restrict__ dout, const float* __restrict__ Dr, float gq,
                                       float* __restrict__ dq, unsigned short* __restrict__ dq16) {
@@ -569,12 +599,30 @@ __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, c
     }
     float dqa[8][4];
     // (flash_tc.cuh: S, dP per key tile; here dS' = P (keep dP - D), P = exp(s' - m) / l)
-    tc_bwd_queries<T>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, [](int) { return false; },
-                      [&](float s, float dp, int i, int j, float mr, float lr, float D) {
-                          const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mr) / lr;
-                          const bool z = kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh);
-                          return __fmul_rn(P, (z ? dp : 0.f) - D);
-                      });
+    auto score = [&](float s, float dp, int i, int j, float mr, float lr, float D, bool z) {
+        const float P = expf(s3_score(s, scale, mask, mb, si, sj, i, j, Tn) - mr) / lr;
+        return __fmul_rn(P, (z ? dp : 0.f) - D);
+    };
+    if constexpr (QUAD) {
+        const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
+        tc_bwd_queries<T, false, true>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, [](int) { return false; },
+                                       [&](float s, float dp, int i, int j, float mr, float lr, float D, u32 w) {
+                                           return score(s, dp, i, j, mr, lr, D,
+                                                        quad ? (u64)w >= thresh
+                                                             : kept(((u64)bh * Tn + i) * Tn + j, seed, stream,
+                                                                    thresh));
+                                       },
+                                       [&](int n, int j0, u32 (&w)[4]) {
+                                           if (quad) tc_words_rows(w, bh, Tn, ir[0], ir[1], j0 + n * 8, t4, seed,
+                                                                   stream);
+                                       });
+    } else {
+        tc_bwd_queries<T>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, [](int) { return false; },
+                          [&](float s, float dp, int i, int j, float mr, float lr, float D) {
+                              return score(s, dp, i, j, mr, lr, D,
+                                           kept(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh));
+                          });
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (ir[r] >= Tn) continue;
@@ -591,24 +639,26 @@ __device__ __forceinline__ void s3_dq(S3_ARGS(T), const float* __restrict__ m, c
 }
 
 #define S3_CALL q, k, v, mask, sb, sh, si, sj, Tn, H, scale, seed, stream, thresh, kind
-#define INST_S3(T, NAME)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) s3_fwd_##NAME(S3_ARGS(T), float rp, float* out,            \
-                                                                    unsigned short* o16, float* m, float* l) {  \
-        s3_fwd<T>(S3_CALL, rp, out, o16, m, l);                                                                 \
+#define INST_S3(S, QUAD, T, NAME)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) S##_fwd_##NAME(S3_ARGS(T), float rp, float* out,           \
+                                                                     unsigned short* o16, float* m, float* l) { \
+        s3_fwd<T, QUAD>(S3_CALL, rp, out, o16, m, l);                                                           \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) s3_dkdv_##NAME(S3_ARGS(T), const float* m, const float* l, \
-                                                                     const T* dout, const float* Dr, float rp,   \
-                                                                     float gq, float* dk, float* dv,             \
-                                                                     unsigned short* dk16, unsigned short* dv16) { \
-        s3_dkdv<T>(S3_CALL, m, l, dout, Dr, rp, gq, dk, dv, dk16, dv16);                                        \
+    extern "C" __global__ void __launch_bounds__(128) S##_dkdv_##NAME(S3_ARGS(T), const float* m, const float* l,\
+                                                                      const T* dout, const float* Dr, float rp,  \
+                                                                      float gq, float* dk, float* dv,            \
+                                                                      unsigned short* dk16, unsigned short* dv16) {\
+        s3_dkdv<T, QUAD>(S3_CALL, m, l, dout, Dr, rp, gq, dk, dv, dk16, dv16);                                  \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) s3_dq_##NAME(S3_ARGS(T), const float* m, const float* l,   \
-                                                                   const T* dout, const float* Dr, float gq,     \
-                                                                   float* dq, unsigned short* dq16) {           \
-        s3_dq<T>(S3_CALL, m, l, dout, Dr, gq, dq, dq16);                                                        \
+    extern "C" __global__ void __launch_bounds__(128) S##_dq_##NAME(S3_ARGS(T), const float* m, const float* l,  \
+                                                                    const T* dout, const float* Dr, float gq,    \
+                                                                    float* dq, unsigned short* dq16) {          \
+        s3_dq<T, QUAD>(S3_CALL, m, l, dout, Dr, gq, dq, dq16);                                                  \
     }
-INST_S3(__nv_bfloat16, bf16)
-INST_S3(__half, f16)
+INST_S3(s3, false, __nv_bfloat16, bf16)
+INST_S3(s3, false, __half, f16)
+INST_S3(s4, true, __nv_bfloat16, bf16)     // S4: S3 with a Philox call per 4 scores (above)
+INST_S3(s4, true, __half, f16)
 #endif  // HALF_TYPES
 
 #ifdef HOST_CODE
