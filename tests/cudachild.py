@@ -23,9 +23,19 @@ def child_env(sim):
 
 
 def run(code, sim=True, timeout=600):
-    """python -c PRELUDE + code (dedented) in the repo root; the CompletedProcess."""
-    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], cwd=ROOT, env=child_env(sim),
-                          capture_output=True, text=True, timeout=timeout)
+    """python -c PRELUDE + code (dedented) in the repo root; the CompletedProcess. A child that runs past `timeout`
+    seconds is killed and comes back as a CompletedProcess with returncode TIMED_OUT and what it printed, so that
+    check() fails the one test that waited on it (children run side by side from a shared fixture would otherwise
+    all error on one TimeoutExpired)."""
+    args = [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
+    try:
+        return subprocess.run(args, cwd=ROOT, env=child_env(sim), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        return subprocess.CompletedProcess(args, TIMED_OUT, text[0], text[1] + f"\n(killed: ran past {timeout} s)")
+
+
+TIMED_OUT = -9          # (the returncode of a child killed by SIGKILL, which subprocess.run's timeout sends)
 
 
 def check(r):

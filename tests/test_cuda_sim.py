@@ -270,3 +270,12 @@ def test_gpu_every_version_matches_oracle(module):
         versions = {v for n, v, _ in lines if n == name}
         assert len(versions) >= 2 and all({d for n, w, d in lines if (n, w) == (name, v)} == DTYPES
                                           for v in versions), (name, lines)
+
+
+def test_a_child_past_its_timeout_fails_only_the_test_that_waited_on_it():
+    """cudachild.run kills a child at its timeout and hands back what it printed with returncode TIMED_OUT, so a
+    shared fixture's children (sim_runs above) fail one module's test, not all of them with a TimeoutExpired."""
+    r = cudachild.run("print('started', flush=True); import time; time.sleep(60)", sim=False, timeout=2)
+    assert r.returncode == cudachild.TIMED_OUT and "started" in r.stdout and "ran past 2 s" in r.stderr, r
+    with pytest.raises(pytest.fail.Exception, match="ran past 2 s"):
+        cudachild.check(r)
