@@ -77,3 +77,27 @@ def test_layernorm_backward_products_are_never_fused(compiled):
     assert len(backward) >= 24, sorted(backward)          # 2 versions x 3 ops x (f64, f32, f16, bf16 storage)
     for k, p in backward.items():
         assert "mul.rn.f32" in p or "mul.rn.f64" in p, k
+
+
+@NEEDS
+def test_a_progress_line_counts_what_its_version_reaches_not_what_is_new():
+    """compile_check's line for a (spec, version, dtype) counts the kernel signatures that version launches, whether
+    this process compiled them just now or before: the same in one process and in --jobs N's workers, which each
+    run one spec. bias_gelu shares kernels with gelu: run after gelu in one run(), as --jobs 1 does, its lines must
+    be those of a run of bias_gelu alone (counting only what was new, its version 2 said 0 after gelu, 4 alone)."""
+    out = cudachild.check(cudachild.run("""
+        import io
+        from refbert_kernels.cuda import compile_check as CC
+        lines = {}
+        for names in (("gelu", "bias_gelu"), ("bias_gelu",)):
+            got = []
+            _, failures, _ = CC.run(out=io.StringIO(), names=names, dtypes=("float32",), lines=got)
+            lines[names] = [line for (spec, _, _), line in got if spec == "bias_gelu"]
+            print("FAILED", len(failures))
+        print("SAME", lines[("gelu", "bias_gelu")] == lines[("bias_gelu",)])
+        print("\\n".join(lines[("gelu", "bias_gelu")]))
+    """, sim=False))
+    _skip_without_nvvm(out, 1)
+    assert out.count("FAILED 0") == 2 and "SAME True" in out, out
+    counts = [int(n) for n in re.findall(r"bias_gelu\s+v\d+ float32\s+(\d+) kernel signatures", out)]
+    assert len(counts) >= 2 and min(counts) >= 1, out

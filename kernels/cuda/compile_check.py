@@ -42,6 +42,7 @@ def _install_hooks(cc, compiled, failures):
         if id(disp) not in CLOSURES:                    # (what a dispatcher closes over does not change)
             CLOSURES[id(disp)] = _closure(f)
         key = (f"{f.__module__}.{f.__qualname__}", f.__code__.co_firstlineno, id(disp), sig, CLOSURES[id(disp)], cc)
+        REACHED.add(key)
         if key in compiled or key in failures:
             return
         if key not in PTX and key not in FAILED:       # compiled once a process, whichever run() reaches it
@@ -76,6 +77,7 @@ PTX = {}        # (kernel module.qualname, first line, dispatcher id, signature,
                 # every kernel compiled
 FAILED = {}     # the same keys -> the error, of every kernel that did not compile (this process)
 CLOSURES = {}   # dispatcher id -> _closure of its function (the keys' part that takes a walk to make)
+REACHED = set() # the keys launched since run() last cleared it: what one (spec, version, dtype) reaches
 
 
 def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=None):
@@ -83,7 +85,9 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=
     (or those named in `dtypes`); their PTX goes to PTX, each (spec, version, dtype)'s progress line to `out` (and
     to the list `lines`, if given, as ((spec, version, dtype), line)). Returns (compiled, failures,
     host_errors): a set of keys, {key: message} of kernels that did not compile, {(spec, version, dtype, shape):
-    message} of runs that stopped in host code. Hooks stay installed in this process (it compiles, never launches)."""
+    message} of runs that stopped in host code. Hooks stay installed in this process (it compiles, never launches).
+    A progress line counts the kernel signatures its (spec, version, dtype) reaches, compiled now or before (so the
+    same in one process and in run_parallel's workers); the total is the distinct ones."""
     from numba.core import config
     if config.ENABLE_CUDASIM:
         raise RuntimeError("compile_check needs the real numba.cuda (unset NUMBA_ENABLE_CUDASIM)")
@@ -100,7 +104,7 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=
             for dt in C.dtypes():
                 if dtypes is not None and np.dtype(dt).name not in dtypes:
                     continue
-                n0 = len(compiled) + len(failures)
+                REACHED.clear()
                 for shape in todo:
                     ins, kw = spec.make_inputs(shape, np.float32, 0)
                     ins = {k: (a.astype(dt) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a)
@@ -113,7 +117,7 @@ def run(cc=(9, 0), shapes="sim", out=sys.stdout, names=None, dtypes=None, lines=
                         host_errors[(spec.name, v, np.dtype(dt).name, repr(shape))] = "".join(
                             traceback.format_exception_only(type(e), e)).strip()
                 line = (f"  {spec.name:28s} v{v} {np.dtype(dt).name:9s} "
-                        f"{len(compiled) + len(failures) - n0:3d} kernel signatures")
+                        f"{len(REACHED):3d} kernel signatures")
                 print(line, file=out, flush=True)
                 if lines is not None:
                     lines.append(((spec.name, v, np.dtype(dt).name), line))
