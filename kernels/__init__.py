@@ -19,3 +19,7 @@ if "NUMBA_THREADING_LAYER" not in _os.environ:
         _numba.config.THREADING_LAYER = "workqueue"
     except ImportError:
         pass
+
+from . import _cache as _cache  # noqa: E402  (Numba's cache of these kernels follows what they import: _cache.py)
+
+_cache.install()

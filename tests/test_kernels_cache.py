@@ -1,0 +1,75 @@
+"""Numba's on-disk cache of refbert_kernels follows the files a kernel imports (refbert_kernels._cache).
+
+A kernel compiles the njit helpers it calls from other modules into itself, and Numba stamps its cache with the
+kernel's own file alone: change only the helper's file and the old machine code comes back. Shown here on a
+two-file package in a temporary folder, each step a fresh interpreter (as a new session, or the next test run):
+Numba's own locators return the stale value (the control: the hazard is real and this test can see it); with
+refbert_kernels._cache's locators the kernel recompiles when its helper changed, is loaded from the cache when
+nothing it imports did, and an unrelated sibling file's change leaves its cache alone.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("numba")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CHILD = """
+    import sys
+    sys.path.insert(0, {folder!r})
+    if {ours}:
+        from refbert_kernels import _cache
+        _cache.install({folder!r})
+    import kern
+    print("VALUE", kern.g(), "HITS", sum(kern.g.stats.cache_hits.values()))
+"""
+
+
+def _value(folder, ours):
+    """(kern.g(), whether it came from the cache) in a fresh interpreter; with ours, refbert_kernels' locators
+    take the folder."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD.format(folder=str(folder), ours=ours))],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    words = r.stdout.split()
+    return float(words[words.index("VALUE") + 1]), int(words[words.index("HITS") + 1]) > 0
+
+
+def _package(folder, helper_value):
+    (folder / "helper.py").write_text(f"from numba import njit\n\n\n@njit\ndef f():\n    return {helper_value}\n")
+    (folder / "kern.py").write_text("from numba import njit\n\nfrom helper import f\n\n\n"
+                                    "@njit(cache=True)\ndef g():\n    return f() + 0.5\n")
+    (folder / "other.py").write_text("X = 1\n")                 # a sibling kern does not import
+
+
+def test_numbas_own_cache_returns_a_stale_kernel(tmp_path):
+    """The control: with Numba's locators, after helper.py changed, g() still adds the old helper's 1.0."""
+    _package(tmp_path, 1.0)
+    assert _value(tmp_path, ours=False) == (1.5, False)
+    _package(tmp_path, 2.0)
+    assert _value(tmp_path, ours=False) == (1.5, True)            # stale: 2.5 is right
+
+
+def test_refbert_locators_recompile_when_an_import_changed_and_only_then(tmp_path):
+    _package(tmp_path, 1.0)
+    assert _value(tmp_path, ours=True) == (1.5, False)            # compiled, saved
+    assert _value(tmp_path, ours=True) == (1.5, True)             # loaded
+    _package(tmp_path, 2.0)                                       # the helper changed: recompiled
+    assert _value(tmp_path, ours=True) == (2.5, False)
+    (tmp_path / "other.py").write_text("X = 2\n")                 # a file kern does not import: still cached
+    assert _value(tmp_path, ours=True) == (2.5, True)
+
+
+def test_dependencies_follow_the_imports_of_the_kernel_files():
+    """A kernel file's stamp covers the modules it imports from the package, through each other, and no others:
+    layernorm.py imports _math, _harness and dropout (which imports _math too); softmax.py is none of its."""
+    from refbert_kernels import _cache
+    kernels = os.path.join(ROOT, "kernels")
+    deps = {os.path.basename(p) for p in _cache.dependencies(os.path.join(kernels, "layernorm.py"))}
+    assert {"layernorm.py", "_math.py", "_harness.py", "dropout.py"} <= deps, deps
+    assert "softmax.py" not in deps and "attention.py" not in deps, deps
+    assert _cache.stamp(os.path.join(kernels, "layernorm.py")) != _cache.stamp(os.path.join(kernels, "softmax.py"))
