@@ -61,6 +61,15 @@ def test_every_cuda_kernel_compiles_for_sm90(compiled):
     for name in ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu",
                  "bias_gelu", "cross_entropy", "attention", "embedding"):
         assert re.search(rf"^\s+{name}\s+v1 float32\s+[1-9]\d* kernel signatures", out, re.M), name
+    # every version of every spec in every storage dtype, each reaching a kernel signature or more (bf16 needs
+    # ml_dtypes, in the dev extra: were it missing, the bfloat16 lines would be too)
+    lines = re.findall(r"^\s+(\w+)\s+v(\d+) (\w+)\s+(\d+) kernel signatures", out, re.M)
+    dtypes = {}
+    for name, v, dtype, n in lines:
+        assert int(n) >= 1, (name, v, dtype)
+        dtypes.setdefault((name, v), set()).add(dtype)
+    assert len(dtypes) >= 20 and all(d == {"float64", "float32", "float16", "bfloat16"} for d in dtypes.values()), \
+        dtypes
     assert ok >= 100 and len(ptx) == ok, f"{ok} kernel signatures compiled, {len(ptx)} PTX files"
 
 

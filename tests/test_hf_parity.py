@@ -84,6 +84,25 @@ def test_float32_load_matches_float64_hf(tmp_path):
     np.testing.assert_allclose(out.prediction_logits, theirs.prediction_logits.detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_sharded_checkpoint_loads_as_the_whole_file(tmp_path, torch):
+    """HF's save_pretrained with a small max_shard_size writes model-0000k-of-0000n.safetensors and
+    model.safetensors.index.json: refbert reads every shard the index names, the same tensors as HF's own
+    single-file save, and the outputs HF gives."""
+    cfg = tiny()
+    hf = hf_model("BertForPreTraining", cfg, tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    files = os.listdir(tmp_path / "sharded")
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 2, files
+    one = refbert.BertForPreTraining.from_pretrained(tmp_path / "one", dtype=np.float64)
+    sharded = refbert.BertForPreTraining.from_pretrained(tmp_path / "sharded", dtype=np.float64)
+    assert one.params.keys() == sharded.params.keys() and not sharded.loading_info["missing_keys"]
+    assert all(np.array_equal(one.params[k], sharded.params[k]) for k in one.params)
+    x = batch(cfg, "BertForPreTraining")
+    out, theirs = sharded(**x), hf(**torch_inputs(x))
+    assert np.abs(np.asarray(out.prediction_logits) - theirs.prediction_logits.detach().numpy()).max() <= 1e-10
+
+
 @pytest.mark.parametrize("head", ["BertForPreTraining", "BertForSequenceClassification", "BertForQuestionAnswering"])
 def test_refbert_to_hf_round_trip(head, tmp_path, transformers):
     cfg = tiny(head)

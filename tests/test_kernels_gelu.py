@@ -82,14 +82,42 @@ def test_noncontiguous_and_zero_d():
         assert out.shape == () and out.dtype == np.float32
 
 
-def test_db_is_deterministic():
-    # per-chunk float64 partials summed in a fixed order: the same bits on every call
-    x = np.random.default_rng(0).standard_normal((300, 33)).astype(np.float32)
-    b = np.zeros(33, np.float32)
-    dout = np.ones_like(x)
-    _, cache = G.bias_gelu_forward(x, b)
-    db = [G.bias_gelu_backward(dout, cache)[1] for _ in range(3)]
-    assert all(np.array_equal(db[0], d) for d in db)
+_THREADS = """
+import numba
+import numpy as np
+from refbert_kernels import gelu as G
+assert numba.config.NUMBA_NUM_THREADS == 4, numba.config.NUMBA_NUM_THREADS
+G.PARALLEL_MIN = 0      # v4's parallel kernels at this size too (below 2^19 elements it runs its one-thread twins)
+r = np.random.default_rng(0)
+x = r.standard_normal((300, 33)).astype(np.float32)
+b = r.standard_normal(33).astype(np.float32)
+dout = r.standard_normal(x.shape).astype(np.float32)
+for v in sorted(G.SPEC_BIAS_GELU.versions):
+    fwd, bwd = G.SPEC_BIAS_GELU.versions[v][:2]
+    runs = {}
+    for n in (1, 2, 3, 4):
+        numba.set_num_threads(n)
+        assert numba.get_num_threads() == n
+        _, cache = fwd(x, b)
+        runs[n] = bwd(dout, cache)
+    for n in (2, 3, 4):
+        for name, g, h in zip(("dx", "db"), runs[1], runs[n]):
+            assert np.array_equal(g, h), (v, n, name)
+print("OK")
+"""
+
+
+def test_db_does_not_depend_on_threads():
+    """Every version's dx and db (db: per-chunk float64 partials summed in a fixed order) are the same bits on 1, 2,
+    3 and 4 threads: in a child with NUMBA_NUM_THREADS=4 (the pool's size is fixed when numba starts) and
+    PARALLEL_MIN = 0 (at this size v4 would run its one-thread twins on any thread count)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_NUM_THREADS="4")
+    r = subprocess.run([sys.executable, "-c", _THREADS], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def _message(fn, *args, **kwargs):

@@ -99,6 +99,7 @@ import numpy as np
 from refbert.philox import DropoutRNG
 from refbert_kernels import layernorm as K
 assert numba.config.NUMBA_NUM_THREADS == 4, numba.config.NUMBA_NUM_THREADS
+K.PARALLEL_MIN = 0      # v3's parallel kernels at this size too (below 2^19 elements it runs its one-thread twins)
 inputs, kwargs = K.make_inputs(dict(lead=(300,), C=41, kind="drop", p=0.2), np.float32, 0)
 dout = np.random.default_rng(5).standard_normal(inputs["x"].shape).astype(np.float32)
 for v in sorted(K.SPEC_DROPOUT.versions):
@@ -118,7 +119,8 @@ print("OK")
 def test_dw_db_do_not_depend_on_threads():
     """Every version's gradients (dw, db: sums over rows by chunk) are the same bits on 1, 2, 3 and 4 threads. In a
     child with NUMBA_NUM_THREADS=4 (the pool's size is fixed when numba starts), so that more than one thread runs
-    whatever this machine's core count."""
+    whatever this machine's core count, and PARALLEL_MIN = 0, so that version 3 runs its parallel kernels (at this
+    size it would run their one-thread twins, on any thread count)."""
     env = dict(os.environ, NUMBA_NUM_THREADS="4")
     r = subprocess.run([sys.executable, "-c", _THREADS], env=env, capture_output=True, text=True,
                        timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -180,9 +180,10 @@ def _close_to_rounded(got, ref64, compute, what):
     assert (got == want).mean() >= 0.9, (what, (got == want).mean())
 
 
-def test_dropout_and_the_embedding_sum_are_rounded_where_stored():
+def test_dropout_is_rounded_where_stored_and_not_inside_the_fused_sum():
     """A standalone dropout writes R(x * keep / (1 - p)) (1/0.9 takes x off the grid); inside
-    dropout_residual_layernorm dropout(a) stays float32 (not rounded before the sum)."""
+    dropout_residual_layernorm dropout(a) stays float32 (not rounded before the sum): rounding it first gives
+    other bits here, so the comparison can tell the two apart."""
     compute = "bfloat16"
     R = ops.ROUND[compute]
     r = np.random.default_rng(5)
@@ -194,11 +195,10 @@ def test_dropout_and_the_embedding_sum_are_rounded_where_stored():
     a, w, b = (R(v) for v in (r.standard_normal((4, 8)).astype(np.float32), np.ones(8, np.float32),
                               np.zeros(8, np.float32)))
     fused, _ = mops.dropout_residual_layernorm_forward(x, a, w, b, 1e-12, 0.1, refbert.DropoutRNG(7))
-    unfused_sum = ops.layernorm_forward(x + plain, w, b)[0]                      # dropout(a) kept float32
     rounded_first = ops.layernorm_forward(x + R(ops.dropout_forward(a, 0.1, refbert.DropoutRNG(7))[0]), w, b)[0]
     want = R(ops.layernorm_forward(x + ops.dropout_forward(a, 0.1, refbert.DropoutRNG(7))[0], w, b)[0])
     assert np.array_equal(fused, want)
-    assert not np.array_equal(R(rounded_first), want) or not np.array_equal(R(unfused_sum), want)
+    assert not np.array_equal(R(rounded_first), want)                 # (the control: R(dropout(a)) is told apart)
 
 
 def test_grads_of_tables_cover_every_op():
@@ -427,10 +427,10 @@ def test_fp16_overflow_is_found_and_the_step_skipped():
 def test_numba_backend_gives_the_numpy_spec():
     """The numba kernels wrapped by the same rule, against the numpy backend (the spec), train mode with dropout:
     the same roundings at the same places, so the two differ only where a float32 value lies within float32
-    accumulation noise of a rounding boundary (measured: the same hidden states and loss, gradients at most 2% of
-    the spec's own error apart, from their float32 sums); every gradient within a quarter of the spec's own error
-    against float64 (so that a missing rounding, which is as large as that error, fails) and within one ulp of
-    the compute dtype at its tensor's scale."""
+    accumulation noise of a rounding boundary: the loss within float32 rounding (measured: equal in bf16, one
+    float32 ulp apart in fp16), every gradient within 2% of the spec's own error against float64 (measured: at most
+    2e-4 of it; a missing rounding is as large as that error, so it fails) and within one ulp of the compute dtype
+    at its tensor's scale."""
     pytest.importorskip("numba")
     for precision in ("bf16-mixed", "fp16-mixed"):
         compute = mixed.PRECISIONS[precision]
@@ -444,7 +444,7 @@ def test_numba_backend_gives_the_numpy_spec():
             scale = max(np.abs(g64[k]).max(), floor)
             spec_err = np.abs(g_np[k] - g64[k]).max()
             diff = np.abs(g_nb[k] - g_np[k]).max()
-            assert diff <= max(0.25 * spec_err, 1e-6 * scale) and diff <= ulp(scale, compute), (precision, k)
+            assert diff <= max(0.02 * spec_err, 1e-6 * scale) and diff <= ulp(scale, compute), (precision, k)
 
 
 # ----------------------------------------------------------------------------------------------------------------

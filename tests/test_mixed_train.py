@@ -20,6 +20,12 @@ def test_mixed_pretrain_resumes_bit_exactly(demo, tmp_path, flag):  # noqa: F811
     assert cli.main(pretrain_args(demo, cut, "--mixed-precision", flag, "--stop-after", "6")) == 0
     assert cli.main(pretrain_args(demo, cut, "--mixed-precision", flag, "--resume")) == 0
     assert rows(full / "log.csv") == rows(cut / "log.csv") and len(rows(full / "log.csv")) == 12
+    from refbert import safetensors_io                            # the final weights too, bit for bit
+    a = safetensors_io.load_file(str(full / "model" / "model.safetensors"))
+    b = safetensors_io.load_file(str(cut / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    final = [json.load(open(d / "checkpoint-0000012" / "trainer_state.json")) for d in (full, cut)]
+    assert final[0].get("grad_scaler") == final[1].get("grad_scaler")   # the resumed scaler's state (fp16)
     assert cli.main(pretrain_args(demo, f32, "--steps", "1")) == 0
     u = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}[flag]
     first, ref = float(rows(full / "log.csv")[0]["loss"]), float(rows(f32 / "log.csv")[0]["loss"])

@@ -4,6 +4,7 @@ Tolerance: refbert.gradcheck.TOLERANCE = 1e-7 relative — float64 centred diffe
 ~1e-10 truncation and ~1e-11 rounding error, so a correct backward sits 3+ orders of magnitude below it.
 """
 import math
+import re
 
 import numpy as np
 import pytest
@@ -293,8 +294,12 @@ F = np.zeros
     (lambda: ops.cross_entropy_backward(F(2), ops.cross_entropy_forward(F((1, 2)), np.array([0]))[1]), r"'dloss' expected a scalar"),
 ])
 def test_bad_input_names_the_argument(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         call()
+    # and the op first: "linear: argument 'w' expected ..." (the op whose function the case calls)
+    import inspect
+    op = re.search(r"ops\.(\w+?)_(?:forward|backward)\(", inspect.getsource(call)).group(1)
+    assert str(e.value).startswith(f"{op}: argument '"), (op, str(e.value))
 
 
 # --- the zero-row shortcut of linear_backward, under finite differences ------------------------------------------

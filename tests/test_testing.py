@@ -49,11 +49,8 @@ def test_the_oracle_passes_its_own_check(op):
         rep = T.check_op(op, *oracle_pair(op), dtype=dtype, examples=2)
         assert rep.passed, str(rep)
         assert {r["tensor"] for r in rep.rows} >= {"out"}
-        # the yardstick: the oracle in float32 is the float32 noise itself, so its error never exceeds it
-        if dtype == "float32":
-            for c in rep.cases:
-                for t in c.tensors:
-                    assert t.ulps <= t.refbert + 1e-9 or t.ulps <= 1.0, (c.label, t)
+        # (no check of the oracle's float32 error against refbert's float32 noise here: that noise is measured on
+        # runs that include this very oracle on these inputs, so the comparison could not fail)
 
 
 def test_only_a_backward_or_only_a_forward():
