@@ -207,8 +207,18 @@ def test_emu_launches_are_checked_as_a_gpu_takes_them():
             x + np.ones(7, np.float32)                    # a host array in a device operation
         except TypeError:
             print("OK mixing")
+        # a Python float for a `float` parameter: CuPy would pass a double (8 bytes) the kernel reads as a float
+        drop = cp.RawModule(code=(E.CSRC / "dropout.cu").read_text()).get_function("dropout_v1")
+        xs, out = cp.ones(8, np.float32), cp.empty(8, np.float32)
+        args = [xs, np.int64(8), np.uint64(1), np.uint64(2), np.uint64(0), np.float32(1.0), np.int32(0), out]
+        drop((1,), (256,), tuple(args))
+        args[5] = 1.0
+        try:
+            drop((1,), (256,), tuple(args))
+        except TypeError as e:
+            print("OK Python float ->", e)
     """)))
-    assert out.count("OK ") == 10, out
+    assert out.count("OK ") == 11 and "OK Python float" in out, out
 
 
 _COUNT = """
