@@ -263,6 +263,7 @@ def _attention_backward(dout, cache, version):
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), m, linv, dout, Dr)
     grid = ((T + 63) // 64, B * H)
+    assert version in (1, 3, 5), version                      # (version 4: timed by the .cu's main alone)
     if version in (3, 5) and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
         op = "C2 backward" if version == 3 else "C5 backward"
         FELL_BACK[("attention", op)] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "

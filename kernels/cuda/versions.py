@@ -227,7 +227,7 @@ def _build():
              ("attention", "C5", K.attention_forward_c5, K.attention_backward_c5, ("float16",),
               "C2's bits with less shared-memory and integer work: fragments by ldmatrix, the mask read once a "
               "tile or row, 128 (or 64) query rows a block, a Philox call per 4 keys in the forward and per 4 "
-              "scores in the backward (attention_forward.cu v5 / v4, attention_backward.cu v5)"),
+              "scores in the backward where T % 4 == 0 (attention_forward.cu v5 / v4, attention_backward.cu v5)"),
              ("attention", "C3", K.attention_forward_c3, K.attention_backward_c3, f32, "register-tiled fp32 flash "
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "

@@ -658,7 +658,7 @@ int main(int argc, char** argv) {
     run16<__nv_bfloat16>("bf16", 8, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale,
                          reference);
 #ifdef CPUSIM
-    printf("v3, v4 skipped %lld tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
+    printf("v3-v5 skipped %lld tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
 #endif
 #endif
     return 0;

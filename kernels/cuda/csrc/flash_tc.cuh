@@ -250,7 +250,7 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
         tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dout^T: keys x queries
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            u32 w[4];
+            u32 w[4] = {};                                    // (read only where words filled it)
             if constexpr (WORDS) words(n, i0, w);             // (every lane: words may shuffle)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -300,7 +300,7 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
         tc_rows_times_t<T, LDSM>(dp, oa, Vs[cur], g, t4);     // dP = dout V^T
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            u32 w[4];
+            u32 w[4] = {};                                    // (read only where words filled it)
             if constexpr (WORDS) words(n, j0, w);             // (every lane: words may shuffle)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
