@@ -242,11 +242,25 @@ _OPS = """
                     close_f32(g, w_, f"{op} d{name}")
                 else:
                     ulps(g, w_, compute, f"{op} {kw} d{name}")
+        # cross-entropy (K1 on device arrays: C2's forward on R(logits), the backward rounding dz in its kernel):
+        # the loss float32 within float32 noise of the spec's, dz on the grid within one ulp; 9 rows of 37 (the
+        # one-element path), an ignored label, logits of scale 3
+        zl = (3 * r.standard_normal((9, 37))).astype(np.float32)
+        lab = r.integers(0, 37, 9)
+        lab[2] = -100
+        loss, cache = M.cross_entropy_forward_mixed(B.to_device(zl), lab, compute=compute)
+        ref, rc = MX.wrap_forward(ops.cross_entropy_forward, "cross_entropy_forward", compute)(zl, lab)
+        close_f32(loss, ref, "cross_entropy loss")
+        dl = np.float32(0.7)
+        close_ulp(M.cross_entropy_backward_mixed(dl, cache),
+                  MX.wrap_backward(ops.cross_entropy_backward, "cross_entropy_backward", compute)(dl, rc), compute,
+                  "cross_entropy dlogits")
         print("OPS OK", compute)
     want = "S1" if B.MODE == "sim" else "S2"             # the array-operation version on NumPy arrays
     if B.MODE != "sim":                                   # the kernels rounded (no rule around them)
         assert "float16" not in COMPUTES or VV.RAN[("layernorm", "float16", "K1")] == 2, VV.RAN
         assert "bfloat16" not in COMPUTES or VV.RAN[("bias_gelu", "bfloat16", "K1")] == 4, VV.RAN
+        assert "float16" not in COMPUTES or VV.RAN[("cross_entropy", "float16", "K1")] == 1, VV.RAN
     assert "bfloat16" not in COMPUTES or VV.RAN[("linear", "bfloat16", "M1")] == 2, VV.RAN
     assert "float16" not in COMPUTES or VV.RAN[("attention", "float16", want)] == 2, VV.RAN
 """
