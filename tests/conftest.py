@@ -43,6 +43,7 @@ CI_MAY_SKIP = {
     "test_cuda_mixed.py::test_linear_and_attention_equal_the_spec": (_GPU, "cuBLAS's 16-bit GEMMs on a GPU"),
     "test_cuda_mixed.py::test_whole_model_mixed_equals_the_numpy_spec": (_GPU, "the mixed model on a GPU"),
     "test_cuda_mixed.py::test_attention_s3_flash_equals_the_spec": (_GPU, "the S3 flash kernels on a GPU"),
+    "test_cuda_mixed.py::test_attention_s4_gives_s3s_bits": (_GPU, "S4 against S3, bit for bit, on a GPU"),
     "test_cuda_mixed.py::test_pretrain_cuda_fp16_mixed_resumed_equals_numpy_spec":
         (_GPU, "pretrain --mixed-precision fp16 on a GPU"),
     "test_cuda_graph.py::test_replay_equals_the_eager_step": (_GPU, "a CUDA graph's replay on a GPU"),

@@ -838,7 +838,7 @@ def attention_backward_s3(dout, cache):
               _kind(compute), m, l, d16, D)
     if dq.size:
         _s3(f"{kernels}_dkdv", compute, (-(-T // 64), B * H), common + (rp, g, dk, dv, _or_null(dk16, xp),
-                                                                _or_null(dv16, xp)), xp)
+                                                                           _or_null(dv16, xp)), xp)
         _s3(f"{kernels}_dq", compute, (-(-T // 64), B * H), common + (g, dq, _or_null(dq16, xp)), xp)
     return tuple(twin(mark(a, compute), a16, compute) for a, a16 in ((dq, dq16), (dk, dk16), (dv, dv16)))
 
