@@ -7,8 +7,9 @@ NVRTC as CuPy compiles them, and, on a machine with a GPU, match the oracle.
    may spill (SPILLS_KNOWN lists the older ones that do, with why). All run in parallel; ~50 s of CPU, ~30 s wall on
    2 cores. Skips when nvcc is not on PATH.
 2. test_cu_compiles_under_nvrtc: every .cu through NVRTC with the options kernels/cuda/cuda_c.py gives CuPy's
-   RawModule (-std=c++17 -DNO_MAIN -I csrc), for sm_90: what runs on the GPU is NVRTC's build, not nvcc's (no host
-   header may leak past NO_MAIN; NVRTC has no <cmath>). Needs cuda-bindings (numba-cuda's dependency) and the CUDA
+   RawModule (-std=c++17 -DNO_MAIN -I csrc), to PTX for compute_90: what runs on the GPU is NVRTC's build, not
+   nvcc's (no host header may leak past NO_MAIN; NVRTC has no <cmath>). PTX, not SASS: what NVRTC alone can get
+   wrong is its front end; the assembler's part (registers, spills) is test 1's, and a cubin here took twice as long. Needs cuda-bindings (numba-cuda's dependency) and the CUDA
    toolkit's headers (cuda_fp16.h).
 3. test_cuda_c_matches_oracle: skips unless CuPy and a CUDA device are present; then runs kernels/cuda/cuda_c.py's
    launchers (NVRTC-compiled .cu kernels) against the oracle: attention fp32 (scalar flash v1) and fp16 (tensor
@@ -117,7 +118,7 @@ def _nvrtc_include():
 def _nvrtc_compile(src):
     from cuda.bindings import nvrtc
     err, prog = nvrtc.nvrtcCreateProgram(src.read_bytes(), src.name.encode(), 0, [], [])
-    opts = [b"-std=c++17", b"-DNO_MAIN", f"-I{CSRC}".encode(), b"-arch=sm_90", f"-I{_nvrtc_include()}".encode()]
+    opts = [b"-std=c++17", b"-DNO_MAIN", f"-I{CSRC}".encode(), b"-arch=compute_90", f"-I{_nvrtc_include()}".encode()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
     log = bytearray(n)       # NVRTC writes into it: never a bytes object (b" " * 1 is CPython's shared b" ", and a
