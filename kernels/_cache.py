@@ -63,8 +63,7 @@ def dependencies(path):
 
 def stamp(path):
     """sha256 over the names and contents of dependencies(path): what a kernel of this file can have inlined."""
-    deps = dependencies(path)
-    return _stamp(tuple((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in deps))
+    return _stamp(tuple((p, st.st_mtime_ns, st.st_size) for p in dependencies(path) for st in (os.stat(p),)))
 
 
 @functools.lru_cache(maxsize=None)
