@@ -122,3 +122,31 @@ def install(*roots):
             k._refbert = True
         impl._locator_classes = ours + list(impl._locator_classes)
     return True
+
+
+def lock_saves():
+    """For processes that compile side by side (refbert check's workers): Numba's on-disk cache saves one
+    function's entries as read index, pick a free data file, write index, write data, which two processes saving
+    different signatures of one function (a helper both versions call, in float32 and float64) could interleave
+    into an index that points a signature at the other's data. Each save here holds an exclusive lock (fcntl) on a
+    file beside that function's index, so saves of one function come one at a time. True once installed; False
+    where it cannot be (no fcntl, a Numba without IndexDataCacheFile.save): the caller then compiles in one
+    process."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+        save = caching.IndexDataCacheFile.save
+    except (ImportError, AttributeError):
+        return False
+    if getattr(save, "refbert_locked", False):
+        return True
+
+    def locked_save(self, key, data):
+        with open(self._index_path + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)                 # released when f closes
+            return save(self, key, data)
+
+    locked_save.refbert_locked = True
+    caching.IndexDataCacheFile.save = locked_save
+    return True

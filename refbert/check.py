@@ -207,48 +207,49 @@ def _kernel_specs():
     return specs
 
 
-def _lock_cache_saves():
-    """In a worker process: Numba's on-disk cache saves one function's entries as read index, pick a free data
-    file, write index, write data, which two processes saving different signatures of one function (a helper both
-    versions call, in float32 and float64) could interleave into an index that points a signature at the other's
-    data. Each save here holds an exclusive lock (fcntl) on a file beside that function's index, so saves of one
-    function come one at a time. False where it cannot (no fcntl, a Numba without IndexDataCacheFile.save): then
-    the caller checks in one process."""
+def _builds(spec, v):
+    """The values of PARALLEL_MIN a version is checked under: (None,) (the module's own) for most; (None, 0) where
+    the version's module has a PARALLEL_MIN, the size from which it runs a build compiled with parallel=True
+    instead of that build's one-thread twin (layernorm v3, gelu v4, linear's bias; the module's other versions are
+    checked twice alike). The spec's shapes are small, so under the module's own threshold they run the one-thread
+    twin; under 0 they run the threaded build, the one the model runs on large inputs: both are checked, and a
+    row is the worse of the two."""
+    module = sys.modules.get(spec.versions[v][0].__module__)
+    return (None, 0) if isinstance(getattr(module, "PARALLEL_MIN", None), int) else (None,)
+
+
+def _validate_under(spec, v, dtype, shape, threshold):
+    """_harness.validate(spec, v, dtype, shape) with the version's module's PARALLEL_MIN set to threshold (None:
+    left as it is), restored after."""
+    from refbert_kernels import _harness
+    if threshold is None:
+        return _harness.validate(spec, v, dtype, shape)
+    module = sys.modules[spec.versions[v][0].__module__]
+    old = module.PARALLEL_MIN
+    module.PARALLEL_MIN = threshold
     try:
-        import fcntl
-
-        from numba.core import caching
-        save = caching.IndexDataCacheFile.save
-    except (ImportError, AttributeError):
-        return False
-    if getattr(save, "refbert_locked", False):
-        return True
-
-    def locked_save(self, key, data):
-        with open(self._index_path + ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)                 # released when f closes
-            return save(self, key, data)
-
-    locked_save.refbert_locked = True
-    caching.IndexDataCacheFile.save = locked_save
-    return True
+        return _harness.validate(spec, v, dtype, shape)
+    finally:
+        module.PARALLEL_MIN = old
 
 
 def _version_rows(job):
     """(job, rows) for job = (spec index, version): the version in float64 and float32, worst over the spec's
-    shapes. A worker process's job when the kernels are checked side by side (each process compiles, and caches,
-    what it checks, its cache saves locked: _lock_cache_saves)."""
-    from refbert_kernels import _harness
+    shapes and over its builds (_builds: a kernel with a threaded build and a one-thread twin is checked as both).
+    A worker process's job when the kernels are checked side by side (each process compiles, and caches, what it
+    checks, its cache saves locked: refbert_kernels._cache.lock_saves)."""
     if multiprocessing.parent_process() is not None:
-        _lock_cache_saves()
+        from refbert_kernels import _cache
+        _cache.lock_saves()
     index, v = job
     spec = _kernel_specs()[index]
     rows = []
     for dtype in (np.float64, np.float32):
         ratio = diff = 0.0
-        for shape in spec.shapes:
-            r, d = _harness.validate(spec, v, dtype, shape)
-            ratio, diff = max(ratio, r), max(diff, d)
+        for threshold in _builds(spec, v):
+            for shape in spec.shapes:
+                r, d = _validate_under(spec, v, dtype, shape, threshold)
+                ratio, diff = max(ratio, r), max(diff, d)
         rows.append((f"{spec.name} v{v}", np.dtype(dtype).name, diff, ratio, ratio <= 1))
     return job, rows
 
@@ -277,7 +278,8 @@ def kernel_rows(progress=None, jobs=1):
     say = progress or (lambda line: None)
     todo = [(i, v) for i, spec in enumerate(specs) for v in sorted(spec.versions)]
     jobs = max(1, min(jobs, len(todo)))
-    if jobs > 1 and not _lock_cache_saves():            # (what the workers will need, tried here)
+    from refbert_kernels import _cache
+    if jobs > 1 and not _cache.lock_saves():            # (what the workers will need, tried here)
         say("  (one process: this platform's Numba cache cannot be locked for processes side by side)")
         jobs = 1
     say(f"checking {len(todo)} fused kernel versions against their ops, float64 and float32; each compiles on its "

@@ -39,6 +39,26 @@ def test_kernel_rows_are_the_same_in_one_process_and_side_by_side():
     assert two == check.kernel_rows(jobs=1)
 
 
+def test_kernel_rows_check_the_threaded_build_too(monkeypatch):
+    """Layernorm v3 runs a build compiled with parallel=True from PARALLEL_MIN elements on and its one-thread twin
+    below: the check's shapes are small, so its rows must run the threaded build as well (check._builds). A
+    threaded forward that is wrong (one added to every output; the twin left right) fails the rows of v3 and of no
+    other version."""
+    pytest.importorskip("numba")
+    from refbert_kernels import layernorm as K
+    real = K._forward_v3_serial
+
+    def wrong(x2, a2, mask, w, b, eps, out, mean, rstd):         # the threaded build's call, one added after
+        real(x2, a2, mask, w, b, eps, out, mean, rstd)
+        out += 1
+    monkeypatch.setattr(K, "_forward_v3", wrong)
+    index = [s.name for s in check._kernel_specs()].index("layernorm")
+    assert check._builds(check._kernel_specs()[index], 3) == (None, 0)
+    for v in (2, 3):
+        rows = check._version_rows((index, v))[1]
+        assert [ok for *_, ok in rows] == [v != 3] * 2, rows
+
+
 def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):
     good = check.op_cases
 
