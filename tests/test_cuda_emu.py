@@ -128,6 +128,37 @@ def test_emu_every_cuda_c_version_matches_oracle():
         for a, b in ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7])):
             assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32))
         print("C6 forward = C3 forward bit for bit")
+        # C4 over its dq partials' limit (C4_PARTS_MAX bytes; REFBERT_C4_PARTS_MB) runs C3's dq kernel instead,
+        # saying so once a shape: C3's backward bit for bit (dk, dv too: C4's are C3's), no fused kernel launched
+        import os
+        import warnings
+        cache = K.attention_forward_c3(q[:1, :70], k[:1, :70], v[:1, :70], 2, E.cupy.asarray(host[:1, ..., :70]),
+                                       0.1, DropoutRNG(4), True)[1]
+        dout = E.cupy.asarray(r.standard_normal((1, 70, 128)).astype(np.float32))
+        ref_d = K.attention_backward_c3(dout, cache)
+        E.COUNTS.reset()
+        K.C4_PARTS_MAX = 0
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                got_d = [K.attention_backward_c4(dout, cache) for _ in range(2)]
+        finally:
+            K.C4_PARTS_MAX = None
+        said = [str(w.message) for w in said if "REFBERT_C4_PARTS_MB" in str(w.message)]
+        assert len(said) == 1 and "version 3's dq kernel" in said[0], said
+        assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches and "attn_bwd_fused_v4_f32_hs64" not in E.COUNTS.launches
+        for got in got_d:
+            for a, b in zip(ref_d, got):
+                assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32))
+        os.environ["REFBERT_C4_PARTS_MB"] = "1.5"
+        try:
+            K.attention_backward_c4(dout, cache)
+            raise AssertionError("REFBERT_C4_PARTS_MB=1.5 taken")
+        except ValueError as e:
+            assert "REFBERT_C4_PARTS_MB expected a whole number of MiB, got '1.5'" in str(e), e
+        finally:
+            del os.environ["REFBERT_C4_PARTS_MB"]
+        print("C4 over its limit = C3 bit for bit, said once")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
@@ -135,6 +166,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
     assert "OK attention C6 float32" in out and "attn_fwd_v5_f32_hs64" in out, out
     assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out and "C5 = C2 bit for bit" in out
     assert "C6 forward = C3 forward bit for bit" in out, out
+    assert "C4 over its limit = C3 bit for bit, said once" in out, out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)
