@@ -119,6 +119,32 @@ def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
     assert run.returncode != 0 and "mismatch" in run.stdout, run.stdout[-3000:]
 
 
+def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
+    """attention_f32.cu v5 (C6's forward) double-buffers K and V: the loads of tile it + 1 go into the buffers tile
+    it - 1 used (its scores p were written over K, then read with V), after the barrier that ends every thread's
+    reading of them. Without that barrier the first thread to finish a tile refills the buffers while the others
+    still read them (each CUDA thread is an OS thread here, and a copy by cp.async lands at once): the main's
+    v5 = v3 bit-for-bit comparison must say NO and exit 1 (at its 3-key-tile shape; 6 runs of 6 did by hand), or
+    it proves nothing about the double buffer's barriers."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
+    for f in CSRC.glob("*"):
+        (tmp_path / f.name).write_text(f.read_text())
+    src = tmp_path / "attention_f32.cu"
+    text = src.read_text()
+    barrier = re.compile(r"\n +__syncthreads\(\); +// \.\.\. for every thread; tile it - 1 is done\n")
+    assert len(barrier.findall(text)) == 1
+    src.write_text(barrier.sub("\n", text))
+    exe = tmp_path / "x"
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
+                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v5 forward = v3 forward bit for bit (out, m, 1/l): NO" in run.stdout, \
+        run.stdout[-3000:]
+
+
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of
