@@ -1,11 +1,15 @@
 """Regenerate the sample outputs the README shows, by running their commands (tests/readme_figures.py holds every
 line the README quotes from them equal to a line of these files):
 
-    python benchmarks/readme_outputs.py [--only check trace ops exercise verify]
+    python benchmarks/readme_outputs.py [--only check trace ops noise exercise verify]
 
     benchmarks/results/check.txt               refbert check
     benchmarks/results/trace.txt               refbert trace
     benchmarks/results/check_ops_torch.txt     refbert check --ops tests/data/torch_ops.py --model
+    benchmarks/results/check_ops_noise.md      the two halves of that table's float32 "noise" column
+                                               (refbert.testing.noise_parts) for every edge case and tensor:
+                                               refbert's own float32 error and how far a 1-ulp move of the
+                                               inputs moves the exact result
     benchmarks/results/exercise_layernorm.txt  refbert exercise init, the backwards solved from the oracle's but
                                                LayerNorm's without the mean's path (tests/test_exercise.py's
                                                mistake), then refbert check --ops that file --model
@@ -69,11 +73,33 @@ def verify(out):
         run(["refbert", "verify", "ckpt", "--against", "bad.safetensors"], out, cwd=tmp)
 
 
+def noise(out):
+    """check_ops_noise.md: refbert.testing's float32 noise split into its halves (noise_parts), for every edge
+    case of every op and each of its tensors."""
+    from refbert import testing as T
+    lines = ["# The float32 noise of `refbert check --ops`, in its two halves", "",
+             "Command: `python benchmarks/readme_outputs.py --only noise` (refbert.testing.noise_parts; no timing: "
+             "the same numbers on any machine with the same NumPy).", "",
+             "noise = max(own, moved), in ulps of float32 at the tensor's scale (a tensor 0 in exact arithmetic at "
+             "its largest sibling's): own is refbert's float32 oracle against float64 (the inputs as given and "
+             f"{T.SAMPLES - 1} draws moved by a random +-1 ulp, the worst), moved the most the exact result moves "
+             "under those moves (the case's conditioning). One row per edge case and tensor (the edge cases "
+             "`refbert check --ops` runs, seeded as it seeds them).", "",
+             "| op | edge case | tensor | own (ulps) | moved (ulps) | noise (ulps) |", "|---|---|---|---|---|---|"]
+    for op in sorted(T.SPECS):
+        for case in T.edge_cases(op):
+            for name, (own, moved) in T.noise_parts(T.SPECS[op], case).items():
+                lines.append(f"| {op} | {case.label} | {name} | {own:.3g} | {moved:.3g} | {max(own, moved):.3g} |")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="+", choices=["check", "trace", "ops", "exercise", "verify"])
+    ap.add_argument("--only", nargs="+", choices=["check", "trace", "ops", "noise", "exercise", "verify"])
     a = ap.parse_args()
-    want = set(a.only or ["check", "trace", "ops", "exercise", "verify"])
+    want = set(a.only or ["check", "trace", "ops", "noise", "exercise", "verify"])
     if "check" in want:
         run(["refbert", "check"], os.path.join(RESULTS, "check.txt"))
     if "trace" in want:
@@ -81,6 +107,8 @@ def main():
     if "ops" in want:
         run(["refbert", "check", "--ops", "tests/data/torch_ops.py", "--model"],
             os.path.join(RESULTS, "check_ops_torch.txt"))
+    if "noise" in want:
+        noise(os.path.join(RESULTS, "check_ops_noise.md"))
     if "exercise" in want:
         exercise(os.path.join(RESULTS, "exercise_layernorm.txt"))
     if "verify" in want:

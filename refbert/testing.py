@@ -577,11 +577,18 @@ def noise(spec, case):
     against float64 on the same values, over the inputs as given and SAMPLES - 1 draws that move every input by a
     random +-1 ulp; and how far the exact (float64) result moves under those moves (the case's conditioning: a
     backward-stable code, exact on inputs an ulp away, is that far off). Cached per case."""
+    return {name: max(own, moved) for name, (own, moved) in noise_parts(spec, case).items()}
+
+
+def noise_parts(spec, case):
+    """{tensor: (own, moved)}: noise()'s two halves apart, in ulps at the tensor's scale. own: refbert's float32
+    error against float64, the worst over the SAMPLES inputs; moved: the most the exact result moves when every
+    input moves by a random +-1 ulp (0 where SAMPLES is 1). Cached per case."""
     key = (spec.name, repr(sorted(case.params.items())), case.seed)
     if key in _NOISE:
         return _NOISE[key]
     xd, kw = build(spec, case, np.float32)
-    worst, exact = {}, {}
+    own, moved, exact = {}, {}, {}
     for s in range(SAMPLES):
         x = xd
         if s:
@@ -593,13 +600,14 @@ def noise(spec, case):
                                    _cast_kw(kw, np.float64), case.seed)
         for name, got, ref in [("out", out32, out64), *((k, g32[k], g64[k]) for k in g64)]:
             sib = siblings(name, g64)
-            worst[name] = max(worst.get(name, 0.0), ulps(got, ref, np.float32, sib))
+            own[name] = max(own.get(name, 0.0), ulps(got, ref, np.float32, sib))
             if s == 0:
                 exact[name] = ref
+                moved[name] = 0.0
             else:          # how far the exact result moves when every input moves by 1 ulp: no code does better
-                worst[name] = max(worst[name], ulps(ref, exact[name], np.float32, sib))
-    _NOISE[key] = worst
-    return worst
+                moved[name] = max(moved[name], ulps(ref, exact[name], np.float32, sib))
+    _NOISE[key] = {name: (own[name], moved[name]) for name in own}
+    return _NOISE[key]
 
 
 def siblings(name, grads):

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # unit spellings -> one canonical name; "x" and "×" are the same ratio, "min" and "minutes" the same minutes
 UNITS = {"ns": "ns", "ms": "ms", "s": "s", "min": "min", "minutes": "min", "us": "us", "µs": "us", "GB/s": "GB/s",
          "GFLOP/s": "GFLOP/s", "TFLOP/s": "TFLOP/s", "MiB": "MiB", "GiB": "GiB", "kB": "kB", "%": "%", "×": "×",
-         "x": "×", "ulp": "ulp", "u": "u", "nats": "nats", "tokens/s": "tokens/s", "steps/s": "steps/s",
+         "x": "×", "ulp": "ulp", "ulps": "ulp", "u": "u", "nats": "nats", "tokens/s": "tokens/s", "steps/s": "steps/s",
          "CPU-minutes": "CPU-minutes", "CPU-seconds": "CPU-seconds"}
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 _SPACED = "|".join(sorted((re.escape(u) for u in UNITS if u not in ("x", "×", "%")), key=len, reverse=True))
@@ -52,6 +52,10 @@ ALLOWED = [
     (r"15% of tokens|15% of the tokens|each 80% \[MASK\] / 10% random / 10% kept|80% \[MASK\], 10% random",
      "BERT's masking rates: the paper's specification"),
     (r"moved by a random ±1 ulp", "check_op's method: each input moved by one ulp, a parameter of the check"),
+    (r"max\(8 × that, 16 ulps\)|at most 8 times refbert's own, or 16 ulps",
+     "refbert.testing's tolerance rule: FACTOR 8 and FLOOR_ULPS 16 are its parameters"),
+    (r"the larger of their noise, PyTorch's error\s*$|^\s*and 2 ulps \(`python benchmarks/testing_calibration.py`",
+     "the calibration's yardstick: 2 ulps is the floor it measures the kernels against, a parameter"),
     (r"55\.3 kB per token per layer for BERT-base at T = 128",
      "arithmetic: (8C + 2I + H T + 4) floats of 4 bytes at C 768, I 3072, H 12, T 128 (tests/test_model.py measures "
      "a real layer's cache against the formula)"),

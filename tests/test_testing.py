@@ -425,3 +425,23 @@ def test_a_cuda_kernel_op_in_the_simulator():
     out = cudachild.check(r)
     assert "composed from its own: dropout_residual_layernorm (from layernorm), residual_layernorm (from layernorm)" \
         in out and "layernorm  dx" in out and "0 failed" in out, out
+
+
+def test_noise_parts_gelu_one_element_is_its_conditioning():
+    """noise_parts on GELU's one-element case, x = -10, from math: GELU(x) = x Phi(x), so a relative move dx / x
+    moves it by (1 + x phi(x) / Phi(x)) dx / x (phi / Phi at -10 by erfc in float64: about -99.98 all told). A 1-ulp
+    move of x = -10 in float32 is 2^-20 (relative 2^-20 / 10), so the exact result moves by |that factor| x 0.8 ulps
+    of float32 at its scale: about 80, the README's figure. Both moves of the one element (+1 and -1 ulp) agree to
+    second order (8e-6 relative here); 1e-4 relative allowed. The oracle's own float32 error is a fraction of an ulp
+    (float32 erfc's accuracy: within 1 ulp)."""
+    case = T.edge_cases("gelu")[0]
+    xd, _ = T.build(T.SPECS["gelu"], case, np.float32)
+    assert case.label == "one element" and xd["x"].tolist() == [-10.0]
+    x = -10.0
+    phi, Phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi), 0.5 * math.erfc(-x / math.sqrt(2))
+    factor = abs(1 + x * phi / Phi)
+    want = factor * (2.0 ** -20 / abs(x)) / 2.0 ** -23
+    own, moved = T.noise_parts(T.SPECS["gelu"], case)["out"]
+    assert abs(moved - want) <= 1e-4 * want, (moved, want)
+    assert 0 <= own <= 1, own
+    assert T.noise(T.SPECS["gelu"], case)["out"] == max(own, moved)
