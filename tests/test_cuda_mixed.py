@@ -22,6 +22,14 @@ What must hold, and why these bounds:
     and gradients by many ulps (tests/test_mixed.py shows fp32 against the spec differing by far more). Plus: every
     activation the model returns lies on the compute grid, what ran was the 16-bit ops (versions.RAN), and both
     models drew the same number of dropout streams.
+
+Units (ulp(1) = 2^-7 in bfloat16, 2^-10 in float16). Three measures, each named where it is used:
+  * an element's own ulp (close_ulp): the compute grid's spacing at that element, 2^floor(log2 |ref|) ulp(1);
+  * the ulp at a tensor's scale (close_scale): the grid's spacing at its largest element, 2^floor(log2 max|ref|)
+    ulp(1), the largest spacing any element of the tensor can have;
+  * ulps of scale (the model's and S3's bounds, the precision study's u = ulp(1) / 2 of scale): |got - ref| in
+    units of ulp(1) max|ref|, a relative error; 1 to 2 times the previous measure's unit (equal when max|ref| is a
+    power of two), so a bound in these units is the looser by at most 2x.
 """
 import functools
 import importlib.util
