@@ -967,10 +967,10 @@ def activation_floats(config, T):
         q, k, v (split into heads as views)         3C
         attention probabilities p                   H*T      (B, H, T, T) / (B*T)
         attention context (input of output.dense)   C
-        x + a, and LayerNorm mean, rstd             C + 2
+        s1 = x + ao, and LayerNorm mean, rstd       C + 2
         h1 (input of intermediate.dense)            C
-        pre-GELU f, and GELU(f)                     2I
-        h1 + f, and LayerNorm mean, rstd            C + 2
+        u (pre-GELU, bias included), g = GELU(u)    2I
+        s2 = h1 + fo, and LayerNorm mean, rstd      C + 2
         total                                       8C + 2I + H*T + 4 floats
         dropout keep-masks (bool)                   H*T + 2C bytes (none in eval)
     BERT-base at T = 128 in float32: (8*768 + 2*3072 + 12*128 + 4) * 4 = 55.3 kB per token per layer.

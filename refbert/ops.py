@@ -4,12 +4,15 @@
     <op>_backward(dout, cache) -> the gradients of the forward's differentiable inputs, in the forward's order
                                   (one array when there is one such input, else a tuple)
 
-The cache is a flat tuple unpacked on the backward's first line (a NamedTuple where its fields are worth naming:
-SoftmaxCache, DropoutCache, AttentionCache). Backwards return fresh arrays and never write
-into their arguments (the one exception asked for: linear_backward's dx_into, an array its caller gives up, as
-the model does with a gradient it got from another backward). float32 and float64 both work and the output keeps
-the input's dtype.
-Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, V classes/vocabulary.
+Each op's math (the forward, then the backward's formulas and the step that derives them) is in its forward's
+docstring; a backward's own docstring points there. The cache is a flat tuple unpacked on the backward's first line
+(a NamedTuple where its fields are worth naming: SoftmaxCache, DropoutCache, AttentionCache). Backwards return
+fresh arrays and never write into their arguments (two exceptions: linear_backward's dx_into, an array its caller
+gives up, as the model does with a gradient it got from another backward; and residual_layernorm_backward, whose
+dx and da are one array returned twice, since d(x + a)/dx = d(x + a)/da). float32 and float64 both work and the
+output keeps the input's dtype.
+Shapes: B batch, T sequence, C channels (hidden), H heads, hs = C // H head size, I intermediate (feed-forward)
+size, V classes/vocabulary, N rows (the leading dims flattened) or elements, as each op says.
 Every backward is proven against centred finite differences by `refbert check` and tests/test_ops.py; the
 derivations are collected in docs/backprop.md. The fused ops and the attention core are written once, in `compose(o)`,
 over the basic ops of any namespace `o`: refbert.ops composes its own, a backend module its (refbert.backends).
@@ -73,7 +76,8 @@ def linear_backward(dout, cache, dx_into=None):
     dout2 = dout.reshape(-1, w.shape[0])              # (N, C_out)
     x2 = x.reshape(-1, x.shape[-1])                   # (N, C_in)
     rows = np.flatnonzero(dout2.any(1))               # positions a loss ignores (MLM: ~85%) send exact zeros;
-    if rows.size < 0.5 * len(dout2):                  # skipping them leaves the same sums, minus zero terms
+    if rows.size < 0.5 * len(dout2):                  # skipping them leaves the same sums, minus zero terms (for
+                                                      # finite x and w: 0 * inf would be NaN; up to BLAS's order)
         dx2 = np.zeros(x2.shape, x.dtype)
         dx2[rows] = dout2[rows] @ w
         dout2, x2 = dout2[rows], x2[rows]             # (n, C_out), (n, C_in)
@@ -97,7 +101,8 @@ linear_backward.dx_into = True
 # embedding: out = w[ids]
 
 def embedding_forward(ids, w, padding_idx=None):
-    """Row lookup, as torch.nn.Embedding(V, C, padding_idx=...).
+    """Row lookup, as torch.nn.Embedding(V, C, padding_idx=...) with padding_idx a row in [0, V) (torch also takes
+    -V <= padding_idx < 0 for V + padding_idx; HF BERT passes pad_token_id, never negative: refused here).
 
     ids: (...) integers in [0, V)   w: (V, C)   ->   out: (..., C)
     Backward (ids are not differentiable): out[n] = w[ids[n]], so row v of dw collects every dout[n] whose id is
@@ -114,6 +119,7 @@ def embedding_forward(ids, w, padding_idx=None):
 
 
 def embedding_backward(dout, cache):
+    """dw (ids are not differentiable), as embedding_forward's docstring derives it."""
     ids, w_shape, dtype, padding_idx = cache
     V.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
     dw = np.zeros(w_shape, dtype)
@@ -135,7 +141,12 @@ def layernorm_forward(x, w, b, eps=1e-12):
         db = sum over leading dims of dout
         dw = sum over leading dims of dout * xhat
         dx = (wdy - (xhat * c1 + c2)) * rstd,  c1 = mean(wdy * xhat, -1),  c2 = mean(wdy, -1)
-    (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance.)
+    The step (one row, C entries): d mean / d x_j = 1/C; var = mean((x - mean)^2) gives d var / d x_j =
+    2 (x_j - mean) / C, so d rstd / d x_j = -rstd^3 (x_j - mean) / C = -rstd^2 xhat_j / C; then
+        d xhat_i / d x_j = rstd (delta_ij - 1/C - xhat_i xhat_j / C)
+    and dx_j = sum_i wdy_i d xhat_i / d x_j = rstd (wdy_j - mean(wdy) - xhat_j mean(wdy * xhat)): the line above
+    (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance; eps enters through rstd
+    alone, so the formula is exact with it).
     """
     V.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
@@ -150,6 +161,7 @@ def layernorm_forward(x, w, b, eps=1e-12):
 
 
 def layernorm_backward(dout, cache):
+    """(dx, dw, db), as layernorm_forward's docstring derives them."""
     x, w, mean, rstd = cache
     V.dout("layernorm", dout, x.shape, x.dtype)
     xhat = (x - mean) * rstd                          # recompute rather than cache: one (..., C) array less
@@ -197,6 +209,7 @@ class SoftmaxCache(NamedTuple):
 
 
 def softmax_backward(dout, cache):
+    """dx, as softmax_forward's docstring derives it."""
     p, scale = cache
     V.dout("softmax", dout, p.shape, p.dtype)
     dz = p * (dout - (dout * p).sum(-1, keepdims=True))
@@ -235,6 +248,7 @@ def gelu_forward(x, approximate="none"):
 
 
 def gelu_backward(dout, cache):
+    """dx, as gelu_forward's docstring derives it (exact or tanh, as the forward ran)."""
     x, out, approximate = cache
     V.dout("gelu", dout, x.shape, x.dtype)
     if approximate == "none":
@@ -258,6 +272,7 @@ def tanh_forward(x):
 
 
 def tanh_backward(dout, cache):
+    """dx, as tanh_forward's docstring derives it."""
     (out,) = cache
     V.dout("tanh", dout, out.shape, out.dtype)
     return dout * (1 - out * out)
@@ -272,9 +287,9 @@ def dropout_forward(x, p, rng=None, train=True):
     x: (...)   p: drop probability in [0, 1]   rng: refbert.philox.DropoutRNG (needed when train and p > 0)
     (seed, stream) = rng.next_stream();  keep[i] = philox_word(seed, stream, i) >= round(p * 2^32)  (i: C-order
     index, an integer comparison, so float32, float64 and every kernel keep the same units);
-    out = x * keep / (1 - p)   (p = 1: out = 0)
-    Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p). Eval or p = 0: out = x, dx = dout,
-    and no stream is drawn.
+    out = x * keep / (1 - p)   (p = 1: out = 0, the scale taken as 0 rather than 0 * inf)
+    Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p) (p = 1: dx = 0). Eval or p = 0:
+    out = x, dx = dout, and no stream is drawn.
     """
     V.floats("dropout", x=x)
     if not 0.0 <= p <= 1.0:
@@ -303,6 +318,7 @@ def dropout_mask(rng, shape, p, op):
 
 
 def dropout_backward(dout, cache):
+    """dx, as dropout_forward's docstring derives it (the forward's keep-mask, not a new draw)."""
     keep, scale, shape, dtype = cache
     V.dout("dropout", dout, shape, dtype)
     return dout.copy() if keep is None else _keep_scale(dout, keep, scale)
@@ -325,6 +341,7 @@ def add_forward(a, b):
 
 
 def add_backward(dout, cache):
+    """(da, db), as add_forward's docstring derives them."""
     shape, dtype = cache
     V.dout("add", dout, shape, dtype)
     return dout.copy(), dout.copy()
@@ -351,6 +368,7 @@ def gather_rows_forward(x, rows):
 
 
 def gather_rows_backward(dout, cache):
+    """dx, as gather_rows_forward's docstring derives it."""
     shape, dtype, rows = cache
     V.dout("gather_rows", dout, (rows.size, shape[-1]), dtype)
     dx = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)
@@ -502,7 +520,9 @@ attention_probs = _composed["attention_probs"]
 # losses
 
 def cross_entropy_forward(logits, labels, ignore_index=-100):
-    """Mean softmax cross-entropy over the positions whose label is not ignore_index (torch's F.cross_entropy).
+    """Mean softmax cross-entropy over the positions whose label is not ignore_index: torch's F.cross_entropy on
+    the logits flattened to (N, V) and the labels to (N,), as HF calls it (the classes on the last axis here; torch
+    puts them on dim 1 of an input with more than two dims).
 
     logits: (..., V)   labels: (...) integers in [0, V) or ignore_index   ->   loss: scalar of logits' dtype
     With lse = log sum_j exp(z_j) per row and n = number of kept rows:
@@ -531,6 +551,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100):
 
 
 def cross_entropy_backward(dloss, cache):
+    """dlogits (labels are not differentiable), as cross_entropy_forward's docstring derives it."""
     shape, dtype, zs, yk, kept, s = cache
     dloss = _scalar_dout("cross_entropy", dloss, dtype)
     dz = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)  # (N, V); ignored rows stay 0
@@ -544,9 +565,11 @@ def bce_with_logits_forward(logits, targets):
     """Mean binary cross-entropy on logits (torch's F.binary_cross_entropy_with_logits; HF's multi-label loss).
 
     logits, targets: (...) same shape, targets in [0, 1] (float)   ->   loss: scalar of logits' dtype
-    With s = sigmoid(z):  loss = mean(-(y log s + (1 - y) log(1 - s))) = mean(max(z, 0) - z y + log(1 + exp(-|z|)))
+    With s = sigmoid(z) and N = logits.size (the mean is over every element):
+        loss = mean(-(y log s + (1 - y) log(1 - s))) = mean(max(z, 0) - z y + log(1 + exp(-|z|)))
     (the second form never takes the log of 0 nor the exp of a large positive number).
     Backward (targets are labels, not differentiated):  dz = dloss * (s - y) / N.
+    N = 0 (empty logits): loss = 0 and dz empty (torch would return NaN).
     """
     V.floats("bce_with_logits", logits=logits, targets=targets)
     V.shape("bce_with_logits", "targets", targets, logits.shape, "(same as logits)")
@@ -560,6 +583,7 @@ def bce_with_logits_forward(logits, targets):
 
 
 def bce_with_logits_backward(dloss, cache):
+    """dlogits (targets are not differentiated), as bce_with_logits_forward's docstring derives it."""
     s, targets = cache
     dloss = _scalar_dout("bce_with_logits", dloss, s.dtype)
     return (s - targets) * (dloss / max(s.size, 1))
@@ -568,7 +592,7 @@ def bce_with_logits_backward(dloss, cache):
 def mse_forward(pred, target):
     """Mean squared error (torch's F.mse_loss; HF's regression loss when num_labels == 1).
 
-    pred, target: (...) same shape   ->   loss: scalar of pred's dtype
+    pred, target: (...) same shape   ->   loss: scalar of pred's dtype;  N = pred.size
         loss = mean((pred - target)^2)
         dpred = dloss * 2 (pred - target) / N,   dtarget = -dpred
     """
@@ -579,6 +603,7 @@ def mse_forward(pred, target):
 
 
 def mse_backward(dloss, cache):
+    """(dpred, dtarget), as mse_forward's docstring derives them."""
     (diff,) = cache
     dloss = _scalar_dout("mse", dloss, diff.dtype)
     dpred = diff * (2 * dloss / max(diff.size, 1))
@@ -678,7 +703,8 @@ def round_float16(x):
     lowest kept bit (u >> 13) & 1, clear the low 13 bits. A rounded magnitude of 2^16 or more is inf: |x| >= 65520,
     the halfway point past 65504, overflows, the overflow fp16 loss scaling watches for. Below 2^-14 the halves are
     evenly spaced by 2^-24: (|x| + 1/2) - 1/2 in float32 (whose spacing at 1/2 is 2^-24) rounds |x| to that grid,
-    ties to even, exactly. NaN stays a (quiet) NaN with its sign. Bit for bit NumPy's own float32 -> float16 cast
+    ties to even, exactly. NaN becomes the quiet NaN with its sign (0x7E00 as a half; NumPy's cast keeps the top
+    bits of a NaN's payload instead). Otherwise bit for bit NumPy's own float32 -> float16 cast
     (x.astype(np.float16)), several times faster (tests: Python's half packing; benchmarks/check_rounding.py: torch's
     conversion on all 2^32 patterns).
     """
@@ -753,7 +779,7 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
     With R the rounding to `compute`, per head, everything float32 but what R writes:
         s   = (q k^T) * scale + mask          scores, never stored (products exact, sums in float32)
         m   = max_j s,  pt = exp(s - m),  l = sum_j pt          l sums the unrounded pt, dropped ones included
-        out = R( (sum_j keep_ij R(pt_ij) v_j) * (1 / l) * (1 / (1 - p)) )
+        out = R( (sum_j keep_ij R(pt_ij) v_j) * ((1 / l) * (1 / (1 - p))) )    (the two factors' product first)
         m, l                                  kept (float32) for the backward
     R(pt) is the operand of the tensor-core product P V, as FA2 converts P to 16 bits before it; dropout zeroes
     elements of that rounded P and its 1 / (1 - p) joins the final normalisation. The keep-mask is the next

@@ -212,10 +212,14 @@ def test_grads_of_tables_cover_every_op():
 
 def fa2_reference(q, k, v, H, mask, keep, p, dout, compute):
     """The formulas of ops.attention_forward_mixed / attention_backward_mixed evaluated in float64, rounding with
-    ml_dtypes (bfloat16) or NumPy's float16 at the documented places: an independent evaluation of the spec."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    dt = ml_dtypes.bfloat16 if compute == "bfloat16" else np.float16
-    R = lambda a: np.asarray(a, np.float64).astype(dt).astype(np.float64)  # noqa: E731
+    ml_dtypes (bfloat16) or NumPy's float16 at the documented places: an independent evaluation of the spec
+    (compute None: no rounding at all)."""
+    if compute is None:                         # no rounding: the float64 formulas alone
+        R = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    else:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = ml_dtypes.bfloat16 if compute == "bfloat16" else np.float16
+        R = lambda a: np.asarray(a, np.float64).astype(dt).astype(np.float64)  # noqa: E731
     B, T, C = q.shape
     hs = C // H
     sp = lambda a: R(a).reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # noqa: E731
@@ -236,6 +240,27 @@ def fa2_reference(q, k, v, H, mask, keep, p, dout, compute):
     dk = R(np.einsum("bhij,bhid->bhjd", dS, qh) * scale / (1 - p))
     merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, C)  # noqa: E731
     return merge(o), merge(dq), merge(dk), merge(dv)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_flash_attention_2s_backward_is_the_attention_gradient(p):
+    """docs/backprop.md's derivation of the mixed attention's backward: FA2's form (D_i = (1 - p) dO_i . O_i,
+    dS' = P (keep dP - D), the 1/(1 - p) beside the scale), evaluated in float64 without its roundings, is
+    ops.attention_backward's gradient on the same keep-mask (the next Philox stream of the same DropoutRNG), padding
+    and a fully padded sequence included: within 1e-12 of each tensor's scale (float64 sums in two orders). (D
+    without its (1 - p) fails the p = 0.3 case.)"""
+    r = np.random.default_rng(5)
+    B, T, H, C = 3, 9, 2, 8
+    q, k, v, dout = (r.standard_normal((B, T, C)) for _ in range(4))
+    mask = np.zeros((B, 1, 1, T))
+    mask[1, ..., 5:] = np.finfo(np.float64).min
+    mask[2, ...] = np.finfo(np.float64).min
+    out, cache = ops.attention_forward(q, k, v, H, mask, p, refbert.DropoutRNG(3), True)
+    keep = ops.dropout_mask(refbert.DropoutRNG(3), (B, H, T, T), p, "attention") if p else np.ones((B, H, T, T))
+    want = (out, *ops.attention_backward(dout, cache))
+    got = fa2_reference(q, k, v, H, mask, keep, p, dout, None)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), (name, np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.mark.parametrize("compute", COMPUTE)
