@@ -429,11 +429,13 @@ _backward_v3_serial = serial_twin(_backward_v3, cache=True, fastmath=FASTMATH)
 # ----------------------------------------------------------------------------------------------------------------
 # launchers: the oracle's checks in the oracle's order, then rows
 
-def _check_ln(x, w, b):
+def _check_ln(x, w, b, eps):
+    V.required("layernorm", w=w, b=b)
     V.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
     V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
     V.shape("layernorm", "b", b, (x.shape[-1],), "(C,)")
+    V.layernorm_eps("layernorm", x, eps)
 
 
 def _rows(x):
@@ -488,7 +490,7 @@ def _run_backward(dout, cache, with_da):
 
 
 def _layernorm_forward(version, x, w, b, eps):
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     if x.size == 0:                                  # empty rows or C = 0: the oracle's own behaviour
         return ops.layernorm_forward(x, w, b, eps)
     return _run_forward(version, x, None, None, w, b, eps)
@@ -504,7 +506,7 @@ def _layernorm_backward(dout, cache):
 def _residual_forward(version, x, a, w, b, eps):
     V.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     if x.size == 0:
         return ops.residual_layernorm_forward(x, a, w, b, eps)
     return _run_forward(version, x, a, None, w, b, eps)
@@ -523,7 +525,7 @@ def _dropout_residual_forward(version, x, a, w, b, eps, p, rng, train):
     if x.size == 0:
         return ops.dropout_residual_layernorm_forward(x, a, w, b, eps, p, rng, train)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     return _run_forward(version, x, a, drop, w, b, eps)
 
 

@@ -186,10 +186,13 @@ def _forward_v3(x, scale, mask, mrow, out):
 # launchers: the oracle's checks, then rows
 
 def _check_forward(x, scale, mask):
+    """The oracle's checks; the scale as the oracle takes it (a Python float)."""
     V.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
+    scale = V.number("softmax", "scale", scale)
     if mask is not None:
         V.broadcasts_to("softmax", "mask", mask, x.shape)
+    return scale
 
 
 def _oracle_case(x, scale):
@@ -211,7 +214,7 @@ def _rows(x, mask):
 
 
 def _forward(kernel, x, scale, mask):
-    _check_forward(x, scale, mask)
+    scale = _check_forward(x, scale, mask)
     if _oracle_case(x, scale):
         return ops.softmax_forward(x, scale, mask)
     x2, m2, mrow = _rows(x, mask)

@@ -73,6 +73,13 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
                          f"(the folder holds {sorted(os.listdir(path))})")
     config = BertConfig.from_pretrained(path)
     if id2label is not None:
+        try:
+            ids = sorted(int(i) for i in id2label) if isinstance(id2label, dict) else None
+        except (TypeError, ValueError):
+            ids = None
+        if not ids or ids != list(range(len(ids))):
+            raise ValueError(f"{cls.__name__}.from_pretrained: argument 'id2label' expected a dict {{id: name}} "
+                             f"with ids 0 .. n - 1, got {id2label!r:.80}")
         config.id2label = {int(i): str(n) for i, n in id2label.items()}
         config.label2id = {n: i for i, n in config.id2label.items()}
         config.validate()
@@ -85,7 +92,12 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
     tensors = _normalise(tensors, model.prefix)
     for key, t in tensors.items():
         if key in want and t.shape != want[key].shape:
-            raise ValueError(f"{source}: key '{key}' expected shape {want[key].shape} (from config.json), got {t.shape}")
+            head = not key[len(model.prefix):].startswith(ENCODER)
+            why = (f"the {len(config.id2label)} labels of argument 'id2label'" if id2label is not None and head
+                   else "config.json")
+            raise ValueError(f"{source}: key '{key}' expected shape {want[key].shape} (from {why}), got {t.shape}"
+                             + (": the checkpoint's head was trained for other labels (start from a folder without "
+                                "that head, e.g. a pretraining run's)" if why != "config.json" else ""))
     missing = [k for k in want if k not in tensors]
     encoder_missing = [k for k in missing if k[len(model.prefix):].startswith(ENCODER)]
     if encoder_missing:

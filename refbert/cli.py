@@ -29,6 +29,22 @@ def positive(text):
     return value
 
 
+def positive_float(text):
+    """argparse type: a finite number > 0 (a learning rate)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def non_negative(text):
+    """argparse type: an integer >= 0 (a seed)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _backend_type(names):
     """argparse type of --backend: one of `names`, or a path to a .py file of ops (refbert.backends)."""
     def parse(text):
@@ -174,9 +190,9 @@ def build_parser():
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--epochs", type=positive, default=3)
     p.add_argument("--batch-size", type=positive, default=32)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=positive_float, default=5e-4)
     p.add_argument("--max-seq-length", type=positive, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative, default=0)
     _backend_arg(p, cuda=True)
     _mixed_arg(p)
     p = sub.add_parser("predict", help="classify, tag or answer with a fine-tuned model")

@@ -120,7 +120,8 @@ def read_documents(lines_or_path):
     lines count as one separator, so no document is empty. Returns a list of documents, each a list of sentence
     strings. Raises ValueError if the corpus holds no non-blank line."""
     if isinstance(lines_or_path, (str, os.PathLike)):
-        with open(lines_or_path, encoding="utf-8") as f:
+        from .fileio import utf8_named
+        with open(lines_or_path, encoding="utf-8") as f, utf8_named(lines_or_path):
             lines = f.read().splitlines()
     elif isinstance(lines_or_path, bytes) or not hasattr(lines_or_path, "__iter__"):
         raise ValueError(f"read_documents: argument 'lines_or_path' expected a path or an iterable of lines, "

@@ -70,3 +70,14 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@contextlib.contextmanager
+def utf8_named(path):
+    """Reading `path` as UTF-8 text inside: a byte that is not UTF-8 becomes a ValueError that names the file (a
+    UnicodeDecodeError names only the codec and the byte, and `refbert` would print just that)."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{os.fspath(path)}: expected UTF-8 text, got a byte that is not UTF-8 at offset {e.start} "
+                         f"({e.reason}; a binary file?)") from None

@@ -10,6 +10,7 @@ from . import model as M
 from . import ops
 from .config import BertConfig
 from .errors import UserError
+from .fileio import utf8_named
 
 
 def _probs(z):
@@ -93,7 +94,6 @@ def predict(args):
 
 def fill_mask(args):
     """The top-k tokens for each [MASK] of each text."""
-    from .train import qa_context_mask
     model, tok = _load(args.model, "BertForMaskedLM", args.backend)
     if type(model).__name__ not in ("BertForMaskedLM", "BertForPreTraining"):
         model = M.BertForMaskedLM.from_pretrained(args.model, backend=args.backend)
@@ -103,6 +103,11 @@ def fill_mask(args):
         ids = enc["input_ids"][0]
         where = np.flatnonzero(ids == tok.mask_token_id) if tok.mask_token is not None else np.zeros(0, int)
         if not where.size:
+            whole = tok(text)["input_ids"] if tok.mask_token is not None else []
+            if tok.mask_token is not None and tok.mask_token_id in whole:
+                raise UserError(f"fill-mask: expected a {tok.mask_token} within the first {len(ids)} tokens "
+                                f"(--max-seq-length), got one at token {whole.index(tok.mask_token_id)} of "
+                                f"{len(whole)}: truncated away")
             raise UserError(f"fill-mask: expected a {tok.mask_token or 'mask token (this tokenizer has none)'} in the "
                             f"text, got {text!r}")
         o = model(input_ids=enc["input_ids"], token_type_ids=enc["token_type_ids"], attention_mask=enc["attention_mask"])
@@ -125,7 +130,7 @@ def embed(args):
         _require(model, "pooler.", args.model, "a pooler (use --pooling mean)")
     texts = list(args.text or [])
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
+        with open(args.file, encoding="utf-8") as f, utf8_named(args.file):
             texts += [ln.strip() for ln in f if ln.strip()]
     if not texts:
         raise UserError("embed: expected --text or --file with at least one line")

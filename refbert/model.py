@@ -363,6 +363,10 @@ def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all", pad_ro
     rows = None if labels is None else np.flatnonzero(labels.reshape(-1) != -100)   # (n,)
     targets = None if rows is None else labels.reshape(-1)[rows]
     shown = rows
+    if pad_rows is not None and (isinstance(pad_rows, (bool, np.bool_)) or not isinstance(pad_rows, (int, np.integer))
+                                 or pad_rows < 1):
+        raise ValueError(f"mlm: attribute 'mlm_rows' expected None or a positive integer (the labelled rows padded "
+                         f"to that count), got {pad_rows!r}")
     if rows is not None and pad_rows is not None:
         n = len(rows)
         if n > pad_rows:
@@ -444,9 +448,16 @@ class BertPreTrainedModel:
         if not isinstance(config, BertConfig):
             raise ValueError(f"{type(self).__name__}: argument 'config' expected a refbert.BertConfig, "
                              f"got {type(config).__name__}")
-        dtype = np.dtype(dtype)
-        if dtype.type not in V.FLOATS:
-            raise ValueError(f"{type(self).__name__}: argument 'dtype' expected float32 or float64, got {dtype}")
+        given = dtype
+        try:
+            dtype = np.dtype(dtype) if dtype is not None else None     # (np.dtype(None) would be float64)
+        except TypeError:                                               # ("bogus": not a dtype at all)
+            dtype = None
+        if dtype is None or dtype.type not in V.FLOATS:
+            raise ValueError(f"{type(self).__name__}: argument 'dtype' expected float32 or float64, got "
+                             f"{dtype if dtype is not None else repr(given)}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"{type(self).__name__}: argument 'seed' expected a non-negative integer, got {seed!r}")
         self.config, self.dtype, self.backend = config, dtype, backend
         self.ops = get_backend(backend)
         init_ss, dropout_ss = np.random.SeedSequence(seed).spawn(2)
@@ -502,6 +513,9 @@ class BertPreTrainedModel:
         if self._cache[0] is None:
             raise ValueError(f"{name}.backward: expected a forward with labels (the loss to differentiate), "
                              f"got a forward without them")
+        if not hasattr(dloss, "ndim"):          # a number (an array goes to the loss's backward, which checks it)
+            dloss = V.number(f"{name}.backward", "dloss", dloss,
+                             what="a finite real number (the loss's upstream gradient, 1.0 by default)")
         loss_backward, cache = self._cache
         self._cache = None
         grads = {}
@@ -791,9 +805,14 @@ class BertForSequenceClassification(_Head):
             B = input_ids.shape[0]
             problem = problem_type(cfg, labels)
             if problem == "regression":
-                if not isinstance(labels, np.ndarray) or labels.size != logits.size:
-                    raise ValueError(f"BertForSequenceClassification: argument 'labels' expected {logits.size} "
-                                     f"regression targets, got {V._desc(labels)}")
+                shapes = [logits.shape] + ([(B,)] if cfg.num_labels == 1 else [])   # HF squeezes (B, 1) to (B,)
+                if not (isinstance(labels, np.ndarray) and labels.shape in shapes and labels.dtype.kind in "iuf"):
+                    want = " or ".join(str(t) for t in shapes)
+                    raise ValueError(f"BertForSequenceClassification: argument 'labels' expected real regression "
+                                     f"targets of shape {want}, got {V._desc(labels)}")
+                if labels.dtype.kind == "f" and not np.isfinite(labels).all():
+                    raise ValueError("BertForSequenceClassification: argument 'labels' expected finite regression "
+                                     "targets, got a NaN or an infinity")
                 loss, c_l = o.mse_forward(logits, labels.reshape(logits.shape).astype(self.dtype))
                 dlogits_of = lambda d: o.mse_backward(d, c_l)[0]  # noqa: E731
             elif problem == "multi_label_classification":
@@ -840,7 +859,7 @@ class BertForQuestionAnswering(_Head):
     pooler = False
 
     def __init__(self, config, seed=0, dtype=np.float32, backend="numpy", precision="fp32"):
-        if config.num_labels != 2:
+        if isinstance(config, BertConfig) and config.num_labels != 2:     # (any other config: the base class says)
             raise ValueError(f"BertForQuestionAnswering: config.num_labels expected 2 (start and end logits), "
                              f"got {config.num_labels}")
         super().__init__(config, seed, dtype, backend, precision)
@@ -883,7 +902,12 @@ class BertForMultipleChoice(_Head):
             raise ValueError(f"BertForMultipleChoice: argument 'input_ids' expected an integer array of shape "
                              f"(B, num_choices, T), got {V._desc(input_ids)}")
         B, N, T = input_ids.shape
-        flat = lambda a: None if a is None else np.asarray(a).reshape(-1, np.shape(a)[-1])  # noqa: E731
+        for name, a in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                        ("position_ids", position_ids)):
+            if a is not None and not (isinstance(a, np.ndarray) and a.shape == input_ids.shape):
+                raise ValueError(f"BertForMultipleChoice: argument '{name}' expected an array of shape "
+                                 f"(B, num_choices, T) = {input_ids.shape} as input_ids, got {V._desc(a)}")
+        flat = lambda a: None if a is None else a.reshape(B * N, T)  # noqa: E731
         ctx, enc, cache = self._run(dict(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
                                          token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
                                          output_hidden_states=output_hidden_states,
@@ -933,14 +957,33 @@ def decode_qa_span(start_logits, end_logits, max_answer_length=30, context_mask=
     Returns a list of (start, end, score): the null answer when its score beats the best span's by more than
     null_score_diff_threshold.
     """
+    who = "decode_qa_span"
     start_logits, end_logits = np.asarray(start_logits), np.asarray(end_logits)
-    if start_logits.ndim != 2 or end_logits.shape != start_logits.shape:
-        raise ValueError(f"decode_qa_span: arguments 'start_logits' and 'end_logits' expected equal shapes (B, T), "
+    if start_logits.ndim != 2 or end_logits.shape != start_logits.shape or start_logits.shape[1] == 0:
+        raise ValueError(f"{who}: arguments 'start_logits' and 'end_logits' expected equal shapes (B, T), T >= 1, "
                          f"got {start_logits.shape} and {end_logits.shape}")
+    for name, a in (("start_logits", start_logits), ("end_logits", end_logits)):
+        if a.dtype.kind not in "iuf" or (a.dtype.kind == "f" and not np.isfinite(a).all()):
+            raise ValueError(f"{who}: argument '{name}' expected finite real logits, got "
+                             f"{'a NaN or an infinity' if a.dtype.kind == 'f' else f'dtype {a.dtype}'}")
+    max_answer_length = V.number(who, "max_answer_length", max_answer_length, low=1, integer=True,
+                                 what="a positive integer (tokens)")
+    t = null_score_diff_threshold                      # +inf: never the null answer (SQuAD 1.1 data)
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) or t != t:
+        raise ValueError(f"{who}: argument 'null_score_diff_threshold' expected a real number (inf: never the null "
+                         f"answer), got {t!r}")
     B, T = start_logits.shape
     if context_mask is None:
         context_mask = np.ones((B, T), bool)
         context_mask[:, 0] = False
+    elif not (isinstance(context_mask, np.ndarray) and context_mask.shape == (B, T) and
+              (context_mask.dtype == bool or (context_mask.dtype.kind in "iu" and
+                                              ((context_mask == 0) | (context_mask == 1)).all()))):
+        raise ValueError(f"{who}: argument 'context_mask' expected a bool (or 0/1) array of shape (B, T) = {(B, T)}, "
+                         f"got {V._desc(context_mask)}" + (" with values other than 0 and 1" if
+                                                            isinstance(context_mask, np.ndarray) and
+                                                            context_mask.shape == (B, T) else ""))
+    context_mask = context_mask.astype(bool)
     span = start_logits[:, :, None] + end_logits[:, None, :]          # (B, T_start, T_end)
     s_idx, e_idx = np.arange(T)[:, None], np.arange(T)[None, :]
     ok = (s_idx <= e_idx) & (e_idx - s_idx < max_answer_length)        # (T, T)

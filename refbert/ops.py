@@ -69,7 +69,7 @@ def linear_backward(dout, cache, dx_into=None):
     can sum in the GEMM (cuBLAS's beta = 1) instead of an add kernel: the same single rounding of the same two
     terms. A backend's linear_backward that takes it says so with the attribute `dx_into = True` (this one does);
     for any other the model adds the paths itself."""
-    x, w, has_b = cache
+    x, w, has_b = _cache("linear", cache, 3)
     V.dout("linear", dout, (*x.shape[:-1], w.shape[0]), x.dtype)
     if dx_into is not None:
         V.dout("linear", dx_into, x.shape, x.dtype, name="dx_into", what="x's, the input")
@@ -113,14 +113,15 @@ def embedding_forward(ids, w, padding_idx=None):
     V.floats("embedding", w=w)
     V.shape("embedding", "w", w, (None, None), "(V, C)")
     V.ids("embedding", "ids", ids, w.shape[0])
-    if padding_idx is not None and not 0 <= padding_idx < w.shape[0]:
-        raise ValueError(f"embedding: argument 'padding_idx' expected a row in [0, {w.shape[0]}), got {padding_idx}")
+    if padding_idx is not None:
+        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
+                               what=f"a row in [0, {w.shape[0]})")
     return w[ids], (ids, w.shape, w.dtype, padding_idx)
 
 
 def embedding_backward(dout, cache):
     """dw (ids are not differentiable), as embedding_forward's docstring derives it."""
-    ids, w_shape, dtype, padding_idx = cache
+    ids, w_shape, dtype, padding_idx = _cache("embedding", cache, 4)
     V.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
     dw = np.zeros(w_shape, dtype)
     np.add.at(dw, ids.reshape(-1), dout.reshape(-1, w_shape[1]))  # unbuffered: repeated ids accumulate
@@ -148,10 +149,12 @@ def layernorm_forward(x, w, b, eps=1e-12):
     (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance; eps enters through rstd
     alone, so the formula is exact with it).
     """
+    V.required("layernorm", w=w, b=b)
     V.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
     V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
     V.shape("layernorm", "b", b, (x.shape[-1],), "(C,)")
+    eps = V.layernorm_eps("layernorm", x, eps)
     mean = x.mean(-1, keepdims=True)                  # (..., 1)
     xc = x - mean
     var = (xc * xc).mean(-1, keepdims=True)           # (..., 1) biased, as torch
@@ -162,7 +165,7 @@ def layernorm_forward(x, w, b, eps=1e-12):
 
 def layernorm_backward(dout, cache):
     """(dx, dw, db), as layernorm_forward's docstring derives them."""
-    x, w, mean, rstd = cache
+    x, w, mean, rstd = _cache("layernorm", cache, 4)
     V.dout("layernorm", dout, x.shape, x.dtype)
     xhat = (x - mean) * rstd                          # recompute rather than cache: one (..., C) array less
     lead = tuple(range(x.ndim - 1))
@@ -190,6 +193,7 @@ def softmax_forward(x, scale=1.0, mask=None):
     """
     V.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
+    scale = V.number("softmax", "scale", scale)       # a Python float: an np.float64 would make float32 x float64
     z = x * scale if scale != 1.0 else x
     if mask is not None:
         V.broadcasts_to("softmax", "mask", mask, x.shape)
@@ -210,7 +214,7 @@ class SoftmaxCache(NamedTuple):
 
 def softmax_backward(dout, cache):
     """dx, as softmax_forward's docstring derives it."""
-    p, scale = cache
+    p, scale = _cache("softmax", cache, 2)
     V.dout("softmax", dout, p.shape, p.dtype)
     dz = p * (dout - (dout * p).sum(-1, keepdims=True))
     return dz * scale if scale != 1.0 else dz
@@ -220,6 +224,10 @@ def softmax_backward(dout, cache):
 # GELU: exact (HF "gelu") and tanh approximation (HF "gelu_new")
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TANH_L = 1e4     # tanh form: past |x| = 1e4, s = sigmoid(2u) is exactly 1 or 0 in both dtypes (|2u| > 7e10) and the
+                  # derivative's x s (1 - s) (1 + 3 * 0.044715 x^2) exactly 0; x clamped to [-1e4, 1e4] for s and
+                  # that term gives the same s and the limits 1 and 0, where x^3 or x^2 would overflow to inf
+                  # (inf * 0 = NaN) from |x| ~ 1e13 in float32
 
 
 def gelu_forward(x, approximate="none"):
@@ -235,13 +243,15 @@ def gelu_forward(x, approximate="none"):
     tanh:   u = sqrt(2/pi) * (x + 0.044715 x^3),  t = tanh(u),  out = x * (1 + t) / 2
             dx = dout * ((1 + t) / 2 + x/2 * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 x^2))
             computed through s = (1 + t) / 2 = sigmoid(2u), so 1 - t^2 = 4 s (1 - s): the same numbers, without
-            1 + t cancelling to 0 in the left tail.
+            1 + t cancelling to 0 in the left tail. s is taken at x clamped to [-1e4, 1e4] (_TANH_L: the same s,
+            saturated, without x^3 overflowing; dx is 1 or 0 beyond).
     """
     V.floats("gelu", x=x)
     if approximate == "none":
         out = x * ndtr(x)
     elif approximate == "tanh":
-        out = x * expit(2 * _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # x * (1 + tanh(u)) / 2
+        xc = np.clip(x, -_TANH_L, _TANH_L)
+        out = x * expit(2 * _SQRT_2_OVER_PI * (xc + 0.044715 * xc ** 3))  # x * (1 + tanh(u)) / 2
     else:
         raise ValueError(f"gelu: argument 'approximate' expected 'none' or 'tanh', got {approximate!r}")
     return out, (x, out, approximate)
@@ -249,16 +259,17 @@ def gelu_forward(x, approximate="none"):
 
 def gelu_backward(dout, cache):
     """dx, as gelu_forward's docstring derives it (exact or tanh, as the forward ran)."""
-    x, out, approximate = cache
+    x, out, approximate = _cache("gelu", cache, 3)
     V.dout("gelu", dout, x.shape, x.dtype)
     if approximate == "none":
         pdf = np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
         small = np.abs(x) < 1e-6
         cdf = np.divide(out, x, out=0.5 + x * (1 / math.sqrt(2 * math.pi)), where=~small)  # Phi(x) = out / x
         return dout * (cdf + x * pdf)
-    s = expit(2 * _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))   # (1 + t) / 2
-    du_dx = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
-    return dout * (s + 2 * x * s * (1 - s) * du_dx)             # (1+t)/2 + x/2 * (1-t^2) * du/dx
+    xc = np.clip(x, -_TANH_L, _TANH_L)                          # (the same s; see _TANH_L)
+    s = expit(2 * _SQRT_2_OVER_PI * (xc + 0.044715 * xc ** 3))  # (1 + t) / 2
+    du_dx = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * xc * xc)
+    return dout * (s + 2 * xc * s * (1 - s) * du_dx)            # (1+t)/2 + x/2 * (1-t^2) * du/dx
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,7 +284,7 @@ def tanh_forward(x):
 
 def tanh_backward(dout, cache):
     """dx, as tanh_forward's docstring derives it."""
-    (out,) = cache
+    (out,) = _cache("tanh", cache, 1)
     V.dout("tanh", dout, out.shape, out.dtype)
     return dout * (1 - out * out)
 
@@ -292,8 +303,7 @@ def dropout_forward(x, p, rng=None, train=True):
     out = x, dx = dout, and no stream is drawn.
     """
     V.floats("dropout", x=x)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: argument 'p' expected a probability in [0, 1], got {p}")
+    p = V.number("dropout", "p", p, low=0.0, high=1.0, what="a probability in [0, 1]")
     if not train or p == 0.0:
         return x, DropoutCache(None, 1.0, x.shape, x.dtype)
     keep = dropout_mask(rng, x.shape, p, "dropout")     # (...) bool: 1 byte per unit in the cache
@@ -319,7 +329,7 @@ def dropout_mask(rng, shape, p, op):
 
 def dropout_backward(dout, cache):
     """dx, as dropout_forward's docstring derives it (the forward's keep-mask, not a new draw)."""
-    keep, scale, shape, dtype = cache
+    keep, scale, shape, dtype = _cache("dropout", cache, 4)
     V.dout("dropout", dout, shape, dtype)
     return dout.copy() if keep is None else _keep_scale(dout, keep, scale)
 
@@ -342,7 +352,7 @@ def add_forward(a, b):
 
 def add_backward(dout, cache):
     """(da, db), as add_forward's docstring derives them."""
-    shape, dtype = cache
+    shape, dtype = _cache("add", cache, 2)
     V.dout("add", dout, shape, dtype)
     return dout.copy(), dout.copy()
 
@@ -369,7 +379,7 @@ def gather_rows_forward(x, rows):
 
 def gather_rows_backward(dout, cache):
     """dx, as gather_rows_forward's docstring derives it."""
-    shape, dtype, rows = cache
+    shape, dtype, rows = _cache("gather_rows", cache, 3)
     V.dout("gather_rows", dout, (rows.size, shape[-1]), dtype)
     dx = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)
     np.add.at(dx, rows, dout)
@@ -413,7 +423,7 @@ def compose(o):
         return out, (ln_cache,)
 
     def residual_layernorm_backward(dout, cache):
-        (ln_cache,) = cache
+        (ln_cache,) = _cache("residual_layernorm", cache, 1)
         ds, dw, db = o.layernorm_backward(dout, ln_cache)
         return ds, ds, dw, db
 
@@ -430,7 +440,7 @@ def compose(o):
         return out, (do_cache, ln_cache)
 
     def dropout_residual_layernorm_backward(dout, cache):
-        do_cache, ln_cache = cache
+        do_cache, ln_cache = _cache("dropout_residual_layernorm", cache, 2)
         ds, dw, db = o.layernorm_backward(dout, ln_cache)
         return ds, o.dropout_backward(ds, do_cache), dw, db
 
@@ -447,7 +457,7 @@ def compose(o):
         return out, (g_cache,)
 
     def bias_gelu_backward(dout, cache):
-        (g_cache,) = cache
+        (g_cache,) = _cache("bias_gelu", cache, 1)
         du = o.gelu_backward(dout, g_cache)
         return du, du.reshape(-1, du.shape[-1]).sum(0)
 
@@ -480,7 +490,7 @@ def compose(o):
         return out, AttentionCache(qh, kh, vh, p, sm_cache, do_cache)
 
     def attention_backward(dout, cache):
-        qh, kh, vh, p, sm_cache, do_cache = cache
+        qh, kh, vh, p, sm_cache, do_cache = _cache("attention", cache, 6)
         B, H, T, hs = qh.shape
         V.dout("attention", dout, (B, T, H * hs), qh.dtype)
         pd = o.dropout_backward(p, do_cache)                # recompute dropout(p): see the forward's docstring
@@ -495,7 +505,7 @@ def compose(o):
 
     def attention_probs(cache):
         """The attention probabilities after dropout, (B, H, T, T), as HF returns under output_attentions."""
-        _, _, _, p, _, do_cache = cache
+        _, _, _, p, _, do_cache = _cache("attention", cache, 6)
         return o.dropout_backward(p, do_cache)              # dropout(p), as in the backward
 
     return {f.__name__: f for f in (residual_layernorm_forward, residual_layernorm_backward,
@@ -552,7 +562,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100):
 
 def cross_entropy_backward(dloss, cache):
     """dlogits (labels are not differentiable), as cross_entropy_forward's docstring derives it."""
-    shape, dtype, zs, yk, kept, s = cache
+    shape, dtype, zs, yk, kept, s = _cache("cross_entropy", cache, 6)
     dloss = _scalar_dout("cross_entropy", dloss, dtype)
     dz = np.zeros((int(np.prod(shape[:-1])), shape[-1]), dtype)  # (N, V); ignored rows stay 0
     g = np.exp(zs - s)                                  # softmax of the kept rows, (n, V)
@@ -576,6 +586,8 @@ def bce_with_logits_forward(logits, targets):
     if targets.size and not ((targets >= 0) & (targets <= 1)).all():
         raise ValueError(f"bce_with_logits: argument 'targets' expected values in [0, 1], got values in "
                          f"[{targets.min()}, {targets.max()}]")
+    if not np.isfinite(logits).all():                   # (as cross_entropy: a NaN would make a NaN loss)
+        raise ValueError("bce_with_logits: argument 'logits' expected finite values, got a NaN or an infinity")
     e = np.exp(-np.abs(logits))                         # in (0, 1]: no overflow
     loss = (np.maximum(logits, 0) - logits * targets + np.log1p(e)).mean() if logits.size else 0.0
     s = np.where(logits >= 0, 1 / (1 + e), e / (1 + e))  # sigmoid(z), each branch without overflow
@@ -584,7 +596,7 @@ def bce_with_logits_forward(logits, targets):
 
 def bce_with_logits_backward(dloss, cache):
     """dlogits (targets are not differentiated), as bce_with_logits_forward's docstring derives it."""
-    s, targets = cache
+    s, targets = _cache("bce_with_logits", cache, 2)
     dloss = _scalar_dout("bce_with_logits", dloss, s.dtype)
     return (s - targets) * (dloss / max(s.size, 1))
 
@@ -595,16 +607,17 @@ def mse_forward(pred, target):
     pred, target: (...) same shape   ->   loss: scalar of pred's dtype;  N = pred.size
         loss = mean((pred - target)^2)
         dpred = dloss * 2 (pred - target) / N,   dtarget = -dpred
+    N = 0 (empty pred): loss = 0 and empty gradients (torch would return NaN), as cross_entropy and bce.
     """
     V.floats("mse", pred=pred, target=target)
     V.shape("mse", "target", target, pred.shape, "(same as pred)")
     diff = pred - target
-    return np.asarray((diff * diff).mean(), dtype=pred.dtype), (diff,)
+    return np.asarray((diff * diff).mean() if diff.size else 0.0, dtype=pred.dtype), (diff,)
 
 
 def mse_backward(dloss, cache):
     """(dpred, dtarget), as mse_forward's docstring derives them."""
-    (diff,) = cache
+    (diff,) = _cache("mse", cache, 1)
     dloss = _scalar_dout("mse", dloss, diff.dtype)
     dpred = diff * (2 * dloss / max(diff.size, 1))
     return dpred, -dpred
@@ -623,10 +636,21 @@ def attention_shapes(q, k, v, n_heads, mask=None):
     return B, T, C, int(n_heads), C // int(n_heads)
 
 
+def _cache(op, cache, n, forward=None):
+    """A backward's cache, checked before it is unpacked: a tuple of n entries, as `forward` (default
+    <op>_forward) returns it; anything else is refused by name (not left to a failed unpack)."""
+    if not isinstance(cache, tuple) or len(cache) != n:
+        got = f"a tuple of {len(cache)}" if isinstance(cache, tuple) else V._desc(cache)
+        raise ValueError(f"{op}: argument 'cache' expected the cache {forward or op + '_forward'} returned (a tuple "
+                         f"of {n}), got {got}")
+    return cache
+
+
 def _scalar_dout(op, d, dtype):
-    if np.ndim(d) != 0:
-        raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {np.shape(d)}")
-    return dtype.type(d)
+    """dloss as a scalar of the loss's dtype: a finite real number (a Python or NumPy number, or a 0-d array)."""
+    if isinstance(d, np.ndarray) and d.ndim != 0:
+        raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {d.shape}")
+    return dtype.type(V.number(op, "dloss", d, what="a finite real number (the loss is a scalar)"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -803,8 +827,7 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
                          "got a row that is entirely -inf, or a NaN/+inf score")
     pt = np.exp(s - m)                                                # (B, H, T, T) in (0, 1], max 1 per row
     l = pt.sum(-1, keepdims=True)                                     # (B, H, T, 1) float32
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"attention: argument 'dropout_p' expected a probability in [0, 1], got {dropout_p}")
+    dropout_p = V.number("attention", "dropout_p", dropout_p, low=0.0, high=1.0, what="a probability in [0, 1]")
     p = float(dropout_p) if train else 0.0                            # eval: no dropout, no 1 / (1 - p)
     keep = dropout_mask(rng, s.shape, p, "attention") if p > 0 else None
     P = R(pt) if keep is None else R(pt) * keep                       # the 16-bit operand of P V
@@ -835,7 +858,8 @@ def attention_backward_mixed(dout, cache):
     rounding but on a fully padded row: there m is float32's most negative number (HF's additive mask), which
     absorbs log(l), so exp(s - lse) would give 1 instead of 1 / T; keeping both is exact there too.
     """
-    qh, kh, vh, oh, m, l, keep, scale, mask, p, compute = cache
+    qh, kh, vh, oh, m, l, keep, scale, mask, p, compute = _cache("attention", cache, 11,
+                                                                  "attention_forward_mixed")
     R = ROUND[compute]
     B, H, T, hs = qh.shape
     V.dout("attention", dout, (B, T, H * hs), qh.dtype)
@@ -860,7 +884,7 @@ def attention_backward_mixed(dout, cache):
 
 def attention_probs_mixed(cache):
     """The probabilities after dropout, R(keep * P / (1 - p)) (B, H, T, T), for output_attentions."""
-    qh, kh, _, _, m, l, keep, scale, mask, p, compute = cache
+    qh, kh, _, _, m, l, keep, scale, mask, p, compute = _cache("attention", cache, 11, "attention_forward_mixed")
     P = np.exp(_scores(qh, kh, scale, mask) - m) / l
     if keep is not None:
         P = P * keep * np.float32(1.0 / (1.0 - p) if p < 1 else 0.0)

@@ -223,10 +223,44 @@ def _finite(who, arg, key, g, peak):
                          f"{g.dtype}, got a largest magnitude of {peak}")
 
 
-def _float_array(who, arg, key, x):
+def _float_array(who, arg, key, x, writeable=False):
+    """x a float32/float64 array (NumPy's or a device library's); writeable: one this call changes in place, so a
+    read-only one is refused before any array is changed."""
     if not _is_array(x) or np.dtype(x.dtype).type not in FLOATS:
         raise ValueError(f"{who}: argument '{arg}' key {key!r} expected a float32 or float64 numpy array, "
                          f"got {_desc(x)}")
+    if writeable and not getattr(getattr(x, "flags", None), "writeable", True):    # (CuPy's arrays are always)
+        raise ValueError(f"{who}: argument '{arg}' key {key!r} expected a writeable array (it is scaled in place), "
+                         f"got a read-only one")
+
+
+def _no_overlap(who, params):
+    """No two parameters share memory (views of one array: a[:2] beside a would be updated twice, silently): their
+    byte ranges, sorted by start, each beginning past the furthest end before it (interleaved views, whose ranges
+    overlap, then asked of np.shares_memory). Arrays of size 0 hold nothing. O(n log n)."""
+    spans = []
+    for name, p in params.items():
+        if p.size == 0:
+            continue
+        face = getattr(p, "__array_interface__" if isinstance(p, np.ndarray) else "__cuda_array_interface__", None)
+        if face is None:                                # (an array of no known layout: not compared)
+            continue
+        item = np.dtype(p.dtype).itemsize
+        strides = face.get("strides") or tuple(int(np.prod(p.shape[i + 1:], dtype=np.int64)) * item
+                                               for i in range(len(p.shape)))      # None: C-contiguous
+        steps = [(n - 1) * st for n, st in zip(p.shape, strides)]
+        ptr = face["data"][0]
+        spans.append((ptr + sum(min(0, d) for d in steps), ptr + sum(max(0, d) for d in steps) + item, name))
+    spans.sort()
+    reach, n0 = None, None                              # the furthest end so far, and whose
+    for lo, hi, n1 in spans:
+        a, b = (params[n0], params[n1]) if n0 is not None else (None, None)
+        # (bounds that overlap hold a shared element, but for interleaved views: NumPy's exact test decides)
+        if reach is not None and lo < reach and (not isinstance(a, np.ndarray) or np.shares_memory(a, b)):
+            raise ValueError(f"{who}: argument 'params' key {n1!r} expected its own memory, got an array that "
+                             f"overlaps key {n0!r}'s (views of one array would be updated twice)")
+        if reach is None or hi > reach:
+            reach, n0 = hi, n1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -304,6 +338,7 @@ class AdamW:
                 raise ValueError(f"{who}: argument 'params' key {name!r} expected its own array, got the array "
                                  f"of key {seen[id(p)]!r} again (it would be updated twice)")
             seen[id(p)] = name
+        _no_overlap(who, params)
         self.params = dict(params)      # our own dict of the model's arrays: the arrays themselves are shared
         self._set_hyper(who, lr, betas, eps, weight_decay, correct_bias, no_decay)
         self.step_count = 0
@@ -509,7 +544,7 @@ def clip_grad_norm(grads, max_norm=1.0):
     if not isinstance(grads, dict):
         raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient, got {type(grads).__name__}")
     for name, g in grads.items():
-        _float_array(who, "grads", name, g)
+        _float_array(who, "grads", name, g, writeable=True)
     fused = _fused(who, list(grads.values()))
     if fused is not None:                               # the sums in one launch pair and one copy
         sums = fused.grad_stats(list(grads.values()))[:, 0].tolist()
@@ -571,7 +606,11 @@ class GradScaler:
         if not isinstance(enabled, (bool, np.bool_)):
             raise ValueError(f"{who}: argument 'enabled' expected True or False, got {enabled!r}")
         self.enabled = bool(enabled)
-        self._scale = float(np.float32(_number(who, "init_scale", init_scale, 0.0, low_open=True)))
+        with np.errstate(over="ignore"):                     # (an overflow is refused just below, by name)
+            self._scale = float(np.float32(_number(who, "init_scale", init_scale, 0.0, low_open=True)))
+        if not math.isfinite(self._scale):                   # (S is a float32 number)
+            raise ValueError(f"{who}: argument 'init_scale' expected a scale finite in float32 (at most "
+                             f"{float(np.finfo(np.float32).max):.4g}), got {init_scale}")
         self.growth_factor = _number(who, "growth_factor", growth_factor, 1.0, low_open=True)
         self.backoff_factor = _number(who, "backoff_factor", backoff_factor, 0.0, 1.0, low_open=True)
         self.growth_interval = _integer(who, "growth_interval", growth_interval, 1)
@@ -599,7 +638,7 @@ class GradScaler:
             raise ValueError(f"{who}: expected one call per step, got a second before update() (the gradients "
                              f"are already unscaled)")
         for name, g in grads.items():
-            _float_array(who, "grads", name, g)
+            _float_array(who, "grads", name, g, writeable=True)
         inv = np.float32(1.0 / np.float64(np.float32(self._scale)))   # torch: scale.double().reciprocal().float()
         fused = _fused(who, list(grads.values()))
         if fused is not None:                           # inf / NaN found from the peaks; one scaling launch

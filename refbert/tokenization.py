@@ -138,8 +138,12 @@ def load_vocab(vocab_file):
 
 def _read_vocab(vocab_file):
     """(load_vocab's dict, the list of lines)."""
-    with open(vocab_file, "r", encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
+    try:
+        with open(vocab_file, "r", encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"BertTokenizer: argument 'vocab_file' expected a UTF-8 text file (vocab.txt, one token per "
+                         f"line), got '{vocab_file}', which is not UTF-8 text (byte {e.start}: {e.reason})") from None
     return collections.OrderedDict((token, index) for index, token in enumerate(lines)), lines
 
 
@@ -233,6 +237,8 @@ class WordpieceTokenizer:
 
     def tokenize(self, text):
         """Word pieces of every whitespace-separated word of `text` (already basic-tokenized)."""
+        if not isinstance(text, str):
+            raise ValueError(f"WordpieceTokenizer: argument 'text' expected a str, got {type(text).__name__}")
         out = []
         for word in text.split():
             spans = self.word_spans(word)
@@ -308,10 +314,14 @@ class BertTokenizer:
             self._lines = _lines_of(vocab_file, where)
             self.vocab = collections.OrderedDict((token, index) for index, token in enumerate(self._lines))
         else:
-            where = os.fspath(vocab_file)
+            if not isinstance(vocab_file, (str, bytes, os.PathLike)):
+                raise ValueError(f"BertTokenizer: argument 'vocab_file' expected a path to a vocab.txt or a mapping "
+                                 f"token -> id, got {type(vocab_file).__name__}")
+            where = os.fsdecode(os.fspath(vocab_file))
             if not os.path.isfile(where):
+                what = "is a directory" if os.path.isdir(where) else "does not exist"
                 raise ValueError(f"BertTokenizer: argument 'vocab_file' expected a vocabulary file (vocab.txt, one "
-                                 f"token per line), got '{where}', which does not exist")
+                                 f"token per line), got '{where}', which {what}")
             self.vocab, self._lines = _read_vocab(where)
         self.vocab_file = where
         self.ids_to_tokens = collections.OrderedDict((index, token) for token, index in self.vocab.items())
@@ -414,6 +424,10 @@ class BertTokenizer:
         if isinstance(tokens, str):
             index = self._token_id(tokens)
             return self.unk_token_id if index is None else index
+        if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, str) for t in tokens):
+            bad = tokens if not isinstance(tokens, (list, tuple)) else next(t for t in tokens if not isinstance(t, str))
+            raise ValueError(f"BertTokenizer: argument 'tokens' expected a str or a list of str, got "
+                             f"{type(bad).__name__} {bad!r:.40}")
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
@@ -433,6 +447,9 @@ class BertTokenizer:
                 raise ValueError(f"BertTokenizer: argument '{name}' expected a 1-D integer array, got shape "
                                  f"{ids.shape} and dtype {ids.dtype}")
             return ids.tolist()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"BertTokenizer: argument '{name}' expected an int or a sequence of ints, got "
+                             f"{type(ids).__name__}")
         ids = list(ids)
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
@@ -505,9 +522,11 @@ class BertTokenizer:
 
     def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
         """[CLS] A [SEP], or [CLS] A [SEP] B [SEP] for a pair."""
+        a = self._id_list(token_ids_0, "token_ids_0")
         if token_ids_1 is None:
-            return [self.cls_token_id] + list(token_ids_0) + [self.sep_token_id]
-        return [self.cls_token_id] + list(token_ids_0) + [self.sep_token_id] + list(token_ids_1) + [self.sep_token_id]
+            return [self.cls_token_id] + a + [self.sep_token_id]
+        return [self.cls_token_id] + a + [self.sep_token_id] + self._id_list(token_ids_1, "token_ids_1") + \
+            [self.sep_token_id]
 
     def create_token_type_ids_from_sequences(self, token_ids_0, token_ids_1=None):
         """0 for "[CLS] A [SEP]", 1 for "B [SEP]"."""

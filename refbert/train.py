@@ -35,7 +35,7 @@ from . import ops, safetensors_io
 from .config import PRESETS, BertConfig
 from .defaults import CONTROL, PRETRAIN, SCHEDULE
 from .errors import UserError
-from .fileio import write_text
+from .fileio import utf8_named, write_text
 from .mixed import FLAGS as MIXED_FLAGS
 from . import optim
 from .optim import AdamW, GradScaler, LinearWarmupDecay, clip_grad_norm
@@ -299,6 +299,9 @@ def _check_pretrain_args(a, given):
                            ("seed", a["seed"] >= 0, "an integer >= 0")):
         if not ok:
             raise UserError(f"{_flag(name)}: expected {want}, got {a[name]}")
+    if a["steps"] and a["warmup"] >= 1 and a["warmup"] > a["steps"]:
+        raise UserError(f"--warmup: expected at most --steps ({a['steps']}) warmup steps (or a fraction of them, "
+                        f"below 1), got {a['warmup']:g}")
 
 
 def _resumed_args(saved, given, step):
@@ -578,7 +581,22 @@ def _pretrain_model(a, tokenizer, backend="numpy"):
     if config.vocab_size != len(tokenizer.vocab):
         raise UserError(f"--config: vocab_size {config.vocab_size} does not match the tokenizer's "
                         f"{len(tokenizer.vocab)} tokens")
+    attention_fits(a["batch_size"], config.num_attention_heads, a["max_seq_length"])
     return M.BertForPreTraining(config, seed=a["seed"], backend=backend)
+
+
+def attention_fits(B, H, T):
+    """Refuse (by the flags that set them) a batch whose one layer's attention probabilities (B, H, T, T) float32
+    would not fit in this machine's memory: --max-seq-length 100000 asked for 2.3 TiB and died in NumPy."""
+    need = 4 * B * H * T * T
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):        # (no sysconf: nothing to compare with)
+        return
+    if need > have:
+        raise UserError(f"--max-seq-length / --batch-size: one layer's attention probabilities (B, H, T, T) = "
+                        f"({B}, {H}, {T}, {T}) would take {need / 2 ** 30:.1f} GiB of float32, more than this "
+                        f"machine's {have / 2 ** 30:.1f} GiB of memory; lower --max-seq-length or --batch-size")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -601,7 +619,7 @@ def read_rows(path, task):
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
     rows = []
-    with open(path, encoding="utf-8-sig", newline="") as f:     # -sig: a byte-order mark (Excel) is not text
+    with open(path, encoding="utf-8-sig", newline="") as f, utf8_named(path):   # -sig: a byte-order mark (Excel)
         if path.endswith(".csv"):
             if task in ("ner", "qa"):
                 raise UserError(f"{path}: task {task!r} reads .jsonl files (its rows hold lists or offsets)")
@@ -621,6 +639,12 @@ def read_rows(path, task):
                             f"{sorted(r) if isinstance(r, dict) else type(r).__name__}")
         if task in ("classification", "pair") and any(r[k] is None or str(r[k]) == "" for k in fields):
             raise UserError(f"{path}, line {line}: expected a value in each of {list(fields)}, got an empty one")
+        texts = {"classification": ("text",), "pair": ("text_a", "text_b"), "qa": ("question", "context",
+                                                                                "answer_text")}.get(task, ())
+        for k in texts:
+            if not isinstance(r[k], str):
+                raise UserError(f"{path}, line {line}: expected '{k}' to be a string, got {type(r[k]).__name__} "
+                                f"{r[k]!r:.40}")
         if task == "ner":
             tokens, tags = r["tokens"], r["tags"]
             if not (isinstance(tokens, list) and isinstance(tags, list)
@@ -630,6 +654,9 @@ def read_rows(path, task):
                 raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' lists of equal length")
         if task == "qa":
             s = r["answer_start"]
+            if isinstance(s, int) and not isinstance(s, bool) and s < 0:
+                raise UserError(f"{path}, line {line}: expected 'answer_start' >= 0 (a character offset into "
+                                f"'context'), got {s}")
             if not isinstance(s, int) or (r["answer_text"] and (s < 0 or r["context"][s:s + len(r["answer_text"])]
                                                                 != r["answer_text"])):
                 raise UserError(f"{path}, line {line}: expected context[answer_start:][:len(answer_text)] == "
@@ -815,8 +842,15 @@ def finetune(args):
     if args.max_seq_length > max_pos:
         raise UserError(f"--max-seq-length: expected at most {max_pos} (the model's max_position_embeddings), "
                         f"got {args.max_seq_length}")
+    need = 5 if task in ("pair", "qa") else 3            # [CLS] text [SEP] (text [SEP]), a token of each text
+    if args.max_seq_length < need:
+        raise UserError(f"--max-seq-length: expected at least {need} for task {task!r} ([CLS], [SEP] and one token "
+                        f"of each text), got {args.max_seq_length}")
     check_out(out, False, args.overwrite, resumable=False)
     labels = label_set(train_rows, task)
+    if task in ("classification", "pair") and len(labels) < 2:
+        raise UserError(f"{args.train}: expected at least two labels to tell apart, got one ({labels[0]!r}): a "
+                        f"one-label classifier would be HF's regression (num_labels == 1), not a classifier")
     cls = getattr(M, TASKS[task][0])
     id2label = dict(enumerate(labels)) if labels else {0: "start", 1: "end"}
     model = cls.from_pretrained(args.init, id2label=id2label, backend=args.backend,

@@ -72,3 +72,41 @@ def dout(op, d, out_shape, dtype, name="dout", what="the forward output"):
     if not isinstance(d, np.ndarray) or d.shape != tuple(out_shape) or d.dtype != dtype:
         raise ValueError(f"{op}: argument '{name}' expected an array of shape {tuple(out_shape)} and dtype {dtype} "
                          f"({what}), got {_desc(d)}")
+
+
+def number(op, name, x, low=None, high=None, low_open=False, integer=False, what=None):
+    """A real scalar argument (a Python or NumPy number, or a 0-d array; not a bool, a string, None or an array),
+    finite, within [low, high] (low excluded when low_open), an integer when `integer`: returned as a Python float
+    (or int). A Python float, unlike np.float64, keeps a float32 computation float32 (NumPy's promotion rules)."""
+    kind = "an integer" if integer else "a finite real number"
+    desc = what or kind
+    v = x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
+    ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    if ok and integer:
+        ok = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and float(v).is_integer())
+    if ok:
+        v = int(v) if integer else float(v)
+        ok = bool(np.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
+            (high is None or v <= high)
+    if not ok:
+        got = repr(x) if isinstance(x, (str, bytes)) else str(x) if isinstance(x, (int, float, np.number, type(None))) \
+            else _desc(x)
+        raise ValueError(f"{op}: argument '{name}' expected {desc}, got {got}")
+    return v
+
+
+def required(op, **arrays):
+    """Arguments that may not be None (floats() passes None by: optional arrays)."""
+    for name, x in arrays.items():
+        if x is None:
+            raise ValueError(f"{op}: argument '{name}' expected a float32 or float64 array, got None")
+
+
+def layernorm_eps(op, x, eps):
+    """After a layernorm's array checks: a row to normalise (C >= 1), and eps a positive finite number (as a
+    Python float: an np.float64 eps would turn a float32 layernorm into float64)."""
+    if x.shape[-1] == 0:
+        raise ValueError(f"{op}: argument 'x' expected at least one channel to normalise over (C >= 1), got shape "
+                         f"{x.shape}")
+    return number(op, "eps", eps, low=0, low_open=True, what="a positive finite number (added to the variance)")
+

@@ -113,7 +113,7 @@ def read_dump(path):
     if not os.path.isfile(path):
         raise ValueError(f"verify: dump '{path}' expected a file, got {'a folder' if os.path.isdir(path) else 'nothing'}")
     with open(path, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"
+        is_zip = f.read(2) == b"PK"                  # (a zip's records all start so: an empty .npz has no PK\x03\x04)
     if not is_zip:
         tensors = safetensors_io.load_file(path)   # its errors name the file (and the tensor)
         return tensors, {k: _CODES[c] for k, c in safetensors_io.load_dtypes(path).items()}
@@ -296,7 +296,13 @@ def read_batch(path, head, config):
     tensors, _ = read_dump(path)
     if not any(k.startswith("input/") for k in tensors):           # bare names: input_ids, labels, ...
         tensors = {(k if "/" in k else ("upstream/" if k in UPSTREAM else "input/") + k): v for k, v in tensors.items()}
-    batch, upstream, _ = split_batch(tensors, head, config, f"batch '{os.fspath(path)}'")
+    batch, upstream, used = split_batch(tensors, head, config, f"batch '{os.fspath(path)}'")
+    unknown = sorted(k for k in tensors if k not in used and k.startswith(("input/", "upstream/")))
+    if unknown:                                     # a misspelt name ("label") would drop the loss, unsaid (a dump's
+        #                                             outputs and gradients are not the batch: passed by)
+        raise ValueError(f"verify: batch '{os.fspath(path)}' holds tensors {head} does not take: {unknown[:4]} "
+                         f"(it takes {', '.join(INPUTS + LABELS[head])}"
+                         f"{', upstream/' + ', upstream/'.join(UPSTREAM) if head == 'BertModel' else ''})")
     return batch, upstream
 
 

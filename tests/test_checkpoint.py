@@ -23,6 +23,21 @@ def test_a_folder_without_config_json_is_a_value_error(tmp_path):
         refbert.BertModel.from_pretrained(tmp_path / "nowhere")
 
 
+def test_id2label_is_checked_and_a_head_trained_for_other_labels_is_named(tmp_path):
+    """id2label as a list raised an AttributeError; a classifier saved with 2 labels loaded with 3 blamed
+    config.json for the shape (the labels came from the argument)."""
+    refbert.BertForSequenceClassification(BertConfig(**CFG), seed=0).save_pretrained(tmp_path / "clf")
+    with pytest.raises(ValueError, match=r"argument 'id2label' expected a dict \{id: name\} with ids 0 .. n - 1, "
+                                         r"got \['a', 'b'\]"):
+        refbert.BertForSequenceClassification.from_pretrained(tmp_path / "clf", id2label=["a", "b"])
+    with pytest.raises(ValueError, match=r"key 'classifier.(weight|bias)' expected shape \(3(, 8)?,?\) \(from the 3 "
+                                         r"labels of argument 'id2label'\), got \(2(, 8)?,?\): the checkpoint's head "
+                                         r"was trained for other labels"):
+        refbert.BertForSequenceClassification.from_pretrained(tmp_path / "clf", id2label={0: "a", 1: "b", 2: "c"})
+    same = refbert.BertForSequenceClassification.from_pretrained(tmp_path / "clf", id2label={"1": "y", "0": "x"})
+    assert same.config.id2label == {0: "x", 1: "y"}
+
+
 def test_new_and_unused_weights_are_one_line_each_on_stderr(tmp_path, capsys):
     refbert.BertModel(BertConfig(**CFG), seed=0).save_pretrained(tmp_path / "enc")
     refbert.BertForPreTraining(BertConfig(**CFG), seed=0).save_pretrained(tmp_path / "pre")

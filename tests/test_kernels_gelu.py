@@ -170,3 +170,20 @@ def test_small_inputs_on_one_thread_give_the_parallel_bits(dtype, approximate, m
         results.append(got)
     for g, h in zip(*results):
         np.testing.assert_array_equal(g, h)
+
+
+@pytest.mark.parametrize("v", VERSIONS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tanh_form_at_huge_x_takes_its_limits(v, dtype):
+    """Every version's tanh form, gelu and bias_gelu, where u^3 or u^2 overflows (|u| ~ 1e13 up in float32): out
+    = u for u > 0 and 0 for u < 0, du = 1 and 0 (db their sums), the derivative's limits, as the oracle
+    (tests/test_ops.py); never NaN from inf * 0 (versions 2 and 4 gave NaN from |u| = 1e14 in float32)."""
+    big = 3e38 if dtype == np.float32 else 1e300
+    x = np.array([[1e14, -1e14, 1e20, -1e20, big, -big, 1e4, -1e4]], dtype)
+    for spec, args in ((G.SPEC_GELU, (x,)), (G.SPEC_BIAS_GELU, (x, np.zeros(x.shape[-1], dtype)))):
+        fwd, bwd = spec.versions[v]
+        out, cache = fwd(*args, approximate="tanh")
+        grads = bwd(np.ones_like(x), cache)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        np.testing.assert_array_equal(out, np.where(x > 0, x, 0).astype(dtype))
+        np.testing.assert_array_equal(grads[0], (x > 0).astype(dtype))

@@ -113,9 +113,12 @@ def test_backward_errors_match_oracle():
                 bwd(dout, fwd(x)[1])
 
 
-def test_empty_and_upcasting_scale_follow_the_oracle():
+def test_empty_and_float64_scale_follow_the_oracle():
+    """An empty input, and a float32 x with an np.float64 scale: float32 out (the scale is taken as a Python float,
+    which NumPy's promotion does not let widen x), as the oracle."""
     for x, scale in ((np.zeros((0, 4), np.float32), 1.0), (np.ones((2, 3), np.float32), np.float64(0.5))):
         ref, rc = ops.softmax_forward(x, scale)
+        assert ref.dtype == np.float32
         for v in VERSIONS:
             fwd, bwd = K.SPEC.versions[v]
             p, c = fwd(x, scale)

@@ -166,6 +166,52 @@ def test_backward_misuse_and_bad_labels():
         refbert.BertModel(cfg, backend="tpu")
 
 
+def test_head_inputs_a_user_can_get_wrong_are_refused_by_name():
+    """What used to pass silently: backward(None) (np.float32(None) is NaN: every gradient NaN), the multiple
+    choice head's side inputs reshaped to any shape of the same size, regression labels matched by size only,
+    NaN regression targets; the failed backward keeps the forward (it may be retried)."""
+    cfg = tiny()
+    m = refbert.BertForTokenClassification(cfg)
+    m(input_ids=np.array([[1, 2]]), labels=np.array([[1, 2]]))
+    for bad, got in ((None, "None"), ("1", "'1'"), (float("nan"), "nan"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"BertForTokenClassification.backward: argument 'dloss' expected a "
+                                             rf"finite real number .*, got {got}$"):
+            m.backward(bad)
+    assert all(np.isfinite(g).all() for g in m.backward(np.float32(2.0)).values())
+    mc = refbert.BertForMultipleChoice(cfg)
+    ids = np.ones((3, 2, 4), np.int64)
+    with pytest.raises(ValueError, match=r"'attention_mask' expected an array of shape \(B, num_choices, T\) = "
+                                         r"\(3, 2, 4\) as input_ids, got array of shape \(2, 3, 4\)"):
+        mc(input_ids=ids, attention_mask=np.ones((2, 3, 4), np.int64))
+    with pytest.raises(ValueError, match=r"'token_type_ids' expected an array of shape .* got int"):
+        mc(input_ids=ids, token_type_ids=1)
+    sc = refbert.BertForSequenceClassification(tiny(num_labels=3, problem_type="regression"))
+    with pytest.raises(ValueError, match=r"'labels' expected real regression targets of shape \(2, 3\), got array "
+                                         r"of shape \(3, 2\)"):
+        sc(input_ids=np.ones((2, 4), np.int64), labels=np.zeros((3, 2)))
+    with pytest.raises(ValueError, match=r"'labels' expected finite regression targets, got a NaN"):
+        sc(input_ids=np.ones((2, 4), np.int64), labels=np.full((2, 3), np.nan))
+    one = refbert.BertForSequenceClassification(tiny(num_labels=1))
+    for shape in ((2,), (2, 1)):                                # HF squeezes (B, 1) and (B,) alike
+        assert np.isfinite(one(input_ids=np.ones((2, 4), np.int64), labels=np.zeros(shape)).loss)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_answer_length=0), r"'max_answer_length' expected a positive integer \(tokens\), got 0"),
+    (dict(max_answer_length="a"), r"'max_answer_length' expected a positive integer \(tokens\), got 'a'"),
+    (dict(context_mask=np.full((2, 5), 2)), r"'context_mask' expected a bool \(or 0/1\) array of shape \(B, T\) = "
+                                           r"\(2, 5\), got .* with values other than 0 and 1"),
+    (dict(context_mask=np.ones(5, bool)), r"'context_mask' expected .* got array of shape \(5,\)"),
+    (dict(null_score_diff_threshold=float("nan")), r"'null_score_diff_threshold' expected a real number"),
+    (dict(start_logits=np.full((2, 5), np.nan)), r"'start_logits' expected finite real logits, got a NaN"),
+])
+def test_qa_span_decoder_refuses_what_would_make_every_answer_null(kw, match):
+    """A zero answer length or a mask of 2s (ok & 2 == 0) made every answer null; NaN logits gave (0, 0, nan)."""
+    args = {**dict(start_logits=np.zeros((2, 5)), end_logits=np.zeros((2, 5))), **kw}
+    with pytest.raises(ValueError, match=match):
+        M.decode_qa_span(**args)
+
+
 # --- the MLM decoder at the labelled positions; inference mode; outputs that are the user's --------------------
 
 @pytest.mark.parametrize("head", ["BertForPreTraining", "BertForMaskedLM"])

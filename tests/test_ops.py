@@ -292,6 +292,22 @@ F = np.zeros
     (lambda: ops.mse_forward(F(3), F(4)), r"'target' expected shape \(same as pred\) = \(3,\), got \(4,\)"),
     (lambda: ops.tanh_backward(F(2), ops.tanh_forward(F(3))[1]), r"tanh: argument 'dout' expected an array of shape \(3,\)"),
     (lambda: ops.cross_entropy_backward(F(2), ops.cross_entropy_forward(F((1, 2)), np.array([0]))[1]), r"'dloss' expected a scalar"),
+    # scalars: a finite real number, not None, a string, a bool or NaN (np.float32(None) would be a silent NaN)
+    (lambda: ops.cross_entropy_backward(None, ops.cross_entropy_forward(F((1, 2)), np.array([0]))[1]), r"'dloss' expected a finite real number \(the loss is a scalar\), got None"),
+    (lambda: ops.mse_backward("1", ops.mse_forward(F(2), F(2))[1]), r"'dloss' expected a finite real number .*, got '1'"),
+    (lambda: ops.bce_with_logits_backward(np.nan, ops.bce_with_logits_forward(F(2), F(2))[1]), r"'dloss' expected a finite real number .*, got nan"),
+    (lambda: ops.layernorm_forward(F((2, 3)), F(3), F(3), eps=-1.0), r"'eps' expected a positive finite number \(added to the variance\), got -1.0"),
+    (lambda: ops.layernorm_forward(F((2, 3)), F(3), F(3), eps="1e-12"), r"'eps' expected a positive finite number .*, got '1e-12'"),
+    (lambda: ops.layernorm_forward(F((2, 3)), F(3), None), r"'b' expected a float32 or float64 array, got None"),
+    (lambda: ops.layernorm_forward(F((2, 0)), F(0), F(0)), r"'x' expected at least one channel to normalise over \(C >= 1\), got shape \(2, 0\)"),
+    (lambda: ops.softmax_forward(F((2, 3)), "0.5"), r"'scale' expected a finite real number, got '0.5'"),
+    (lambda: ops.softmax_forward(F((2, 3)), F(3)), r"'scale' expected a finite real number, got array of shape \(3,\)"),
+    (lambda: ops.dropout_forward(F(3), None, DropoutRNG(0)), r"'p' expected a probability in \[0, 1\], got None"),
+    (lambda: ops.embedding_forward(np.array([0]), F((7, 2)), padding_idx=1.5), r"'padding_idx' expected a row in \[0, 7\), got 1.5"),
+    (lambda: ops.bce_with_logits_forward(np.array([np.nan, 0.0]), F(2)), r"'logits' expected finite values, got a NaN"),
+    # a backward handed what is not its forward's cache
+    (lambda: ops.layernorm_backward(F((2, 3)), ops.softmax_forward(F((2, 3)))[1]), r"'cache' expected the cache layernorm_forward returned \(a tuple of 4\), got a tuple of 2"),
+    (lambda: ops.linear_backward(F((2, 3)), None), r"'cache' expected the cache linear_forward returned \(a tuple of 3\), got NoneType"),
 ])
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -300,6 +316,35 @@ def test_bad_input_names_the_argument(call, match):
     import inspect
     op = re.search(r"ops\.(\w+?)_(?:forward|backward)\(", inspect.getsource(call)).group(1)
     assert str(e.value).startswith(f"{op}: argument '"), (op, str(e.value))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float64_scalars_keep_float32(dtype):
+    """An np.float64 eps or scale (a config value read through NumPy, say) must not widen a float32 op: NumPy 2's
+    promotion makes float32 array * np.float64 scalar float64, so the ops take such scalars as Python floats."""
+    x = np.random.default_rng(0).standard_normal((2, 5)).astype(dtype)
+    w, b = np.ones(5, dtype), np.zeros(5, dtype)
+    assert ops.layernorm_forward(x, w, b, eps=np.float64(1e-12))[0].dtype == dtype
+    assert ops.softmax_forward(x, np.float64(0.5))[0].dtype == dtype
+    assert ops.dropout_forward(x, np.float64(0.5), DropoutRNG(0))[0].dtype == dtype
+
+
+def test_empty_mse_is_zero_not_nan():
+    """N = 0: loss 0 and empty gradients, as cross_entropy and bce_with_logits (torch would give NaN)."""
+    loss, cache = ops.mse_forward(F(0), F(0))
+    assert loss == 0.0 and [g.shape for g in ops.mse_backward(1.0, cache)] == [(0,), (0,)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tanh_gelu_at_huge_x_takes_its_limits(dtype):
+    """The tanh form at |x| far past where x^3 or x^2 overflows: out = x for x > 0 (s = 1) and -0 for x < 0, and
+    dx = 1 and 0, the limits of the derivative (x s (1 - s) -> 0 faster than x^3 grows); never NaN from inf * 0."""
+    big = 3e38 if dtype == np.float32 else 1e300
+    x = np.array([1e14, -1e14, 1e20, -1e20, big, -big, 1e4, -1e4], dtype)
+    out, cache = ops.gelu_forward(x, "tanh")
+    dx = ops.gelu_backward(np.ones_like(x), cache)
+    np.testing.assert_array_equal(out, np.where(x > 0, x, 0).astype(dtype))
+    np.testing.assert_array_equal(dx, (x > 0).astype(dtype))
 
 
 # --- the zero-row shortcut of linear_backward, under finite differences ------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 import refbert
 from refbert.check import model_batch, tiny_config
-from refbert.optim import AdamW, LinearWarmupDecay, clip_grad_norm, linear_warmup_decay
+from refbert.optim import AdamW, GradScaler, LinearWarmupDecay, clip_grad_norm, linear_warmup_decay
 
 # BERT-like names: two decayed weights, and biases / LayerNorm weights that the default no_decay exempts
 SHAPES = {"bert.embeddings.word_embeddings.weight": (7, 5),
@@ -394,7 +394,21 @@ BAD = [
     (lambda: clip_grad_norm([np.ones(3)]), r"clip_grad_norm: argument 'grads' expected a dict"),
     (lambda: clip_grad_norm({"a": np.array([1.0, np.inf])}), r"argument 'grads' key 'a' expected finite values"),
     (lambda: clip_grad_norm({"a": np.arange(3)}), r"argument 'grads' key 'a' expected a float32 or float64"),
+    # what used to pass silently or leave a half-done dict: views of one array updated twice, a read-only gradient
+    # met after the earlier keys were scaled, a float32 scale that overflows to inf
+    (lambda: AdamW({"a": (x := np.zeros(5)), "b": x[:2]}),
+     r"AdamW: argument 'params' key 'a' expected its own memory, got an array that overlaps key 'b''s"),
+    (lambda: clip_grad_norm({"a": np.ones(3), "b": _frozen(np.ones(3))}, 0.1),
+     r"clip_grad_norm: argument 'grads' key 'b' expected a writeable array \(it is scaled in place\)"),
+    (lambda: GradScaler().unscale_({"a": np.ones(3), "b": _frozen(np.ones(3))}),
+     r"GradScaler.unscale_: argument 'grads' key 'b' expected a writeable array"),
+    (lambda: GradScaler(init_scale=1e39), r"GradScaler: argument 'init_scale' expected a scale finite in float32"),
 ]
+
+
+def _frozen(a):
+    a.flags.writeable = False
+    return a
 
 
 @pytest.mark.parametrize("call, message", BAD, ids=[m[:40] for _, m in BAD])
@@ -439,7 +453,9 @@ class DevArray(np.lib.mixins.NDArrayOperatorsMixin):
     size = property(lambda self: self._a.size)
     ndim = property(lambda self: self._a.ndim)
     __cuda_array_interface__ = property(lambda self: {"shape": self.shape, "typestr": self.dtype.str,
-                                                      "data": (0, False), "version": 3})
+                                                      "data": self._a.__array_interface__["data"],
+                                                      "strides": self._a.__array_interface__["strides"],
+                                                      "version": 3})       # (its memory's address, as CuPy's)
 
     def __array__(self, *args, **kwargs):
         raise TypeError("DevArray: implicit conversion to a NumPy array is not allowed (use .get())")

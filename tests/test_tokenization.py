@@ -622,6 +622,31 @@ def test_missing_special_tokens(tmp_path):
         BertTokenizer({"the": 0}, pad_token="")
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda t: t.decode(None), r"argument 'token_ids' expected an int or a sequence of ints, got NoneType"),
+    (lambda t: t.convert_tokens_to_ids(None), r"argument 'tokens' expected a str or a list of str, got NoneType"),
+    (lambda t: t.convert_tokens_to_ids([5]), r"argument 'tokens' expected a str or a list of str, got int 5"),
+    (lambda t: t.build_inputs_with_special_tokens(["the"]), r"argument 'token_ids_0' expected ints, got str 'the'"),
+    (lambda t: t.build_inputs_with_special_tokens([5], 7),
+     r"argument 'token_ids_1' expected an int or a sequence of ints, got int"),
+    (lambda t: BertTokenizer(None), r"argument 'vocab_file' expected a path to a vocab.txt or a mapping"),
+    (lambda t: WordpieceTokenizer(t.vocab).tokenize(None), r"WordpieceTokenizer: argument 'text' expected a str"),
+])
+def test_bad_arguments_are_refused_by_name(call, match):
+    """What used to fail inside Python ("'NoneType' object is not iterable") or pass wrong: a token string among
+    the ids of build_inputs_with_special_tokens came back in the list."""
+    with pytest.raises(ValueError, match=match):
+        call(_hand())
+
+
+def test_vocab_file_that_is_a_folder_or_not_text(tmp_path):
+    with pytest.raises(ValueError, match=r"got '.*', which is a directory"):
+        BertTokenizer(tmp_path)
+    (tmp_path / "vocab.txt").write_bytes(b"\xe0\xff\x00the\n")
+    with pytest.raises(ValueError, match=r"expected a UTF-8 text file .* which is not UTF-8 text \(byte 0"):
+        BertTokenizer(tmp_path / "vocab.txt")
+
+
 # google-research/bert's tokenization_test.py vocabulary: no [PAD], no [MASK]
 GOOGLE_VOCAB = ["[UNK]", "[CLS]", "[SEP]", "want", "##want", "##ed", "wa", "un", "runn", "##ing", ",", "low",
                 "lowest"]

@@ -132,6 +132,10 @@ def test_fill_mask_and_embed(demo, tmp_path, capsys):
     assert cli.main(["fill-mask", str(pre / "model"), "return the [MASK] of the file.", "--top-k", "3"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["masks"]) == 1 and len(res["masks"][0]) == 3
+    # a [MASK] that truncation drops is said as such (the text has one)
+    assert cli.main(["fill-mask", str(pre / "model"), "the file " * 10 + "[MASK]", "--max-seq-length", "8"]) == 2
+    assert "expected a [MASK] within the first 8 tokens (--max-seq-length), got one at token" in \
+        capsys.readouterr().err
     assert cli.main(["embed", str(pre / "model"), "--text", "open a file", "--text", "close it",
                      "--out", str(tmp_path / "e.npy")]) == 0
     assert np.load(tmp_path / "e.npy").shape == (2, 32)
@@ -238,6 +242,31 @@ def test_more_user_errors(demo, tmp_path, fails):
     fails(pretrain_args(demo, afile), "which is a file")
     with pytest.raises(SystemExit):                    # argparse: "expected an integer >= 1"
         cli.main(pretrain_args(demo, tmp_path / "z", "--batch-size", "0"))
+    # what a bad-input sweep found: checked late (after the run folder was made), named by a library, or not at all
+    ft = ["finetune", "--task", "classification", "--train", str(demo / "classification_train.jsonl"), "--dev",
+          str(demo / "classification_dev.jsonl"), "--init", str(pre / "model"), "--out", str(tmp_path / "q"),
+          "--max-seq-length", "32"]
+    for flag, value in (("--lr", "-1"), ("--lr", "nan"), ("--seed", "-1")):
+        with pytest.raises(SystemExit):                # argparse: "expected a finite number > 0" / "an integer >= 0"
+            cli.main(ft + [flag, value])
+    fails(["finetune", "--task", "pair", "--train", str(demo / "pair_train.jsonl"), "--dev",
+           str(demo / "pair_dev.jsonl"), "--init", str(pre / "model"), "--out", str(tmp_path / "q"),
+           "--max-seq-length", "4"],
+          "--max-seq-length: expected at least 5 for task 'pair'")
+    rows = {"one.jsonl": ('{"text": "a b", "label": "x"}\n' * 2, "expected at least two labels to tell apart, got "
+                                                                 "one ('x')"),
+            "num.jsonl": ('{"text": 5, "label": "x"}\n', "num.jsonl, line 1: expected 'text' to be a string, got int"),
+            "bin.jsonl": (None, "bin.jsonl: expected UTF-8 text, got a byte that is not UTF-8 at offset 0")}
+    for name, (text, match) in rows.items():
+        f = tmp_path / name
+        f.write_bytes(b"\xe0\xff{}\n") if text is None else f.write_text(text)
+        fails(ft[:4] + [str(f), "--dev", str(f)] + ft[7:], match)
+    neg = tmp_path / "neg.jsonl"
+    neg.write_text('{"question": "q", "context": "c a", "answer_text": "a", "answer_start": -5}\n')
+    fails(["finetune", "--task", "qa", "--train", str(neg), "--dev", str(neg), "--init", str(pre / "model"), "--out",
+           str(tmp_path / "r")], "neg.jsonl, line 1: expected 'answer_start' >= 0 (a character offset into 'context')"
+                                 ", got -5")
+    assert not any((tmp_path / d).exists() for d in "qr")
 
 
 def test_best_is_swapped_atomically(tmp_path):
@@ -279,6 +308,11 @@ def test_argument_errors_come_before_anything_is_written(demo, tmp_path, fails):
         (pretrain_args(demo, y, "--lr", "-1"), "--lr: expected a positive finite learning rate"),
         (pretrain_args(demo, y, "--max-seq-length", "65"), "--max-seq-length: expected at most 64"),
         (pretrain_args(demo, y, "--config", str(cfg300)), "--config: vocab_size 300 does not match"),
+        (pretrain_args(demo, y, "--steps", "2", "--warmup", "100"), "--warmup: expected at most --steps (2) warmup "
+                                                                    "steps"),
+        (["pretrain", "--corpus", small, "--vocab", str(demo / "tok" / "vocab.txt"), "--preset", "tiny",
+          "--max-seq-length", "100000", "--out", str(y)], "--max-seq-length / --batch-size: one layer's attention "
+                                                          "probabilities (B, H, T, T) = (32, "),
         (pretrain_args(demo, y, "--cuda-graph"), "--cuda-graph: expected --backend cuda (the training step "
                                                   "captured as a CUDA graph), got --backend numpy"),
         # a vocabulary trained on the corpus first, then refused: it is trained outside --out and removed

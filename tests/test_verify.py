@@ -203,6 +203,20 @@ def test_dump_batch_default_and_given(tmp_path, capsys):
     assert code == 0 and "batch (2, 10)" in out, err
 
 
+def test_a_batch_with_a_misspelt_tensor_or_none_is_refused(tmp_path, capsys):
+    """A batch key the head does not take ("label" for "labels") would have dropped the loss and its gradients
+    without a word (the dump then forward-only); an empty .npz was read as safetensors (its zip starts PK\\x05\\x06)."""
+    ckpt = refbert_ckpt(tmp_path / "ckpt")
+    ids = np.arange(20).reshape(2, 10) % 23
+    np.savez(tmp_path / "typo.npz", input_ids=ids, label=np.full_like(ids, -100))
+    code, _, err = cli_run(capsys, "dump", ckpt, "--out", tmp_path / "d.npz", "--batch", tmp_path / "typo.npz")
+    assert code == 2 and "holds tensors BertForPreTraining does not take: ['input/label']" in err, err
+    np.savez(tmp_path / "empty.npz")
+    code, _, err = cli_run(capsys, "dump", ckpt, "--out", tmp_path / "d.npz", "--batch", tmp_path / "empty.npz")
+    assert code == 2 and "expected a tensor 'input/input_ids', got none" in err, err
+    assert not (tmp_path / "d.npz").exists()
+
+
 @pytest.mark.parametrize("head", HEADS)
 def test_every_head_dumps_and_verifies(tmp_path, head):
     """Each class's default batch (its labels; BertModel's upstream gradients) goes through dump and verify."""

@@ -491,7 +491,7 @@ def scalar_dout(op, d, dtype):
         raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {np.shape(d)}")
     if hasattr(d, "get"):
         d = d.get()
-    return float(np.dtype(dtype).type(d))
+    return float(np.dtype(dtype).type(V.number(op, "dloss", d, what="a finite real number (the loss is a scalar)")))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def _dout(op, d, shape, dtype):
 def _scalar_dout(op, d, dtype):
     if np.ndim(d) != 0:
         raise ValueError(f"{op}: argument 'dloss' expected a scalar (the loss is a scalar), got shape {np.shape(d)}")
-    return np.dtype(dtype).type(to_host(d))
+    return np.dtype(dtype).type(V.number(op, "dloss", to_host(d), what="a finite real number (the loss is a scalar)"))
 
 
 def _ids(op, name, x, upper, allow=None):
@@ -409,8 +409,9 @@ def embedding_forward(ids, w, padding_idx=None):
     _floats("embedding", w=w)
     V.shape("embedding", "w", _stub(w), (None, None), "(V, C)")
     _ids("embedding", "ids", ids, w.shape[0])
-    if padding_idx is not None and not 0 <= padding_idx < w.shape[0]:
-        raise ValueError(f"embedding: argument 'padding_idx' expected a row in [0, {w.shape[0]}), got {padding_idx}")
+    if padding_idx is not None:
+        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
+                               what=f"a row in [0, {w.shape[0]})")
     ids_d = _dev(ids)
     v = versions.choose("embedding", w.dtype)
     versions.ran("embedding", w.dtype, v.key)
@@ -494,7 +495,7 @@ def mse_forward(pred, target):
     _floats("mse", pred=pred, target=target)
     V.shape("mse", "target", _stub(target), pred.shape, "(same as pred)")
     diff = pred - target
-    return xp.asarray((diff * diff).mean(), dtype=pred.dtype), (diff,)
+    return xp.asarray((diff * diff).mean() if diff.size else 0.0, dtype=pred.dtype), (diff,)
 
 
 def mse_backward(dloss, cache):
@@ -515,6 +516,8 @@ def bce_with_logits_forward(logits, targets):
     if C.STRICT and targets.size and not bool(((targets >= 0) & (targets <= 1)).all()):
         raise ValueError(f"bce_with_logits: argument 'targets' expected values in [0, 1], got values in "
                          f"[{float(targets.min())}, {float(targets.max())}]")
+    if C.STRICT and not bool(xp.isfinite(logits).all()):     # (a read back: with REFBERT_CUDA_CHECKS=1 only)
+        raise ValueError("bce_with_logits: argument 'logits' expected finite values, got a NaN or an infinity")
     e = xp.exp(-xp.abs(logits))
     loss = (xp.maximum(logits, 0) - logits * targets + xp.log1p(e)).mean() if logits.size else 0.0
     s = xp.where(logits >= 0, 1 / (1 + e), e / (1 + e))

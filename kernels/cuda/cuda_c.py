@@ -445,6 +445,7 @@ _C4_SAID = set()
 
 def softmax_forward(x, scale=1.0, mask=None):
     S = C.sibling("softmax")
+    scale = V.number("softmax", "scale", scale)
     if not (_c_ok(x) and x.ndim >= 1 and x.size and (mask is None or _c_ok(mask))):
         return _fallback("softmax", "C2", _why(x, mask) if not _c_ok(x) or (mask is not None and not _c_ok(mask))
                          else "an empty input", S.softmax_forward, x, scale, mask)
@@ -679,7 +680,7 @@ def _layernorm_c(version, x, w, b, eps):
     L = C.sibling("layernorm")
     if not (_c_ok(x, w, b) and x.ndim >= 1):
         return _fallback("layernorm", f"C{version}", _why(x, w, b), L.layernorm_forward_v2, x, w, b, eps)
-    L._check_ln(x, w, b)
+    L._check_ln(x, w, b, eps)
     return _ln2_forward("ln", x, None, w, b, eps, None, version=version)
 
 
@@ -706,7 +707,7 @@ def _residual_layernorm_c(version, x, a, w, b, eps):
                          x, a, w, b, eps)
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
-    L._check_ln(x, w, b)
+    L._check_ln(x, w, b, eps)
     return _ln2_forward("res", x, a, w, b, eps, None, version=version)
 
 
@@ -736,7 +737,7 @@ def _dropout_residual_layernorm_c(version, x, a, w, b, eps, p, rng, train):
     V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     C.floats("dropout", x=a)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
-    L._check_ln(x, w, b)
+    L._check_ln(x, w, b, eps)
     return _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop, version=version)
 
 

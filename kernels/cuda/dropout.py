@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from refbert import ops
+from refbert import validate as V
 from refbert.philox import DropoutRNG, threshold
 
 from refbert_kernels._harness import KernelSpec
@@ -67,8 +68,7 @@ def _kernel(kind, version):
 def draw(rng, p, train, op="dropout"):
     """The oracle's checks on p and rng, then (seed, stream, threshold, scale) of this call, or None in eval /
     p == 0 (no stream drawn). Messages as refbert.ops.dropout_forward / dropout_mask."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: argument 'p' expected a probability in [0, 1], got {p}")
+    p = V.number("dropout", "p", p, low=0.0, high=1.0, what="a probability in [0, 1]")
     if not train or p == 0.0:
         return None
     if not isinstance(rng, DropoutRNG):

@@ -127,8 +127,9 @@ def _forward(ids, w, padding_idx):
     V.shape("embedding", "w", C.stub(w), (None, None), "(V, C)")
     if C.checks_on(ids):
         V.ids("embedding", "ids", C.to_host(ids), w.shape[0])
-    if padding_idx is not None and not 0 <= padding_idx < w.shape[0]:
-        raise ValueError(f"embedding: argument 'padding_idx' expected a row in [0, {w.shape[0]}), got {padding_idx}")
+    if padding_idx is not None:
+        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
+                               what=f"a row in [0, {w.shape[0]})")
     return w[ids], (ids, w.shape, w.dtype, padding_idx)
 
 

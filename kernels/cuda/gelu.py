@@ -50,6 +50,7 @@ def _kernels(kind, tanh, version):
     A = acc_np(kind)
     zero, half, one, two, three = A(0), A(0.5), A(1), A(2), A(3)
     c, k, inv_sqrt_2pi, sqrt_half = A(_C), A(_K), A(_INV_SQRT_2PI), A(_SQRT_HALF)
+    lim = A(1e4)
 
     @cuda.jit(device=True)
     def sig(a):                                      # sigmoid(a) without exp of a large positive number
@@ -68,7 +69,8 @@ def _kernels(kind, tanh, version):
     def dgelu(u):
         if tanh:
             s = sig(two * c * (u + k * u * u * u))
-            return s + two * u * s * (one - s) * c * (one + three * k * u * u)
+            uc = min(max(u, -lim), lim)              # past |u| = 1e4, s (1 - s) is exactly 0: the term too, not inf * 0
+            return s + two * uc * s * (one - s) * c * (one + three * k * uc * uc)
         return half * math.erfc(-u * sqrt_half) + u * math.exp(-half * u * u) * inv_sqrt_2pi
 
     @cuda.jit

@@ -176,11 +176,13 @@ def _launch(version, R):
     return (C.grid_for(R, BLOCK), BLOCK) if version == 1 else (R, BLOCK)
 
 
-def _check_ln(x, w, b):
+def _check_ln(x, w, b, eps):
+    V.required("layernorm", w=w, b=b)
     C.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
     V.shape("layernorm", "w", C.stub(w), (x.shape[-1],), "(C,)")
     V.shape("layernorm", "b", C.stub(b), (x.shape[-1],), "(C,)")
+    V.layernorm_eps("layernorm", x, eps)
 
 
 _NODROP = (np.uint64(0), np.uint64(0), np.uint64(0), 1.0)
@@ -235,7 +237,7 @@ def _run_backward(dout, cache, with_da):
 
 
 def _layernorm_forward(version, x, w, b, eps):
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     return _run_forward(version, x, None, None, w, b, eps)
 
 
@@ -247,7 +249,7 @@ def _layernorm_backward(dout, cache):
 def _residual_forward(version, x, a, w, b, eps):
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     return _run_forward(version, x, a, None, w, b, eps)
 
 
@@ -261,7 +263,7 @@ def _dropout_residual_forward(version, x, a, w, b, eps, p, rng, train):
     V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     C.floats("dropout", x=a)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     return _run_forward(version, x, a, drop, w, b, eps)
 
 

@@ -467,8 +467,7 @@ def _attention_checks(q, k, v, n_heads, mask, dropout_p):
         raise ValueError(f"attention: argument 'q' expected float32 (mixed precision), got {q.dtype}")
     if mask is not None:
         V.broadcasts_to("attention", "mask", C.stub(mask), (B, H, T, T))
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"attention: argument 'dropout_p' expected a probability in [0, 1], got {dropout_p}")
+    dropout_p = V.number("attention", "dropout_p", dropout_p, low=0.0, high=1.0, what="a probability in [0, 1]")
     return B, T, Cw, H, hs
 
 
@@ -919,7 +918,7 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
     if not _k1_ok(x, w, b):
         out, cache = _rule("layernorm_forward", compute)(x, w, b, eps)
         return out, Fused("rule", cache, compute)
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     o16 = _new16(x, compute)
     (kx, wx) = _kept16(x, compute)
     out, cache = _ln2_forward("ln", x, None, w, b, eps, None, _k1("layernorm", compute), o16=o16, k16=(wx, None))
@@ -932,7 +931,7 @@ def residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, compute="bfloat16"):
         return out, Fused("rule", cache, compute)
     C.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     o16 = _new16(x, compute)
     (kx, wx), (ka, wa) = _kept16(x, compute), _kept16(a, compute)
     out, cache = _ln2_forward("res", x, a, w, b, eps, None, _k1("residual_layernorm", compute), o16=o16,
@@ -949,7 +948,7 @@ def dropout_residual_layernorm_forward_mixed(x, a, w, b, eps=1e-12, p=0.0, rng=N
     V.shape("dropout_residual_layernorm", "a", C.stub(a), x.shape, "(same as x)")
     C.floats("dropout", x=a)
     drop = draw(rng, p, train)                       # the oracle draws the stream before layernorm's checks
-    _check_ln(x, w, b)
+    _check_ln(x, w, b, eps)
     o16 = _new16(x, compute)
     (kx, wx), (ka, wa) = _kept16(x, compute), _kept16(a, compute)
     out, cache = _ln2_forward("res" if drop is None else "drop", x, a, w, b, eps, drop,

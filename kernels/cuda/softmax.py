@@ -226,6 +226,7 @@ def _rows(x, mask):
 def _forward(version, x, scale, mask):
     C.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
+    scale = V.number("softmax", "scale", scale)
     if mask is not None:
         V.broadcasts_to("softmax", "mask", C.stub(mask), x.shape)
     if x.size == 0 or (isinstance(x, np.ndarray) and x.dtype.type in (np.float32, np.float64) and scale != 1.0
