@@ -193,6 +193,9 @@ def softmax_forward(x, scale=1.0, mask=None):
     """
     V.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
+    if x.shape[-1] == 0:
+        raise ValueError(f"softmax: argument 'x' expected at least one entry on the last axis (T >= 1) to normalise "
+                         f"over, got shape {x.shape}")
     scale = V.number("softmax", "scale", scale)       # a Python float: an np.float64 would make float32 x float64
     z = x * scale if scale != 1.0 else x
     if mask is not None:
@@ -631,6 +634,9 @@ def attention_shapes(q, k, v, n_heads, mask=None):
     V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
     V.shape("attention", "v", v, q.shape, "(B, T, C) as q")
     B, T, C = q.shape
+    if T == 0:
+        raise ValueError(f"attention: argument 'q' expected at least one position (T >= 1) to attend to, got shape "
+                         f"{q.shape}")
     if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
         raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
     return B, T, C, int(n_heads), C // int(n_heads)

@@ -80,8 +80,13 @@ def number(op, name, x, low=None, high=None, low_open=False, integer=False, what
     (or int). A Python float, unlike np.float64, keeps a float32 computation float32 (NumPy's promotion rules)."""
     kind = "an integer" if integer else "a finite real number"
     desc = what or kind
-    v = x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x
+    v = x[()] if isinstance(x, np.ndarray) and x.ndim == 0 else x           # a 0-d array: its scalar
     ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    if not ok and isinstance(v, np.generic) and v.dtype.kind == "V" and v.dtype.names is None:
+        try:                                            # ml_dtypes' scalars (bfloat16, ...): real, not np.floating
+            v, ok = float(v), True
+        except (TypeError, ValueError):
+            pass
     if ok and integer:
         ok = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and float(v).is_integer())
     if ok:
@@ -89,8 +94,8 @@ def number(op, name, x, low=None, high=None, low_open=False, integer=False, what
         ok = bool(np.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
             (high is None or v <= high)
     if not ok:
-        got = repr(x) if isinstance(x, (str, bytes)) else str(x) if isinstance(x, (int, float, np.number, type(None))) \
-            else _desc(x)
+        scalar = isinstance(x, (int, float, np.generic, type(None)))
+        got = repr(x) if isinstance(x, (str, bytes)) else str(x) if scalar else _desc(x)
         raise ValueError(f"{op}: argument '{name}' expected {desc}, got {got}")
     return v
 

@@ -839,10 +839,14 @@ def dump(folder, out, head=None, batch_path=None, dtype="float64"):
     return tensors
 
 
+NO_GRADIENTS = ": nothing to differentiate, the batch has no labels (BertModel: no upstream/*)"
+
+
 def dump_main(args):
     t = dump(args.model, args.out, args.head, args.batch, args.dtype)
     count = lambda p: sum(k.startswith(p) for k in t)  # noqa: E731
     print(f"{args.out}: {len(t)} tensors ({count('input/')} inputs, {count('output/')} outputs, "
-          f"{count('hidden_states/')} hidden states, {count('grad/')} gradients), batch "
+          f"{count('hidden_states/')} hidden states, {count('grad/')} gradients"
+          f"{'' if count('grad/') else NO_GRADIENTS}), batch "
           f"{tuple(t['input/input_ids'].shape)}, {args.dtype}, {dump_format(args.out)} format")
     return 0

@@ -87,7 +87,7 @@ def _bad_inputs():
         (F((1, 2)), 1.0, np.full((1, 2), -np.inf, np.float32)),   # a row entirely -inf
         (nan, 1.0, None),                                         # a NaN score
         (inf, 1.0, None),                                         # a +inf score
-        (F((3, 0)), 1.0, None),                                   # T = 0: the oracle's own (NumPy) error
+        (F((3, 0)), 1.0, None),                                   # T = 0: nothing to normalise over
     ]
 
 
