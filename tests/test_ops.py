@@ -305,6 +305,8 @@ F = np.zeros
     (lambda: ops.dropout_forward(F(3), None, DropoutRNG(0)), r"'p' expected a probability in \[0, 1\], got None"),
     (lambda: ops.embedding_forward(np.array([0]), F((7, 2)), padding_idx=1.5), r"'padding_idx' expected a row in \[0, 7\), got 1.5"),
     (lambda: ops.bce_with_logits_forward(np.array([np.nan, 0.0]), F(2)), r"'logits' expected finite values, got a NaN"),
+    (lambda: ops.softmax_forward(F((2, 0))), r"'x' expected at least one entry on the last axis \(T >= 1\)"),
+    (lambda: ops.attention_forward(F((1, 0, 4)), F((1, 0, 4)), F((1, 0, 4)), 2), r"'q' expected at least one position \(T >= 1\)"),
     # a backward handed what is not its forward's cache
     (lambda: ops.layernorm_backward(F((2, 3)), ops.softmax_forward(F((2, 3)))[1]), r"'cache' expected the cache layernorm_forward returned \(a tuple of 4\), got a tuple of 2"),
     (lambda: ops.linear_backward(F((2, 3)), None), r"'cache' expected the cache linear_forward returned \(a tuple of 3\), got NoneType"),
