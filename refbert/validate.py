@@ -1,5 +1,7 @@
 """Input checks shared by every op and model: each failure is a ValueError that names the op, the argument,
 what was expected and what came, so bad input never reaches NumPy as a silent broadcast or a NaN."""
+import math
+
 import numpy as np
 
 FLOATS = (np.float32, np.float64)
@@ -91,7 +93,7 @@ def number(op, name, x, low=None, high=None, low_open=False, integer=False, what
         ok = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and float(v).is_integer())
     if ok:
         v = int(v) if integer else float(v)
-        ok = bool(np.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
+        ok = (integer or math.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
             (high is None or v <= high)
     if not ok:
         scalar = isinstance(x, (int, float, np.generic, type(None)))
