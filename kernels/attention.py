@@ -180,7 +180,7 @@ def _forward(kernel, q, k, v, n_heads, mask, dropout_p, rng, train):
 
 
 def _backward(kernel, dout, cache, zeroes=False):
-    q, k, v, mask4, H, out, m, linv, drop = cache
+    q, k, v, mask4, H, out, m, linv, drop = ops._cache("attention", cache, 9)
     V.dout("attention", dout, out.shape, out.dtype)
     if q.size == 0 or not zeroes:
         dq, dk, dv = np.zeros_like(q, order="C"), np.zeros_like(k, order="C"), np.zeros_like(v, order="C")
@@ -196,7 +196,7 @@ def _backward(kernel, dout, cache, zeroes=False):
 def attention_probs(cache):
     """The attention probabilities after dropout, (B, H, T, T), recomputed from the cache (output_attentions).
     The same for every version's cache."""
-    q, k, v, mask4, H, out, m, linv, drop = cache
+    q, k, v, mask4, H, out, m, linv, drop = ops._cache("attention", cache, 9)
     B, T, C = q.shape
     P = np.zeros((B, H, T, T), q.dtype)
     if P.size:

@@ -277,7 +277,7 @@ def _wrap(version, fwd_kernel, bwd_kernel):
         return np.asarray(loss, dtype=logits.dtype), (logits.shape, z2, y, kept, ignored, m, ls)
 
     def cross_entropy_backward(dloss, cache):
-        shape, z2, y, kept, ignored, m, ls = cache
+        shape, z2, y, kept, ignored, m, ls = ops._cache("cross_entropy", cache, 7)
         dloss = ops._scalar_dout("cross_entropy", dloss, z2.dtype)
         g = dloss / max(kept.size, 1)                          # a scalar of the logits' dtype, as in the oracle
         return bwd_kernel(z2, y, kept, ignored, m, ls, g).reshape(shape)

@@ -160,7 +160,7 @@ def _forward(x, p, rng, train, kernel, keep_mask):
 
 
 def _backward(dout, cache):
-    keep, scale, shape, dtype = cache
+    keep, scale, shape, dtype = ops._cache("dropout", cache, 4)
     V.dout("dropout", dout, shape, dtype)
     if keep is None:
         return dout.copy()

@@ -38,7 +38,7 @@ def embedding_forward_v1(ids, w, padding_idx=None):
 
 
 def embedding_backward_v1(dout, cache):
-    ids, w_shape, dtype, padding_idx = cache
+    ids, w_shape, dtype, padding_idx = ops._cache("embedding", cache, 4)
     V.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
     dw = np.zeros(w_shape, dtype)
     if ids.size and w_shape[1]:
@@ -68,7 +68,7 @@ def embedding_forward_v2(ids, w, padding_idx=None):
 
 
 def embedding_backward_v2(dout, cache):
-    ids, w_shape, dtype, padding_idx = cache
+    ids, w_shape, dtype, padding_idx = ops._cache("embedding", cache, 4)
     V.dout("embedding", dout, (*ids.shape, w_shape[1]), dtype)
     dw = _zeros(w_shape, dtype)
     if ids.size and w_shape[1]:

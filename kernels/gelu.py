@@ -369,7 +369,7 @@ def _wrap(version, kernels, flat=None):
         return out.reshape(x.shape), (x, approximate)
 
     def gelu_backward(dout, cache):
-        x, approximate = cache
+        x, approximate = ops._cache("gelu", cache, 2)
         V.dout("gelu", dout, x.shape, x.dtype)
         if flat is not None:
             dx = flat[approximate == "tanh"][1](np.ascontiguousarray(dout).reshape(-1),
@@ -390,7 +390,7 @@ def _wrap(version, kernels, flat=None):
         return out.reshape(x.shape), (x, b, approximate)
 
     def bias_gelu_backward(dout, cache):
-        x, b, approximate = cache
+        x, b, approximate = ops._cache("bias_gelu", cache, 3)
         V.dout("gelu", dout, x.shape, x.dtype)
         x2 = _rows(x)
         d2 = _rows(dout)

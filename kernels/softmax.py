@@ -226,7 +226,7 @@ def _forward(kernel, x, scale, mask):
 
 
 def _backward(kernel, dout, cache):
-    p, scale = cache
+    p, scale = ops._cache("softmax", cache, 2)
     V.dout("softmax", dout, p.shape, p.dtype)
     if _oracle_case(p, scale):
         return ops.softmax_backward(dout, cache)

@@ -37,3 +37,15 @@ def test_shape_and_dtype_must_match():
         compare("x", np.zeros(3), np.zeros(2), 1e-6, 1e-5)
     with pytest.raises(AssertionError, match="x: dtype float32, expected float64"):
         compare("x", np.zeros(2, np.float32), np.zeros(2), 1e-6, 1e-5)
+
+
+def test_every_kernel_backward_refuses_a_cache_that_is_not_its_forwards():
+    """Every version of every fused kernel, handed None or another op's cache, raises a ValueError naming 'cache'
+    (not NumPy's "not enough values to unpack"); the numba backend's ops as the oracle's (tests/test_ops.py)."""
+    pytest.importorskip("numba")
+    from refbert_kernels import backend
+    for spec in backend.specs():
+        for v, (_, bwd) in spec.versions.items():
+            for cache in (None, (0,) * 5, [1, 2]):           # (no op's cache is a tuple of 5, or a list)
+                with pytest.raises(ValueError, match=r"argument 'cache' expected the cache"):
+                    bwd(np.zeros(3), cache)
