@@ -907,6 +907,7 @@ class BertForMultipleChoice(_Head):
             if a is not None and not (isinstance(a, np.ndarray) and a.shape == input_ids.shape):
                 raise ValueError(f"BertForMultipleChoice: argument '{name}' expected an array of shape "
                                  f"(B, num_choices, T) = {input_ids.shape} as input_ids, got {V._desc(a)}")
+        V.ids("BertForMultipleChoice", "input_ids", input_ids, self.config.vocab_size)   # (indices in (B, N, T))
         flat = lambda a: None if a is None else a.reshape(B * N, T)  # noqa: E731
         ctx, enc, cache = self._run(dict(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
                                          token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),

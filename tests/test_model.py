@@ -185,6 +185,11 @@ def test_head_inputs_a_user_can_get_wrong_are_refused_by_name():
         mc(input_ids=ids, attention_mask=np.ones((2, 3, 4), np.int64))
     with pytest.raises(ValueError, match=r"'token_type_ids' expected an array of shape .* got int"):
         mc(input_ids=ids, token_type_ids=1)
+    bad = ids.copy()
+    bad[2, 1, 3] = cfg.vocab_size                              # the index as the user's array has it, not flattened
+    with pytest.raises(ValueError, match=rf"'input_ids' expected values in \[0, {cfg.vocab_size}\), got "
+                                         rf"{cfg.vocab_size} at index \(2, 1, 3\)"):
+        mc(input_ids=bad)
     sc = refbert.BertForSequenceClassification(tiny(num_labels=3, problem_type="regression"))
     with pytest.raises(ValueError, match=r"'labels' expected real regression targets of shape \(2, 3\), got array "
                                          r"of shape \(3, 2\)"):
