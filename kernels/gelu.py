@@ -47,8 +47,9 @@ _BLOCK = 16384                             # v4's plain gelu: elements per prang
 _C = math.sqrt(2.0 / math.pi)               # tanh form: u -> sqrt(2/pi) (u + 0.044715 u^3)
 _K = 0.044715
 _L = 1e4                                    # tanh form: past |u| = L, s (1 - s) is exactly 0 in both dtypes, so the
-                                            # derivative's second term is 0; u clamped to [-L, L] there keeps its
-                                            # u (1 + 3 K u^2) finite (u = 1e14 in float32 made inf * 0 = NaN)
+                                            # derivative is s there, returned as such: its second term would be
+                                            # inf * 0 = NaN once u^2 overflows (u = 1e14 in float32); below L the
+                                            # expression is untouched (the same bits as before the branch)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_HALF = math.sqrt(0.5)
 
@@ -84,8 +85,9 @@ def _dgelu1_ov(u, tanh):
         ud = np.float64(u)
         if tanh:
             s = 1.0 / (1.0 + math.exp(-2.0 * _C * (ud + _K * ud * ud * ud)))
-            uc = min(max(ud, -_L), _L)
-            return s + 2.0 * uc * s * (1.0 - s) * _C * (1.0 + 3.0 * _K * uc * uc)
+            if abs(ud) > _L:                                   # (see _L)
+                return s
+            return s + 2.0 * ud * s * (1.0 - s) * _C * (1.0 + 3.0 * _K * ud * ud)
         return 0.5 * math.erfc(-ud * _SQRT_HALF) + ud * math.exp(-0.5 * ud * ud) * _INV_SQRT_2PI
     return impl
 
@@ -124,16 +126,18 @@ def _dgelu2_ov(u, tanh):
         def impl(u, tanh):
             if tanh:
                 s = sigmoid(f(2 * _C) * (u + f(_K) * u * u * u))
-                uc = min(max(u, f(-_L)), f(_L))
-                return s + f(2) * uc * s * (f(1) - s) * f(_C) * (f(1) + f(3 * _K) * uc * uc)
+                if abs(u) > f(_L):
+                    return s
+                return s + f(2) * u * s * (f(1) - s) * f(_C) * (f(1) + f(3 * _K) * u * u)
             return ndtr(u) + u * exp(f(-0.5) * u * u) * f(_INV_SQRT_2PI)
         return impl
 
     def impl64(u, tanh):
         if tanh:
             s = sigmoid(2 * _C * (u + _K * u * u * u))
-            uc = min(max(u, -_L), _L)
-            return s + 2 * uc * s * (1 - s) * _C * (1 + 3 * _K * uc * uc)
+            if abs(u) > _L:
+                return s
+            return s + 2 * u * s * (1 - s) * _C * (1 + 3 * _K * u * u)
         return ndtr(u) + u * math.exp(-0.5 * u * u) * _INV_SQRT_2PI
     return impl64
 
@@ -167,8 +171,9 @@ def _dgelu3_ov(u, tanh):
             ud = np.float64(u)
             if tanh:
                 s = _sigmoid_wide(2 * _C * (ud + _K * ud * ud * ud))
-                uc = min(max(ud, -_L), _L)
-                return np.float32(s + 2 * uc * s * (1 - s) * _C * (1 + 3 * _K * uc * uc))
+                if abs(ud) > _L:
+                    return np.float32(s)
+                return np.float32(s + 2 * ud * s * (1 - s) * _C * (1 + 3 * _K * ud * ud))
             a = min(abs(ud) * _SQRT_HALF, 11.0)
             e = _exp_wide(-a * a)                              # exp(-u^2 / 2): shared by Phi and phi
             r = 0.5 * e * _erfcx_wide(a)                       # Phi(-|u|) = erfc(|u| / sqrt 2) / 2
@@ -206,8 +211,9 @@ def _dgelu4_ov(u, tanh):
         def impl(u, tanh):
             if tanh:
                 s = sigmoid_f32(f(2 * _C) * (u + f(_K) * u * u * u))
-                uc = min(max(u, f(-_L)), f(_L))
-                return s + f(2 * _C) * uc * s * (f(1) - s) * (f(1) + f(3 * _K) * uc * uc)
+                if abs(u) > f(_L):
+                    return s
+                return s + f(2 * _C) * u * s * (f(1) - s) * (f(1) + f(3 * _K) * u * u)
             cdf, g = phi_parts_f32(u)                          # Phi(u), exp(-u^2 / 2)
             return cdf + u * g * f(_INV_SQRT_2PI)
         return impl

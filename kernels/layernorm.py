@@ -466,8 +466,8 @@ def _run_forward(version, x, a, drop, w, b, eps):
     return out, (version, x2, a2, mask, w, mean, rstd, x.shape)
 
 
-def _run_backward(dout, cache, with_da):
-    version, x2, a2, mask, w, mean, rstd, shape = ops._cache("layernorm", cache, 8)
+def _run_backward(dout, cache, with_da, op="layernorm"):
+    version, x2, a2, mask, w, mean, rstd, shape = ops._cache(op, cache, 8)
     V.dout("layernorm", dout, shape, x2.dtype)
     R, C = x2.shape
     d2 = _rows(dout)
@@ -515,7 +515,7 @@ def _residual_forward(version, x, a, w, b, eps):
 def _residual_backward(dout, cache):
     if isinstance(cache, tuple) and len(cache) == 1:
         return ops.residual_layernorm_backward(dout, cache)
-    ds, _, dw, db = _run_backward(dout, cache, False)
+    ds, _, dw, db = _run_backward(dout, cache, False, "residual_layernorm")
     return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, read-only use
 
 
@@ -532,9 +532,9 @@ def _dropout_residual_forward(version, x, a, w, b, eps, p, rng, train):
 def _dropout_residual_backward(dout, cache):
     if isinstance(cache, tuple) and len(cache) == 2:
         return ops.dropout_residual_layernorm_backward(dout, cache)
-    mask = ops._cache("layernorm", cache, 8)[3]
+    mask = ops._cache("dropout_residual_layernorm", cache, 8)[3]
     dropped = mask is not None and mask[0] is not None
-    ds, da, dw, db = _run_backward(dout, cache, dropped)
+    ds, da, dw, db = _run_backward(dout, cache, dropped, "dropout_residual_layernorm")
     return ds, (da if dropped else ds.copy()), dw, db   # eval / p = 0: da is a copy of ds, as dropout_backward
 
 

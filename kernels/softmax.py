@@ -196,8 +196,8 @@ def _check_forward(x, scale, mask):
 
 
 def _oracle_case(x, scale):
-    """Inputs the kernels leave to the oracle: empty arrays (the oracle's own behaviour, errors included) and a
-    strongly typed scale that would upcast x (np.float64 scale with float32 x makes the oracle's p float64)."""
+    """Inputs the kernels leave to the oracle: empty arrays (the oracle's own behaviour, errors included). (A scale
+    that would upcast x cannot come any more: the forward takes it as a Python float, as the oracle does.)"""
     return x.size == 0 or (scale != 1.0 and np.result_type(x, scale) != x.dtype)
 
 

@@ -513,7 +513,8 @@ class BertPreTrainedModel:
         if self._cache[0] is None:
             raise ValueError(f"{name}.backward: expected a forward with labels (the loss to differentiate), "
                              f"got a forward without them")
-        if not hasattr(dloss, "ndim"):          # a number (an array goes to the loss's backward, which checks it)
+        if not hasattr(dloss, "ndim") or isinstance(dloss, (np.ndarray, np.generic)):   # (a device array: the loss's
+            #                                                                             backward checks it)
             dloss = V.number(f"{name}.backward", "dloss", dloss,
                              what="a finite real number (the loss's upstream gradient, 1.0 by default)")
         loss_backward, cache = self._cache
@@ -904,9 +905,13 @@ class BertForMultipleChoice(_Head):
         B, N, T = input_ids.shape
         for name, a in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                         ("position_ids", position_ids)):
-            if a is not None and not (isinstance(a, np.ndarray) and a.shape == input_ids.shape):
+            ok = isinstance(a, np.ndarray) and (a.shape == input_ids.shape or name == "position_ids" and a.ndim
+                                                 and a.shape[-1] == T and a.size in (T, B * N * T))
+            if a is not None and not ok:               # (position_ids (T,) or (1, T) as well, BertModel's broadcast)
                 raise ValueError(f"BertForMultipleChoice: argument '{name}' expected an array of shape "
                                  f"(B, num_choices, T) = {input_ids.shape} as input_ids, got {V._desc(a)}")
+        if position_ids is not None and position_ids.size == T:
+            position_ids = np.broadcast_to(position_ids.reshape(T), input_ids.shape)
         V.ids("BertForMultipleChoice", "input_ids", input_ids, self.config.vocab_size)   # (indices in (B, N, T))
         flat = lambda a: None if a is None else a.reshape(B * N, T)  # noqa: E731
         ctx, enc, cache = self._run(dict(input_ids=flat(input_ids), attention_mask=flat(attention_mask),
@@ -970,6 +975,7 @@ def decode_qa_span(start_logits, end_logits, max_answer_length=30, context_mask=
     max_answer_length = V.number(who, "max_answer_length", max_answer_length, low=1, integer=True,
                                  what="a positive integer (tokens)")
     t = null_score_diff_threshold                      # +inf: never the null answer (SQuAD 1.1 data)
+    t = t[()] if isinstance(t, np.ndarray) and t.ndim == 0 else t
     if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) or t != t:
         raise ValueError(f"{who}: argument 'null_score_diff_threshold' expected a real number (inf: never the null "
                          f"answer), got {t!r}")

@@ -236,8 +236,9 @@ def _float_array(who, arg, key, x, writeable=False):
 
 def _no_overlap(who, params):
     """No two parameters share memory (views of one array: a[:2] beside a would be updated twice, silently): their
-    byte ranges, sorted by start, each beginning past the furthest end before it (interleaved views, whose ranges
-    overlap, then asked of np.shares_memory). Arrays of size 0 hold nothing. O(n log n)."""
+    byte ranges, sorted by start, each compared with the earlier ones that end past its start (interleaved NumPy
+    views, whose ranges overlap, then asked of np.shares_memory; a device array's bounds decide). Arrays of size 0
+    hold nothing."""
     spans = []
     for name, p in params.items():
         if p.size == 0:
@@ -252,15 +253,16 @@ def _no_overlap(who, params):
         ptr = face["data"][0]
         spans.append((ptr + sum(min(0, d) for d in steps), ptr + sum(max(0, d) for d in steps) + item, name))
     spans.sort()
-    reach, n0 = None, None                              # the furthest end so far, and whose
+    active = []                                         # earlier spans that end past the current start
     for lo, hi, n1 in spans:
-        a, b = (params[n0], params[n1]) if n0 is not None else (None, None)
-        # (bounds that overlap hold a shared element, but for interleaved views: NumPy's exact test decides)
-        if reach is not None and lo < reach and (not isinstance(a, np.ndarray) or np.shares_memory(a, b)):
-            raise ValueError(f"{who}: argument 'params' key {n1!r} expected its own memory, got an array that "
-                             f"overlaps key {n0!r}'s (views of one array would be updated twice)")
-        if reach is None or hi > reach:
-            reach, n0 = hi, n1
+        active = [(h, n) for h, n in active if h > lo]
+        for _, n0 in active:
+            a, b = params[n0], params[n1]
+            # (bounds that overlap hold a shared element, but for interleaved views: NumPy's exact test decides)
+            if not isinstance(a, np.ndarray) or np.shares_memory(a, b):
+                raise ValueError(f"{who}: argument 'params' key {n1!r} expected its own memory, got an array that "
+                                 f"overlaps key {n0!r}'s (views of one array would be updated twice)")
+        active.append((hi, n1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -544,7 +546,7 @@ def clip_grad_norm(grads, max_norm=1.0):
     if not isinstance(grads, dict):
         raise ValueError(f"{who}: argument 'grads' expected a dict name -> gradient, got {type(grads).__name__}")
     for name, g in grads.items():
-        _float_array(who, "grads", name, g, writeable=True)
+        _float_array(who, "grads", name, g)
     fused = _fused(who, list(grads.values()))
     if fused is not None:                               # the sums in one launch pair and one copy
         sums = fused.grad_stats(list(grads.values()))[:, 0].tolist()
@@ -564,6 +566,8 @@ def clip_grad_norm(grads, max_norm=1.0):
         raise ValueError(f"{who}: argument 'grads' expected a global norm finite in float64, got one that overflows")
     coef = min(max_norm / (norm + 1e-6), 1.0)
     if coef < 1.0:
+        for name, g in grads.items():                   # every one writeable before the first is scaled
+            _float_array(who, "grads", name, g, writeable=True)
         if fused is not None:
             fused.scale_(list(grads.values()), coef)
         else:

@@ -424,10 +424,14 @@ class BertTokenizer:
         if isinstance(tokens, str):
             index = self._token_id(tokens)
             return self.unk_token_id if index is None else index
-        if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, str) for t in tokens):
-            bad = tokens if not isinstance(tokens, (list, tuple)) else next(t for t in tokens if not isinstance(t, str))
-            raise ValueError(f"BertTokenizer: argument 'tokens' expected a str or a list of str, got "
-                             f"{type(bad).__name__} {bad!r:.40}")
+        if not hasattr(tokens, "__iter__") or isinstance(tokens, (bytes, dict)):
+            raise ValueError(f"BertTokenizer: argument 'tokens' expected a str or an iterable of str, got "
+                             f"{type(tokens).__name__} {tokens!r:.40}")
+        tokens = list(tokens)                           # (a list, a tuple, an array of str, a generator, ...)
+        bad = [t for t in tokens if not isinstance(t, str)]
+        if bad:
+            raise ValueError(f"BertTokenizer: argument 'tokens' expected a str or an iterable of str, got "
+                             f"{type(bad[0]).__name__} {bad[0]!r:.40}")
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids, skip_special_tokens=False):

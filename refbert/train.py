@@ -654,7 +654,8 @@ def read_rows(path, task):
                 raise UserError(f"{path}, line {line}: expected 'tokens' and 'tags' lists of equal length")
         if task == "qa":
             s = r["answer_start"]
-            if isinstance(s, int) and not isinstance(s, bool) and s < 0:
+            # (an unanswerable row, answer_text "", may carry SQuAD 2.0's answer_start -1)
+            if r["answer_text"] and isinstance(s, int) and not isinstance(s, bool) and s < 0:
                 raise UserError(f"{path}, line {line}: expected 'answer_start' >= 0 (a character offset into "
                                 f"'context'), got {s}")
             if not isinstance(s, int) or (r["answer_text"] and (s < 0 or r["context"][s:s + len(r["answer_text"])]

@@ -92,12 +92,17 @@ def number(op, name, x, low=None, high=None, low_open=False, integer=False, what
     if ok and integer:
         ok = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and float(v).is_integer())
     if ok:
-        v = int(v) if integer else float(v)
-        ok = (integer or math.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
+        try:
+            v = int(v) if integer else float(v)
+        except OverflowError:                           # (an int past float's range: not finite)
+            v, ok = math.inf, False
+        ok = ok and (integer or math.isfinite(v)) and (low is None or (v > low if low_open else v >= low)) and \
             (high is None or v <= high)
     if not ok:
         scalar = isinstance(x, (int, float, np.generic, type(None)))
         got = repr(x) if isinstance(x, (str, bytes)) else str(x) if scalar else _desc(x)
+        if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "biufcV":
+            got = f"{x[()]} (a 0-d array)"
         raise ValueError(f"{op}: argument '{name}' expected {desc}, got {got}")
     return v
 

@@ -113,7 +113,7 @@ def read_dump(path):
     if not os.path.isfile(path):
         raise ValueError(f"verify: dump '{path}' expected a file, got {'a folder' if os.path.isdir(path) else 'nothing'}")
     with open(path, "rb") as f:
-        is_zip = f.read(2) == b"PK"                  # (a zip's records all start so: an empty .npz has no PK\x03\x04)
+        is_zip = f.read(4) in (b"PK\x03\x04", b"PK\x05\x06")     # a file's record, or an empty zip's end
     if not is_zip:
         tensors = safetensors_io.load_file(path)   # its errors name the file (and the tensor)
         return tensors, {k: _CODES[c] for k, c in safetensors_io.load_dtypes(path).items()}

@@ -187,3 +187,5 @@ def test_tanh_form_at_huge_x_takes_its_limits(v, dtype):
         grads = grads if isinstance(grads, tuple) else (grads,)
         np.testing.assert_array_equal(out, np.where(x > 0, x, 0).astype(dtype))
         np.testing.assert_array_equal(grads[0], (x > 0).astype(dtype))
+        if len(grads) > 1:                                 # bias_gelu's db: the column sums of du, 1 or 0 each
+            np.testing.assert_array_equal(grads[1], (x > 0).sum(0).astype(dtype))

@@ -40,12 +40,13 @@ def test_shape_and_dtype_must_match():
 
 
 def test_every_kernel_backward_refuses_a_cache_that_is_not_its_forwards():
-    """Every version of every fused kernel, handed None or another op's cache, raises a ValueError naming 'cache'
-    (not NumPy's "not enough values to unpack"); the numba backend's ops as the oracle's (tests/test_ops.py)."""
+    """Every version of every fused kernel, handed None, a list or a tuple of a length no forward returns, raises a
+    ValueError naming its op and 'cache' (not NumPy's "not enough values to unpack"), as the oracle's ops
+    (tests/test_ops.py). (A cache of the right length from another op is not told apart: only the length is read.)"""
     pytest.importorskip("numba")
     from refbert_kernels import backend
     for spec in backend.specs():
         for v, (_, bwd) in spec.versions.items():
             for cache in (None, (0,) * 5, [1, 2]):           # (no op's cache is a tuple of 5, or a list)
-                with pytest.raises(ValueError, match=r"argument 'cache' expected the cache"):
+                with pytest.raises(ValueError, match=rf"^{spec.name}: argument 'cache' expected the cache"):
                     bwd(np.zeros(3), cache)

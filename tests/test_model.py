@@ -173,7 +173,8 @@ def test_head_inputs_a_user_can_get_wrong_are_refused_by_name():
     cfg = tiny()
     m = refbert.BertForTokenClassification(cfg)
     m(input_ids=np.array([[1, 2]]), labels=np.array([[1, 2]]))
-    for bad, got in ((None, "None"), ("1", "'1'"), (float("nan"), "nan"), (True, "True")):
+    for bad, got in ((None, "None"), ("1", "'1'"), (float("nan"), "nan"), (True, "True"), (np.float32("nan"), "nan"),
+                     (np.array(np.inf), r"inf \(a 0-d array\)")):
         with pytest.raises(ValueError, match=rf"BertForTokenClassification.backward: argument 'dloss' expected a "
                                              rf"finite real number .*, got {got}$"):
             m.backward(bad)

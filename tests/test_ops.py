@@ -301,6 +301,7 @@ F = np.zeros
     (lambda: ops.layernorm_forward(F((2, 3)), F(3), None), r"'b' expected a float32 or float64 array, got None"),
     (lambda: ops.layernorm_forward(F((2, 0)), F(0), F(0)), r"'x' expected at least one channel to normalise over \(C >= 1\), got shape \(2, 0\)"),
     (lambda: ops.softmax_forward(F((2, 3)), "0.5"), r"'scale' expected a finite real number, got '0.5'"),
+    (lambda: ops.softmax_forward(F((2, 3)), 10 ** 400), r"'scale' expected a finite real number, got 1000"),
     (lambda: ops.softmax_forward(F((2, 3)), F(3)), r"'scale' expected a finite real number, got array of shape \(3,\)"),
     (lambda: ops.dropout_forward(F(3), None, DropoutRNG(0)), r"'p' expected a probability in \[0, 1\], got None"),
     (lambda: ops.embedding_forward(np.array([0]), F((7, 2)), padding_idx=1.5), r"'padding_idx' expected a row in \[0, 7\), got 1.5"),
@@ -320,7 +321,7 @@ def test_bad_input_names_the_argument(call, match):
     assert str(e.value).startswith(f"{op}: argument '"), (op, str(e.value))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32])
 def test_float64_scalars_keep_float32(dtype):
     """An np.float64 eps or scale (a config value read through NumPy, say) must not widen a float32 op: NumPy 2's
     promotion makes float32 array * np.float64 scalar float64, so the ops take such scalars as Python floats."""
@@ -346,6 +347,7 @@ def test_tanh_gelu_at_huge_x_takes_its_limits(dtype):
     out, cache = ops.gelu_forward(x, "tanh")
     dx = ops.gelu_backward(np.ones_like(x), cache)
     np.testing.assert_array_equal(out, np.where(x > 0, x, 0).astype(dtype))
+    assert np.signbit(out[x < 0]).all()                 # x * 0: -0, as the exact x * sigmoid(2u) rounds
     np.testing.assert_array_equal(dx, (x > 0).astype(dtype))
 
 

@@ -398,6 +398,8 @@ BAD = [
     # met after the earlier keys were scaled, a float32 scale that overflows to inf
     (lambda: AdamW({"a": (x := np.zeros(5)), "b": x[:2]}),
      r"AdamW: argument 'params' key 'a' expected its own memory, got an array that overlaps key 'b''s"),
+    (lambda: AdamW({"a": (x := np.zeros(12))[::2], "b": x[1::2], "c": x[2:3]}),     # (a, b interleaved: disjoint)
+     r"AdamW: argument 'params' key 'c' expected its own memory, got an array that overlaps key 'a''s"),
     (lambda: clip_grad_norm({"a": np.ones(3), "b": _frozen(np.ones(3))}, 0.1),
      r"clip_grad_norm: argument 'grads' key 'b' expected a writeable array \(it is scaled in place\)"),
     (lambda: GradScaler().unscale_({"a": np.ones(3), "b": _frozen(np.ones(3))}),

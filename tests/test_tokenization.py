@@ -624,8 +624,8 @@ def test_missing_special_tokens(tmp_path):
 
 @pytest.mark.parametrize("call, match", [
     (lambda t: t.decode(None), r"argument 'token_ids' expected an int or a sequence of ints, got NoneType"),
-    (lambda t: t.convert_tokens_to_ids(None), r"argument 'tokens' expected a str or a list of str, got NoneType"),
-    (lambda t: t.convert_tokens_to_ids([5]), r"argument 'tokens' expected a str or a list of str, got int 5"),
+    (lambda t: t.convert_tokens_to_ids(None), r"argument 'tokens' expected a str or an iterable of str, got NoneType"),
+    (lambda t: t.convert_tokens_to_ids([5]), r"argument 'tokens' expected a str or an iterable of str, got int 5"),
     (lambda t: t.build_inputs_with_special_tokens(["the"]), r"argument 'token_ids_0' expected ints, got str 'the'"),
     (lambda t: t.build_inputs_with_special_tokens([5], 7),
      r"argument 'token_ids_1' expected an int or a sequence of ints, got int"),

@@ -478,3 +478,13 @@ def test_pretraining_is_the_same_under_any_hash_seed(demo, tmp_path):
     a, b = runs
     for f in ("tokenizer/vocab.txt", "model/model.safetensors", "eval.csv"):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_an_unanswerable_qa_row_may_carry_answer_start_minus_one(tmp_path):
+    """SQuAD 2.0 writes answer_start -1 beside an empty answer_text: such a row is read (the >= 0 check is for rows
+    with an answer)."""
+    from refbert.train import read_rows
+    f = tmp_path / "qa.jsonl"
+    f.write_text('{"question": "q", "context": "c a", "answer_text": "", "answer_start": -1}\n'
+                 '{"question": "q", "context": "c a", "answer_text": "a", "answer_start": 2}\n')
+    assert [r["answer_start"] for r in read_rows(str(f), "qa")] == [-1, 2]

@@ -504,8 +504,7 @@ def layernorm_forward(x, w, b, eps=1e-12):
         return _fallback("layernorm", "C1", _why(x, w, b) if not _c_ok(x, w, b) else "an empty input",
                          L.layernorm_forward, x, w, b, eps)
     xp = C.xp_of(x)
-    V.shape("layernorm", "w", C.stub(w), (x.shape[-1],), "(C,)")
-    V.shape("layernorm", "b", C.stub(b), (x.shape[-1],), "(C,)")
+    L._check_ln(x, w, b, eps)                          # (C2's and the Numba versions' checks: eps among them)
     Cc = x.shape[-1]
     x = xp.ascontiguousarray(x)
     R = x.size // Cc

@@ -69,8 +69,9 @@ def _kernels(kind, tanh, version):
     def dgelu(u):
         if tanh:
             s = sig(two * c * (u + k * u * u * u))
-            uc = min(max(u, -lim), lim)              # past |u| = 1e4, s (1 - s) is exactly 0: the term too, not inf * 0
-            return s + two * uc * s * (one - s) * c * (one + three * k * uc * uc)
+            if abs(u) > lim:                         # past |u| = 1e4, s (1 - s) is exactly 0: so is the term, not inf * 0
+                return s
+            return s + two * u * s * (one - s) * c * (one + three * k * u * u)
         return half * math.erfc(-u * sqrt_half) + u * math.exp(-half * u * u) * inv_sqrt_2pi
 
     @cuda.jit

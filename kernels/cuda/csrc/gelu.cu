@@ -42,8 +42,8 @@ template <int TANH> __device__ __forceinline__ float gelu_f(float u) {
 template <int TANH> __device__ __forceinline__ float dgelu_f(float u) {
     if (TANH) {
         const float s = sig(2.f * GELU_C * (u + GELU_K * u * u * u));
-        const float uc = fminf(fmaxf(u, -1e4f), 1e4f);               // past |u| = 1e4, s (1 - s) is exactly 0: the
-        return s + 2.f * uc * s * (1.f - s) * GELU_C * (1.f + 3.f * GELU_K * uc * uc);   // term too, not inf * 0
+        if (fabsf(u) > 1e4f) return s;           // past |u| = 1e4, s (1 - s) is exactly 0: so is the term (not inf * 0)
+        return s + 2.f * u * s * (1.f - s) * GELU_C * (1.f + 3.f * GELU_K * u * u);
     }
     return 0.5f * erfcf(-u * SQRT_HALF) + u * expf(-0.5f * u * u) * INV_SQRT_2PI;
 }
