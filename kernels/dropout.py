@@ -68,7 +68,7 @@ def fill_multipliers(buf, b0, nb, seed, stream, thr, scale):
 def draw(rng, p, train, op="dropout"):
     """The oracle's checks on p and rng, then (seed, stream, thr, scale) of this call as Numba-ready scalars, or
     None in eval / p == 0 (no stream drawn). Messages as refbert.ops.dropout_forward / dropout_mask."""
-    p = V.number("dropout", "p", p, low=0.0, high=1.0, what="a probability in [0, 1]")
+    p = V.probability("dropout", "p", p)
     if not train or p == 0.0:
         return None
     if not isinstance(rng, DropoutRNG):

@@ -113,9 +113,7 @@ def embedding_forward(ids, w, padding_idx=None):
     V.floats("embedding", w=w)
     V.shape("embedding", "w", w, (None, None), "(V, C)")
     V.ids("embedding", "ids", ids, w.shape[0])
-    if padding_idx is not None:
-        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
-                               what=f"a row in [0, {w.shape[0]})")
+    padding_idx = V.padding_row("embedding", padding_idx, w.shape[0])
     return w[ids], (ids, w.shape, w.dtype, padding_idx)
 
 
@@ -306,7 +304,7 @@ def dropout_forward(x, p, rng=None, train=True):
     out = x, dx = dout, and no stream is drawn.
     """
     V.floats("dropout", x=x)
-    p = V.number("dropout", "p", p, low=0.0, high=1.0, what="a probability in [0, 1]")
+    p = V.probability("dropout", "p", p)
     if not train or p == 0.0:
         return x, DropoutCache(None, 1.0, x.shape, x.dtype)
     keep = dropout_mask(rng, x.shape, p, "dropout")     # (...) bool: 1 byte per unit in the cache
@@ -833,7 +831,7 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
                          "got a row that is entirely -inf, or a NaN/+inf score")
     pt = np.exp(s - m)                                                # (B, H, T, T) in (0, 1], max 1 per row
     l = pt.sum(-1, keepdims=True)                                     # (B, H, T, 1) float32
-    dropout_p = V.number("attention", "dropout_p", dropout_p, low=0.0, high=1.0, what="a probability in [0, 1]")
+    dropout_p = V.probability("attention", "dropout_p", dropout_p)
     p = float(dropout_p) if train else 0.0                            # eval: no dropout, no 1 / (1 - p)
     keep = dropout_mask(rng, s.shape, p, "attention") if p > 0 else None
     P = R(pt) if keep is None else R(pt) * keep                       # the 16-bit operand of P V

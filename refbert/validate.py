@@ -107,6 +107,18 @@ def number(op, name, x, low=None, high=None, low_open=False, integer=False, what
     return v
 
 
+def probability(op, name, p):
+    """A dropout probability: number() in [0, 1], the message every backend gives."""
+    return number(op, name, p, low=0.0, high=1.0, what="a probability in [0, 1]")
+
+
+def padding_row(op, padding_idx, rows):
+    """An embedding's padding_idx: None, or an integer row of the table's `rows` (returned as an int)."""
+    if padding_idx is None:
+        return None
+    return number(op, "padding_idx", padding_idx, low=0, high=rows - 1, integer=True, what=f"a row in [0, {rows})")
+
+
 def required(op, **arrays):
     """Arguments that may not be None (floats() passes None by: optional arrays)."""
     for name, x in arrays.items():

@@ -39,11 +39,34 @@ DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
 AGAIN = {"attention_forward.cu": "72", "attention_backward.cu": "104"}
 
 
+def _gpp(src, exe, include=CSRC):
+    """g++'s build of a CUDA C file for CPU threads (csrc/cpusim.cuh) at the mains' small shapes, 16-bit types in."""
+    return subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
+                           "-DCPUSIM_HALF", f"-I{include}", "-x", "c++", str(src), "-o", str(exe)], capture_output=True,
+                          text=True)
+
+
+def _mutant(tmp_path, where, old, new, main, count=1):
+    """csrc copied into tmp_path with `old` (a str, or a compiled regex) replaced by `new` in file `where` (found
+    exactly `count` times there), and `main` built from that copy: the executable. Skips without g++."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
+    for f in CSRC.glob("*"):
+        (tmp_path / f.name).write_text(f.read_text())
+    path = tmp_path / where
+    text = path.read_text()
+    found = len(old.findall(text)) if isinstance(old, re.Pattern) else text.count(old)
+    assert found == count, (where, old, found)
+    path.write_text(old.sub(new, text) if isinstance(old, re.Pattern) else text.replace(old, new))
+    exe = tmp_path / "x"
+    build = _gpp(tmp_path / main, exe, tmp_path)
+    assert build.returncode == 0, build.stderr[-3000:]
+    return exe
+
+
 def _build_and_run(src, tmp):
     exe = Path(tmp) / src.stem
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
-                            "-DCPUSIM_HALF", f"-I{CSRC}", "-x", "c++", str(src), "-o", str(exe)], capture_output=True,
-                           text=True)
+    build = _gpp(src, exe)
     if build.returncode:
         return src.name, build.returncode, "build failed:\n" + build.stderr[-3000:]
     out = ""
@@ -102,19 +125,8 @@ def test_cpusim_catches_a_wrong_kernel(tmp_path):
 def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
     """The tensor-core validation can fail: a fragment read from the wrong place (in the emulation, or in the
     kernel) fails the main's validation."""
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
-    for f in CSRC.glob("*"):
-        (tmp_path / f.name).write_text(f.read_text())
-    text = (tmp_path / where).read_text()
-    assert text.count(old) == 1, (where, old)
-    (tmp_path / where).write_text(text.replace(old, new))
-    main = tmp_path / ("attention_forward.cu" if where == "cpusim.cuh" else "attention_backward.cu")
-    exe = tmp_path / "x"
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
-                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(main), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = _mutant(tmp_path, where, old, new,
+                  "attention_forward.cu" if where == "cpusim.cuh" else "attention_backward.cu")
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)   # T = 20: one tile, a tail
     assert run.returncode != 0 and "mismatch" in run.stdout, run.stdout[-3000:]
 
@@ -126,20 +138,8 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
     still read them (each CUDA thread is an OS thread here, and a copy by cp.async lands at once): the main's
     v5 = v3 bit-for-bit comparison must say NO and exit 1 (at its 3-key-tile shape; 6 runs of 6 did by hand), or
     it proves nothing about the double buffer's barriers."""
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
-    for f in CSRC.glob("*"):
-        (tmp_path / f.name).write_text(f.read_text())
-    src = tmp_path / "attention_f32.cu"
-    text = src.read_text()
     barrier = re.compile(r"\n +__syncthreads\(\); +// \.\.\. for every thread; tile it - 1 is done\n")
-    assert len(barrier.findall(text)) == 1
-    src.write_text(barrier.sub("\n", text))
-    exe = tmp_path / "x"
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
-                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(src), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = _mutant(tmp_path, "attention_f32.cu", barrier, "\n", "attention_f32.cu")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "v5 forward = v3 forward bit for bit (out, m, 1/l): NO" in run.stdout, \
         run.stdout[-3000:]
@@ -149,18 +149,6 @@ def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of
     136 bytes) instead of 16 is stopped at its first cp.async, naming it."""
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
-    for f in CSRC.glob("*"):
-        (tmp_path / f.name).write_text(f.read_text())
-    src = tmp_path / "attention_forward.cu"
-    text = src.read_text()
-    assert text.count("LD = HS + 8;") == 2
-    src.write_text(text.replace("LD = HS + 8;", "LD = HS + 4;"))
-    exe = tmp_path / "x"
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-DCPUSIM", "-DCPUSIM_SMALL",
-                            "-DCPUSIM_HALF", f"-I{tmp_path}", "-x", "c++", str(src), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=2)
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "not 16-byte aligned" in run.stderr, (run.stdout[-2000:], run.stderr[-2000:])

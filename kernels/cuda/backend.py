@@ -409,9 +409,7 @@ def embedding_forward(ids, w, padding_idx=None):
     _floats("embedding", w=w)
     V.shape("embedding", "w", _stub(w), (None, None), "(V, C)")
     _ids("embedding", "ids", ids, w.shape[0])
-    if padding_idx is not None:
-        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
-                               what=f"a row in [0, {w.shape[0]})")
+    padding_idx = V.padding_row("embedding", padding_idx, w.shape[0])
     ids_d = _dev(ids)
     v = versions.choose("embedding", w.dtype)
     versions.ran("embedding", w.dtype, v.key)

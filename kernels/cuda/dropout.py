@@ -68,7 +68,7 @@ def _kernel(kind, version):
 def draw(rng, p, train, op="dropout"):
     """The oracle's checks on p and rng, then (seed, stream, threshold, scale) of this call, or None in eval /
     p == 0 (no stream drawn). Messages as refbert.ops.dropout_forward / dropout_mask."""
-    p = V.number("dropout", "p", p, low=0.0, high=1.0, what="a probability in [0, 1]")
+    p = V.probability("dropout", "p", p)
     if not train or p == 0.0:
         return None
     if not isinstance(rng, DropoutRNG):

@@ -127,9 +127,7 @@ def _forward(ids, w, padding_idx):
     V.shape("embedding", "w", C.stub(w), (None, None), "(V, C)")
     if C.checks_on(ids):
         V.ids("embedding", "ids", C.to_host(ids), w.shape[0])
-    if padding_idx is not None:
-        padding_idx = V.number("embedding", "padding_idx", padding_idx, low=0, high=w.shape[0] - 1, integer=True,
-                               what=f"a row in [0, {w.shape[0]})")
+    padding_idx = V.padding_row("embedding", padding_idx, w.shape[0])
     return w[ids], (ids, w.shape, w.dtype, padding_idx)
 
 

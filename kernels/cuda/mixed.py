@@ -467,7 +467,7 @@ def _attention_checks(q, k, v, n_heads, mask, dropout_p):
         raise ValueError(f"attention: argument 'q' expected float32 (mixed precision), got {q.dtype}")
     if mask is not None:
         V.broadcasts_to("attention", "mask", C.stub(mask), (B, H, T, T))
-    dropout_p = V.number("attention", "dropout_p", dropout_p, low=0.0, high=1.0, what="a probability in [0, 1]")
+    dropout_p = V.probability("attention", "dropout_p", dropout_p)
     return B, T, Cw, H, hs
 
 
