@@ -26,7 +26,7 @@ precision="bf16-mixed")` runs:
                       operations (any array module: the simulator's NumPy). S3 (REFBERT_MIXED_ATTENTION=S3, head
                       size 64): the same spec as tensor-core flash kernels (csrc/mixed.cu s3_fwd, s3_dkdv, s3_dq),
                       no (B, H, T, T) array; the forward walks the keys twice so that R(pt) uses the row's final
-                      max as the spec does; opt-in until a GPU has timed it against S2. S4
+                      max as the spec does; opt-in: on the H200 its step was the slower (below). S4
                       (REFBERT_MIXED_ATTENTION=S4): S3 with dropout's keep-mask a Philox call per 4 scores where
                       T % 4 == 0 (s4_fwd, s4_dkdv, s4_dq; S3 makes a call a score, three times over a step): S3's
                       bits.
@@ -739,8 +739,10 @@ def attention_probs_s2(cache):
 # attention S3: csrc/mixed.cu's tensor-core flash kernels (hs = 64): the spec's rounding sites (float32 noise apart:
 # sum order, the tensor cores' accumulation, exp's last bits, as S2), no (B, H, T, T) array, q / k / v / dout
 # rounded into 16-bit storage by round16 first. Chosen by REFBERT_MIXED_ATTENTION=S3 (head
-# size 64, device arrays) until a GPU has timed it against S2; S2 otherwise. S4 (REFBERT_MIXED_ATTENTION=S4): S3's
-# kernels drawing dropout's words a Philox call per 4 scores (csrc/mixed.cu s4_*): S3's bits.
+# size 64, device arrays); S2 otherwise: on the H200 (2026-11-27, commit 2f0feb7, the bench's mixed section) the
+# bf16-mixed graph step took 18.1 (S3) and 17.9 ms (S4) against S2's 16.9 at B=32 T=128, 27 and 25.1 against 21 ms
+# at B=8 T=512. S4 (REFBERT_MIXED_ATTENTION=S4): S3's kernels drawing dropout's words a Philox call per 4 scores
+# (csrc/mixed.cu s4_*): S3's bits.
 
 ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3" / "S4": the flash kernels where they apply
 ATTENTIONS = ("S2", "S3", "S4")

@@ -35,12 +35,17 @@ from . import _common as C
 
 OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm", "dropout", "gelu", "bias_gelu",
        "attention", "cross_entropy", "column_sum", "embedding")
-# the built-in preference per op (CUDA C first, then Numba from the highest number down; attention C2 (float16
-# alone) before C1: on the H200, 2026-11-27, its backward ran 1.96 ms at B=4 H=12 T=2048 against C1's 14.7; C5,
-# C2's bits with a forward built to read less shared memory a product, after C2 until a GPU has timed the two;
-# C6, C4's bits with the forward's loads pipelined, after C4 likewise)
-ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C2", "C3", "C1", "2", "1"],
-         "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C2", "C3", "2", "1"],
+# the built-in preference per op (CUDA C first, then Numba from the highest number down), as the GPUs timed them
+# (benchmarks/results/cuda-nvidia-h200/2026-11-27-2f0feb7/cuda_kernels.md, device ms at the step's shapes):
+# attention C2 (float16 alone) before C1 (its backward 2.69 ms at B=8 H=12 T=2048 against C1's 27.2); C5 (C2's
+# bits, fragments by ldmatrix) after C2: its forward the faster at T = 2048 (0.431 against 0.576 ms), its backward
+# the slower at T = 512 and 2048 (0.292 / 2.92 against 0.27 / 2.69 ms); C6 (C4's bits, the forward's loads
+# pipelined) after C4: its forward the faster on the device (0.214 against 0.244 ms at T = 512), the call as a whole
+# no faster (the bench's measured order puts C4 first); the layernorms' C3 (the row in registers) before C2: the
+# faster forward on the H100 (2026-11-26) and the H200 (0.0104 against 0.0144 ms with dropout + residual), the
+# backward the same kernels)
+ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C3", "C2", "C1", "2", "1"],
+         "residual_layernorm": ["C3", "C2", "2", "1"], "dropout_residual_layernorm": ["C3", "C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
          "attention": ["C4", "C6", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
