@@ -29,7 +29,9 @@ DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
         "attention_backward.cu": ("v4 = v3 bit for bit (bf16 dq, dk, dv): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes"),
-        "softmax.cu": "dx ok"}
+        "softmax.cu": "dx ok",
+        "layernorm.cu": ("dw, db partials v4 = v3 bit for bit: yes", "dw, db partials v5 = v3 bit for bit: yes",
+                         "layernorm: every version ok")}
 
 
 # mains run again at another size: the attention mains at a T that is a multiple of 4 (their default 70 is not, so
@@ -143,6 +145,18 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "v5 forward = v3 forward bit for bit (out, m, 1/l): NO" in run.stdout, \
         run.stdout[-3000:]
+
+
+def test_cpusim_catches_layernorm_partials_added_out_of_row_order(tmp_path):
+    """layernorm.cu's dw, db partials versions 4 and 5 load D rows before adding them, and must add them in row order
+    to keep version 3's bits (the order every version's column sums share). With a group's adds reversed the main's
+    v4 = v3 comparison must say NO and exit 1 (at its 577-row shape: 10 rows a chunk, groups of 4 and 8), or the
+    comparison proves nothing about the order."""
+    exe = _mutant(tmp_path, "layernorm.cu",
+                  "        for (int i = 0; i < D; i++) dwdb_add4(sw, sb, g[i], v[i], m[i], rs[i]);",
+                  "        for (int i = D - 1; i >= 0; i--) dwdb_add4(sw, sb, g[i], v[i], m[i], rs[i]);", "layernorm.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "dw, db partials v4 = v3 bit for bit: NO" in run.stdout, run.stdout[-3000:]
 
 
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):

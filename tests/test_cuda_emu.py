@@ -205,6 +205,51 @@ def test_emu_cross_entropy_c2_split_rows_match_oracle():
     assert "C2 OK" in out, out
 
 
+def test_emu_layernorm_partials_versions_4_and_5_are_version_3s_bits():
+    """REFBERT_LN_DWDB=4 / 5 (the dw, db partials with 4 / 8 rows' loads in flight) through the launchers: dx, dw, db
+    the default's (version 3's) bits, at 577 rows (10 a chunk: full groups of 4 and of 8, and tails) for the plain
+    and the residual kinds; the column-a-thread version 2 agrees within float32 rounding (its sums are version 3's
+    on CPU threads: the main compares them); an unknown value is an error naming the variable."""
+    out = cudachild.check(_run(_env("""
+        import numpy as np
+        from refbert_kernels.cuda import backend as B, cuda_c as K, emulate as E
+        rng = np.random.default_rng(0)
+        R, C = 577, 12
+        x, a, dout = (B.to_device(rng.standard_normal((R, C)).astype(np.float32)) for _ in range(3))
+        w, b = (B.to_device(rng.standard_normal(C).astype(np.float32)) for _ in range(2))
+        runs = {}
+        for kind in ("ln", "res"):
+            for v in ("3", "4", "5", "2"):
+                K.LN_DWDB = v
+                E.COUNTS.reset()
+                if kind == "ln":
+                    out_, cache = K.layernorm_forward_c3(x, w, b)
+                    dx, dw, db = K.layernorm_backward_c2(dout, cache)
+                else:
+                    out_, cache = K.residual_layernorm_forward_c3(x, a, w, b)
+                    dx, da, dw, db = K.residual_layernorm_backward_c2(dout, cache)[:4]
+                runs[kind, v] = [t.get() for t in (dx, dw, db)]
+                print(kind, v, "ran", f"layernorm_bwd_dwdb_partial_v{v}_{kind}" in E.COUNTS.launches)
+            for v in ("4", "5"):
+                same = all(np.array_equal(p.view(np.uint32), q.view(np.uint32))
+                           for p, q in zip(runs[kind, v], runs[kind, "3"]))
+                print(kind, v, "bits of 3:", same)
+            print(kind, "2 within 1e-5 of scale:", all(np.abs(p - q).max() <= 1e-5 * np.abs(q).max()
+                                                        for p, q in zip(runs[kind, "2"], runs[kind, "3"])))
+        K.LN_DWDB = "6"
+        try:
+            K.layernorm_backward_c2(dout, K.layernorm_forward_c3(x, w, b)[1])
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+    """)))
+    for kind in ("ln", "res"):
+        assert all(f"{kind} {v} ran True" in out for v in "2345"), out      # (what each run meant to run, ran)
+        assert f"{kind} 4 bits of 3: True" in out and f"{kind} 5 bits of 3: True" in out, out
+        assert f"{kind} 2 within 1e-5 of scale: True" in out, out
+    assert "ERR layernorm: REFBERT_LN_DWDB expected one of 2, 3, 4, 5, got '6'" in out, out
+
+
 def test_emu_launches_are_checked_as_a_gpu_takes_them():
     out = cudachild.check(_run(_env("""
         import numpy as np

@@ -631,7 +631,10 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None, k16=(N
     return out, LayerNormCacheC2(kind, x2, a2, drop, w, mean, rstd, x.shape, rk)
 
 
-LN_DWDB = os.environ.get("REFBERT_LN_DWDB", "3")   # "2": layernorm's dw, db partials by version 2 (A/B runs)
+# layernorm's dw, db partials on the float4 path (A/B runs): "3" (the default), "2" (version 2's: a column a thread),
+# "4" / "5" (version 3's bits with 4 / 8 rows' loads in flight: layernorm.cu; the default once a GPU times them)
+LN_DWDB = os.environ.get("REFBERT_LN_DWDB", "3")
+LN_DWDBS = ("2", "3", "4", "5")
 
 
 def _ln2_backward(dout, cache, o16=None):
@@ -657,8 +660,11 @@ def _ln2_backward(dout, cache, o16=None):
     per, chunks = C.chunks(R)
     pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
     args = (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), mean, rstd, _i(R), _i(Cc), _i(per), pw, pb, x16, a16)
-    if vec and LN_DWDB != "2":                       # version 3's partials: four columns a thread (the float4 path)
-        kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v3_{kind}", xp)(((Cc // 4 + 63) // 64, chunks), (64,), args)
+    if LN_DWDB not in LN_DWDBS:
+        raise ValueError(f"layernorm: REFBERT_LN_DWDB expected one of {', '.join(LN_DWDBS)}, got {LN_DWDB!r}")
+    if vec and LN_DWDB != "2":                       # versions 3-5's partials: four columns a thread (the float4 path)
+        kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v{LN_DWDB}_{kind}", xp)(((Cc // 4 + 63) // 64, chunks),
+                                                                                   (64,), args)
     else:
         kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v2_{kind}", xp)(((Cc + 255) // 256, chunks), (256,), args)
     dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)

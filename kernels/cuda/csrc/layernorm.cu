@@ -32,6 +32,11 @@ Versions:
      row order (the same bits where the compiler contracts both alike: CPU threads; on a GPU within float32
      rounding). The launchers run it wherever the float4 path applies, for versions 2 and 3 (REFBERT_LN_DWDB=2
      keeps version 2's partials); this main times version 2 with version 2's partials, version 3 with these
+  dw, db partials versions 4 and 5 (REFBERT_LN_DWDB=4 / 5): version 3's partials with 4 / 8 rows' loads in flight
+     before their adds, in row order (version 3's bits: the main compares them, on CPU threads and on a GPU). The
+     partials' order fixes their parallelism (64 chunks of rows, four columns a thread), so their pace is set by
+     the loads in flight; on the H200 (2026-11-27) version 3's partials took more time than the dx kernel beside
+     them, which reads and writes more. Not yet timed: this main times them beside version 3
   mixed precision (rk >= 0): every version reads and writes on the compute grid; the forward may keep x and a in
      16 bits (kx16, ka16: common.cuh keep16) and the backward read them so (x16, a16: IN16), the same values
 
@@ -430,6 +435,43 @@ __device__ __forceinline__ void ln_dwdb_v3(LNDW_ARGS) {
     st4(db_part + (size_t)chunk * C + c, sb);
 }
 
+// dw, db partials, versions 4 and 5: version 3's sums, column by column in the same row order (the same bits), with
+// D rows' loads in flight before their adds (version 3: two; 4: four; 5: eight). Why: the partials' parallelism is
+// fixed by their order (a thread's four columns over a chunk's rows, 64 chunks: at R = 4096, C = 768 that is 192
+// blocks of 64 threads, about three warps an SM of an H200), so latency, not bandwidth, sets version 3's pace: 25.7
+// us a call at B=32 T=128 in the H200's step profile (2026-11-27), 1.47 TB/s of its 37.7 MB read, where the dx
+// kernel beside it moves 3 TB/s. Each row more in flight is 48 bytes more a thread (dout, x, a) towards the ~4 MB
+// that an H200's bandwidth times its memory latency asks for.
+template <int KIND, int IN16, int D>
+__device__ __forceinline__ void ln_dwdb_deep(LNDW_ARGS) {
+    const int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x), chunk = blockIdx.y;
+    if (c >= C) return;
+    float4 sw = make_float4(0.f, 0.f, 0.f, 0.f), sb = sw;
+    const int r0 = chunk * per, r1 = min(R, (chunk + 1) * per);
+    int r = r0;
+    for (; r + D <= r1; r += D) {
+        float4 g[D], v[D];
+        float m[D], rs[D];
+#pragma unroll
+        for (int i = 0; i < D; i++) {                        // every load of the D rows first ...
+            const size_t e = (size_t)(r + i) * C + c;
+            g[i] = rnd4(ld4(dout + e), rk);
+            v[i] = s4<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16);
+            m[i] = mean[r + i];
+            rs[i] = rstd[r + i];
+        }
+#pragma unroll
+        for (int i = 0; i < D; i++) dwdb_add4(sw, sb, g[i], v[i], m[i], rs[i]);    // ... then the adds, in row order
+    }
+    for (; r < r1; r++) {                                    // the chunk's last rows, one at a time
+        const size_t e = (size_t)r * C + c;
+        dwdb_add4(sw, sb, rnd4(ld4(dout + e), rk), s4<KIND, IN16>(x, a, e, seed, stream, thresh, dscale, rk, x16, a16),
+                  mean[r], rstd[r]);
+    }
+    st4(dw_part + (size_t)chunk * C + c, sw);
+    st4(db_part + (size_t)chunk * C + c, sb);
+}
+
 #define LN2_KERNELS(NAME, KIND)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v2_##NAME(                                   \
         LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b, float eps, int R, int C, int vec,   \
@@ -451,6 +493,12 @@ __device__ __forceinline__ void ln_dwdb_v3(LNDW_ARGS) {
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v3_##NAME(LNDW_ARGS) {       \
         RK16_DISPATCH(x16 != nullptr, ln_dwdb_v3<KIND, IN16>(LNDW_CALL))                                        \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v4_##NAME(LNDW_ARGS) {       \
+        RK16_DISPATCH(x16 != nullptr, (ln_dwdb_deep<KIND, IN16, 4>(LNDW_CALL)))                                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(64, 8) layernorm_bwd_dwdb_partial_v5_##NAME(LNDW_ARGS) {       \
+        RK16_DISPATCH(x16 != nullptr, (ln_dwdb_deep<KIND, IN16, 8>(LNDW_CALL)))                                 \
     }
 LN2_KERNELS(ln, 0)
 LN2_KERNELS(res, 1)
@@ -582,6 +630,8 @@ LnRef layernorm_cpu(int kind, const float* x, const float* a, u64 seed, u64 stre
 
 struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db, *pw, *pb; };
 
+static int g_dwdb = 3;      // which dw, db partials version 3 runs (3, 4 or 5: the same sums; the main compares them)
+
 // one version's forward + backward; v1 has kind 0 only
 void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, float dscale, float eps, int R,
          int C, int per, int chunks, int rk = -1, unsigned short* o16 = nullptr, unsigned short* d16 = nullptr,
@@ -605,6 +655,12 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
                 : kind == 1 ? layernorm_bwd_dwdb_partial_v2_res : layernorm_bwd_dwdb_partial_v2_drop;
         auto pw3 = kind == 0 ? layernorm_bwd_dwdb_partial_v3_ln
                  : kind == 1 ? layernorm_bwd_dwdb_partial_v3_res : layernorm_bwd_dwdb_partial_v3_drop;
+        if (g_dwdb == 4)
+            pw3 = kind == 0 ? layernorm_bwd_dwdb_partial_v4_ln
+                : kind == 1 ? layernorm_bwd_dwdb_partial_v4_res : layernorm_bwd_dwdb_partial_v4_drop;
+        if (g_dwdb == 5)
+            pw3 = kind == 0 ? layernorm_bwd_dwdb_partial_v5_ln
+                : kind == 1 ? layernorm_bwd_dwdb_partial_v5_res : layernorm_bwd_dwdb_partial_v5_drop;
         if ((parts & 1) && version == 3)
             LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C,
                    ((C + 255) / 256) * 2, d.out, d.mean, d.rstd, o16, kx, ka);
@@ -627,8 +683,8 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
 
 int main() {
 #ifdef CPUSIM_SMALL
-    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {2, 260}, {257, 52}};  // C = 1; tails of warps and float4
-                                                                                // rows; 5 rows a chunk (v3: pairs, a tail)
+    const int shapes[][2] = {{1, 1}, {3, 37}, {9, 52}, {2, 260}, {257, 52},   // C = 1; tails of warps and float4
+                             {577, 12}};    // rows; 5 rows a chunk (v3: pairs, a tail); 10 (v4: 4 + 4 + 2, v5: 8 + 2)
     const bool timing = false;
 #else
     const int shapes[][2] = {{1, 1}, {3, 37}, {67, 52}, {130, 772}, {4 * 512, 768}};
@@ -697,6 +753,23 @@ int main() {
                     printf("  dw, db partials v3 against v2: %d of %d differ (largest %.2e): %s\n", diff, 2 * C,
                            worst, same ? "ok" : "WRONG");
                     if (!same) exit(EXIT_FAILURE);
+                    // versions 4 and 5 (D rows in flight): version 3's code for every add, so its bits, GPU too
+                    std::vector<float> pw3(C), pb3(C);
+                    for (int dv = 4; dv <= 5; dv++) {
+                        cudaCheck(cudaMemset(d.dw, 0, C * 4)); cudaCheck(cudaMemset(d.db, 0, C * 4));
+                        g_dwdb = dv;
+                        run(3, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, -1, nullptr, nullptr,
+                            nullptr, nullptr, 4);
+                        g_dwdb = 3;
+                        cudaCheck(cudaDeviceSynchronize());
+                        cudaCheck(cudaMemcpy(pw3.data(), d.dw, C * 4, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(pb3.data(), d.db, C * 4, cudaMemcpyDeviceToHost));
+                        int nd = 0;
+                        for (int c = 0; c < C; c++)
+                            nd += (BITS_F(pw3[c]) != BITS_F(w3[c])) + (BITS_F(pb3[c]) != BITS_F(b3[c]));
+                        printf("  dw, db partials v%d = v3 bit for bit: %s\n", dv, nd ? "NO" : "yes");
+                        if (nd) exit(EXIT_FAILURE);
+                    }
                 }
 #ifdef CPUSIM_SMALL
                 const bool mixed_checks = R <= 64;           // (the 257-row shape: for v3's partials only)
@@ -787,6 +860,19 @@ int main() {
                     double bytes = (kind == 0 ? 7.0 : kind == 1 ? 9.0 : 10.0) * n * 4;
                     printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f, dx %.4f, dw db %.4f ms)\n",
                            version, ms[0], bytes / ms[0] / 1e6, ms[1], ms[2], ms[3]);
+                    if (version == 3) {                  // the partials' versions 4 and 5 (+ the column sum)
+                        float m45[2];
+                        for (int dv = 4; dv <= 5; dv++) {
+                            g_dwdb = dv;
+                            m45[dv - 4] = benchmark_kernel(20, [&]() { run(3, kind, d, seed, stream, thresh, dscale,
+                                                                          eps, R, C, per, chunks, -1, nullptr, nullptr,
+                                                                          nullptr, nullptr, 4); });
+                            g_dwdb = 3;
+                        }
+                        const double mb = (kind == 0 ? 2.0 : 3.0) * n * 4 / 1e6;    // dout, x (, a) read
+                        printf("  dw db with partials v3 %.4f ms, v4 %.4f ms, v5 %.4f ms (%.0f / %.0f / %.0f GB/s "
+                               "read)\n", ms[3], m45[0], m45[1], mb / ms[3], mb / m45[0], mb / m45[1]);
+                    }
                 }
             }
         free(x); free(a); free(dout); free(w); free(b);
