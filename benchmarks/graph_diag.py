@@ -8,12 +8,13 @@ gradient difference, the captures so far, and the tensors that are not finite on
     REFBERT_CUBLAS_WORKSPACE_MB=0 python benchmarks/graph_diag.py      (cuBLAS's own workspace instead of ours)
     python benchmarks/graph_diag.py --trace [--labelled 4]             (op by op: where a replay first differs)
 
-The fault's cause, fixed since (confirmed on the H200, 2026-11-27: made the old way the slots overlap and the
-bf16-mixed replays are NaN; made as now every replay equals its eager step bit for bit): the slots (the step's host-to-device copies,
-filled before each replay) were made inside the capture from the graph's pool, so a slot could get a block the step
-had used and freed earlier in the same step; a replay then filled the slot first and the earlier kernel overwrote
-it (the labels, the labelled positions) before it was read. Now the slots are the warm-up's arrays, alive through
-the graph (backend._held_slot), and StepGraph refuses a capture where a slot shares memory with the step's arrays.
+The fault's cause, fixed since (reproduced on the H200, 2026-11-27: made the old way the slots overlap and the
+bf16-mixed replays are NaN; made as now every replay equals its eager step bit for bit): the slots (the step's
+host-to-device copies, filled before each replay) were made inside the capture from the graph's pool, so a slot
+could get a block the step had used and freed earlier in the same step; a replay then filled the slot first and the
+earlier kernel overwrote it (the labels, the labelled positions) before it was read. Now the slots are the warm-up's
+arrays, alive through the graph (backend._held_slot), and StepGraph refuses a capture where a slot shares memory
+with the step's arrays.
 
 Diagnostics as environment variables (each changes one thing; gpu_all.sh's step graphdiag runs them in turn):
     REFBERT_GRAPH_SLOTS_IN_CAPTURE=1  the slots made inside the capture, as before the fix (the overlaps it makes

@@ -30,8 +30,8 @@ DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes"),
         "softmax.cu": "dx ok",
-        "layernorm.cu": ("dw, db partials v4 = v3 bit for bit: yes", "dw, db partials v5 = v3 bit for bit: yes",
-                         "layernorm: every version ok")}
+        "layernorm.cu": tuple(f"dw, db partials v{v} = v3 bit for bit (rk {rk}): yes" for v in (4, 5)
+                              for rk in (-1, 0, 1)) + ("layernorm: every version ok",)}
 
 
 # mains run again at another size: the attention mains at a T that is a multiple of 4 (their default 70 is not, so
@@ -147,16 +147,23 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
         run.stdout[-3000:]
 
 
-def test_cpusim_catches_layernorm_partials_added_out_of_row_order(tmp_path):
-    """layernorm.cu's dw, db partials versions 4 and 5 load D rows before adding them, and must add them in row order
-    to keep version 3's bits (the order every version's column sums share). With a group's adds reversed the main's
-    v4 = v3 comparison must say NO and exit 1 (at its 577-row shape: 10 rows a chunk, groups of 4 and 8), or the
-    comparison proves nothing about the order."""
+@pytest.mark.parametrize("depth", [4, 8])
+def test_cpusim_catches_layernorm_partials_added_out_of_row_order(tmp_path, depth):
+    """layernorm.cu's dw, db partials versions 4 and 5 load D = 4 / 8 rows before adding them, and must add them in
+    row order to keep version 3's bits (the order every version's column sums share). With the adds of a group
+    reversed in the D = depth body alone, the main's comparison of that version's partials with version 3's must
+    say NO and exit 1 (version 4 at the 257-row shape, 5 rows a chunk: one group of 4; version 5 at the 577-row
+    shape, 10 rows a chunk: one group of 8), or the comparison proves nothing about that body's order."""
     exe = _mutant(tmp_path, "layernorm.cu",
                   "        for (int i = 0; i < D; i++) dwdb_add4(sw, sb, g[i], v[i], m[i], rs[i]);",
-                  "        for (int i = D - 1; i >= 0; i--) dwdb_add4(sw, sb, g[i], v[i], m[i], rs[i]);", "layernorm.cu")
+                  f"        for (int i = 0; i < D; i++) {{ const int k = D == {depth} ? D - 1 - i : i; "
+                  "dwdb_add4(sw, sb, g[k], v[k], m[k], rs[k]); }", "layernorm.cu")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "dw, db partials v4 = v3 bit for bit: NO" in run.stdout, run.stdout[-3000:]
+    version = {4: 4, 8: 5}[depth]
+    assert run.returncode != 0 and f"dw, db partials v{version} = v3 bit for bit (rk -1): NO" in run.stdout, \
+        run.stdout[-3000:]
+    if version == 5:                                   # (version 4's body untouched: it passed first)
+        assert "dw, db partials v4 = v3 bit for bit (rk -1): yes" in run.stdout, run.stdout[-3000:]
 
 
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):

@@ -7,14 +7,14 @@ in every CUDA C kernel, the generator advanced by the step's count.
 What must hold: a replay is the eager step at the same dropout position on the same parameters, bit for bit (the
 same kernels on the same arguments: the bound is 0, no tolerance), for fp32 and bf16-mixed, over several batches
 with the parameters changed in place between steps (on the H100 of 2026-11-26 the [gpu] parameter of that test
-FAILED: this one-layer model's graphs replayed NaN there, fp32 with 4 labelled positions and bf16-mixed always, while
-BERT-base's replayed bit for bit; the likely cause, slots made inside the capture where the step's own arrays could
-share their memory, is fixed and the [gpu] test now also asserts no slot overlaps a block the capture took: not yet
-run on a GPU; kernels/cuda/graph.py "inputs" and "checked", benchmarks/graph_diag.py; StepGraph's first-replay
-check now refuses such a graph); a batch with another count of labelled positions is captured
-anew (and still equal); without the shift the replays repeat the capture's dropout masks, and the comparison
-catches it (the negative control: the test can fail); a step that would run a Numba kernel (not capturable) is
-refused, naming the op; a step whose capture copies otherwise than its warm-up is refused.
+FAILED: this one-layer model's graphs replayed NaN there, fp32 with 4 labelled positions and bf16-mixed always,
+while BERT-base's replayed bit for bit; the cause, slots made inside the capture where the step's own arrays
+could share their memory, is fixed and the [gpu] test now also asserts no slot overlaps a block the capture took: it
+passed on the H200 of 2026-11-27, at 6686606 and at 2f0feb7; kernels/cuda/graph.py "inputs" and "checked",
+benchmarks/graph_diag.py; StepGraph's first-replay check now refuses such a graph); a batch with another count of
+labelled positions is captured anew (and still equal); without the shift the replays repeat the capture's dropout
+masks, and the comparison catches it (the negative control: the test can fail); a step that would run a Numba kernel
+(not capturable) is refused, naming the op; a step whose capture copies otherwise than its warm-up is refused.
 """
 import json
 

@@ -47,9 +47,10 @@ kernels on the same arguments, so the same bits (tests/test_cuda_graph.py compar
             graphs of BERT-base steps replayed bit for bit, but those of a one-layer H128 model on 16 tokens
             replayed NaN (fp32 with 4 labelled positions, not 3; bf16-mixed always: graph_diag.txt in
             benchmarks/results/cuda-nvidia-h100/). Their slots were then made inside the capture (see inputs): the
-            cause, fixed since and confirmed on the H200 (2026-11-27, twice: benchmarks/graph_diag.py, whose
+            cause, fixed since and reproduced on the H200 (2026-11-27, twice: benchmarks/graph_diag.py, whose
             REFBERT_GRAPH_SLOTS_IN_CAPTURE=1 makes the slots the old way: they overlap the step's memory and every
-            bf16-mixed replay is NaN; made as now, every replay equals its eager step bit for bit).
+            bf16-mixed replay is NaN, most fp32 ones too; made as now, every replay equals its eager step bit for
+            bit).
 
 On the emulator (REFBERT_CUDA_EMULATE=1) there is no graph: StepGraph(model, emulate=True) runs each call eagerly
 through the same slots, shift and rules (the replay's host half, tested in CI); a GPU is needed for the capture.

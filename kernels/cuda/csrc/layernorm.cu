@@ -25,15 +25,16 @@ Versions:
      (column_sum2). The Numba version 2's arithmetic (kernels/cuda/layernorm.py), a warp per row instead of a
      block. `vec` (a launch argument) selects the float4 path: C % 4 == 0 and every pointer 16-byte aligned.
   3  the forward of version 2 with the row in registers (nv = ceil(C / 128) rounded up to even float4 per lane,
-     C <= 1024 on the float4 path): x and a read once and the keep factors drawn once instead of in each of three passes; the same
-     sums in the same order, so the same bits as version 2; its backward is version 2's, but for the dw, db
-     partials (layernorm_bwd_dwdb_partial_v3, the float4 path): four consecutive columns a thread, one Philox call
-     for their four keep factors (version 2's partials drew one per element), the same per-column sums in the same
-     row order (the same bits where the compiler contracts both alike: CPU threads; on a GPU within float32
+     C <= 1024 on the float4 path): x and a read once and the keep factors drawn once instead of in each of three
+     passes; the same sums in the same order, so the same bits as version 2; its backward is version 2's, but for
+     the dw, db partials (layernorm_bwd_dwdb_partial_v3, the float4 path): four consecutive columns a thread, one
+     Philox call for their four keep factors (version 2's partials drew one per element), the same per-column sums
+     in the same row order (the same bits where the compiler contracts both alike: CPU threads; on a GPU within float32
      rounding). The launchers run it wherever the float4 path applies, for versions 2 and 3 (REFBERT_LN_DWDB=2
      keeps version 2's partials); this main times version 2 with version 2's partials, version 3 with these
   dw, db partials versions 4 and 5 (REFBERT_LN_DWDB=4 / 5): version 3's partials with 4 / 8 rows' loads in flight
-     before their adds, in row order (version 3's bits: the main compares them, on CPU threads and on a GPU). The
+     before their adds, in row order (version 3's bits: the main compares the partials on CPU threads, and will on
+     a GPU at its next run). The
      partials' order fixes their parallelism (64 chunks of rows, four columns a thread), so their pace is set by
      the loads in flight; on the H200 (2026-11-27) version 3's partials took more time than the dx kernel beside
      them, which reads and writes more. Not yet timed: this main times them beside version 3
@@ -123,8 +124,10 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_fwd_v1(const float* 
         for (int c = lane * 4; c < C; c += 128) {
             float4 a = *reinterpret_cast<const float4*>(xr + c);
             float4 ww = *reinterpret_cast<const float4*>(w + c), bb = *reinterpret_cast<const float4*>(b + c);
-            *reinterpret_cast<float4*>(orow + c) = make_float4((a.x - m) * rs * ww.x + bb.x, (a.y - m) * rs * ww.y + bb.y,
-                                                               (a.z - m) * rs * ww.z + bb.z, (a.w - m) * rs * ww.w + bb.w);
+            *reinterpret_cast<float4*>(orow + c) = make_float4((a.x - m) * rs * ww.x + bb.x,
+                                                               (a.y - m) * rs * ww.y + bb.y,
+                                                               (a.z - m) * rs * ww.z + bb.z,
+                                                               (a.w - m) * rs * ww.w + bb.w);
         }
     } else {
         for (int c = lane; c < C; c += 32) orow[c] = (xr[c] - m) * rs * w[c] + b[c];
@@ -508,9 +511,10 @@ LN2_KERNELS(drop, 2)
 // NV float4 per lane (C <= 128 NV, C % 4 == 0, 16-byte aligned), so x and a are read once and the keep factors
 // drawn once, where version 2 re-reads them (and re-runs Philox) in each of its three passes. 256 threads a block;
 // __maxnreg__(96) instead of __launch_bounds__(256) (which made ptxas keep 64 registers and spill the dropout
-// kind's NV = 8 case). Its one H200 measurement (before RK_DISPATCH; 61-72 registers): the plain kind 0.0128 ms
-// against version 2's 0.00995 at (2048, 768); with the twelve (nv, rk) bodies it now takes 96 registers. After
-// version 2 in the built-in order until a GPU run shows it faster.
+// kind's NV = 8 case). Its first H200 measurement (before RK_DISPATCH; 61-72 registers): the plain kind 0.0128 ms
+// against version 2's 0.00995 at (2048, 768); with the twelve (nv, rk) bodies it takes 96 registers, and the H200
+// run of 2026-11-27 at 2f0feb7 timed its forward at 0.0052 / 0.0050 / 0.0056 ms (ln / res / drop) against version
+// 2's 0.0056 / 0.0064 / 0.0092 (this main, 2048 x 768), as the H100 had: first in the built-in order since.
 template <int KIND, int NV>
 __device__ __forceinline__ void ln_fwd_v3(LN2_ARGS, const float* __restrict__ w, const float* __restrict__ b,
                                           float eps, int R, int C, float* __restrict__ out, float* __restrict__ mean,
@@ -753,30 +757,45 @@ int main() {
                     printf("  dw, db partials v3 against v2: %d of %d differ (largest %.2e): %s\n", diff, 2 * C,
                            worst, same ? "ok" : "WRONG");
                     if (!same) exit(EXIT_FAILURE);
-                    // versions 4 and 5 (D rows in flight): version 3's code for every add, so its bits, GPU too
-                    std::vector<float> pw3(C), pb3(C);
-                    for (int dv = 4; dv <= 5; dv++) {
-                        cudaCheck(cudaMemset(d.dw, 0, C * 4)); cudaCheck(cudaMemset(d.db, 0, C * 4));
-                        g_dwdb = dv;
-                        run(3, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, -1, nullptr, nullptr,
-                            nullptr, nullptr, 4);
-                        g_dwdb = 3;
+                    // versions 4 and 5 (D rows in flight): version 3's code for every add, so its bits, GPU too.
+                    // The partials themselves compared (chunks x C), the buffers filled with NaN bytes before each
+                    // run (a chunk, a column or a row left out shows), in float32 and in both 16-bit kinds with x
+                    // and a read from the forward's 16-bit storage (the IN16 bodies)
+                    const size_t np = (size_t)chunks * C;
+                    std::vector<float> ref_w(np), ref_b(np), got_w(np), got_b(np);
+                    unsigned short *kx, *ka;
+                    cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
+                    for (int rk = -1; rk < 2; rk++) {
+                        unsigned short *kx_ = rk < 0 ? nullptr : kx, *ka_ = rk < 0 ? nullptr : ka;
+                        run(3, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, rk, nullptr, nullptr,
+                            kx_, ka_);
                         cudaCheck(cudaDeviceSynchronize());
-                        cudaCheck(cudaMemcpy(pw3.data(), d.dw, C * 4, cudaMemcpyDeviceToHost));
-                        cudaCheck(cudaMemcpy(pb3.data(), d.db, C * 4, cudaMemcpyDeviceToHost));
-                        int nd = 0;
-                        for (int c = 0; c < C; c++)
-                            nd += (BITS_F(pw3[c]) != BITS_F(w3[c])) + (BITS_F(pb3[c]) != BITS_F(b3[c]));
-                        printf("  dw, db partials v%d = v3 bit for bit: %s\n", dv, nd ? "NO" : "yes");
-                        if (nd) exit(EXIT_FAILURE);
+                        cudaCheck(cudaMemcpy(ref_w.data(), d.pw, np * 4, cudaMemcpyDeviceToHost));
+                        cudaCheck(cudaMemcpy(ref_b.data(), d.pb, np * 4, cudaMemcpyDeviceToHost));
+                        for (int dv = 4; dv <= 5; dv++) {
+                            cudaCheck(cudaMemset(d.pw, 0xFF, np * 4)); cudaCheck(cudaMemset(d.pb, 0xFF, np * 4));
+                            g_dwdb = dv;
+                            run(3, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks, rk, nullptr,
+                                nullptr, kx_, ka_, 4);
+                            g_dwdb = 3;
+                            cudaCheck(cudaDeviceSynchronize());
+                            cudaCheck(cudaMemcpy(got_w.data(), d.pw, np * 4, cudaMemcpyDeviceToHost));
+                            cudaCheck(cudaMemcpy(got_b.data(), d.pb, np * 4, cudaMemcpyDeviceToHost));
+                            size_t nd = 0;
+                            for (size_t e = 0; e < np; e++)
+                                nd += (BITS_F(got_w[e]) != BITS_F(ref_w[e])) + (BITS_F(got_b[e]) != BITS_F(ref_b[e]));
+                            printf("  dw, db partials v%d = v3 bit for bit (rk %d): %s\n", dv, rk, nd ? "NO" : "yes");
+                            if (nd) exit(EXIT_FAILURE);
+                        }
                     }
+                    cudaFree(kx); cudaFree(ka);
                 }
 #ifdef CPUSIM_SMALL
                 const bool mixed_checks = R <= 64;           // (the 257-row shape: for v3's partials only)
 #else
                 const bool mixed_checks = true;
 #endif
-                if (version >= 2 && mixed_checks) {                  // the twins (mixed precision, rk 0 / 1): bits16 of what is stored
+                if (version >= 2 && mixed_checks) {     // the twins (mixed precision, rk 0 / 1): bits16 of what is kept
                     unsigned short *o16, *d16, *kx, *ka;
                     cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
                     cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
@@ -834,7 +853,8 @@ int main() {
                         if (kbad[0] + kbad[1])
                             printf("    kept bits wrong: x %zu, a %zu of %zu\n", kbad[0], kbad[1], n);
                         bad += kbad[0] + kbad[1];
-                        printf("  kept in 16 bits rk=%d: %s\n", rk, bad ? "WRONG" : "x, a kept; dx, da, dw, db the same bits");
+                        printf("  kept in 16 bits rk=%d: %s\n", rk,
+                               bad ? "WRONG" : "x, a kept; dx, da, dw, db the same bits");
                         if (bad) exit(EXIT_FAILURE);
                         if (timing && R * C >= 1 << 20) {   // the mixed bodies (twins written, x, a kept) part by part
                             float ms[3];
@@ -842,7 +862,7 @@ int main() {
                                 ms[i] = benchmark_kernel(20, [&]() { run(version, kind, d, seed, stream, thresh, dscale,
                                                                          eps, R, C, per, chunks, rk, o16, d16, kx, ka,
                                                                          1 << i); });
-                            printf("  v%d %s-mixed: forward %.4f, dx %.4f, dw db %.4f ms\n", version,
+                            printf("  v%d %s-mixed: forward %.4f ms, dx %.4f ms, dw db %.4f ms\n", version,
                                    rk == 0 ? "bf16" : "fp16", ms[0], ms[1], ms[2]);
                         }
                     }
@@ -858,7 +878,7 @@ int main() {
                     }
                     // forward reads x (a), writes out; backward reads dout, x (a) twice, writes dx (da)
                     double bytes = (kind == 0 ? 7.0 : kind == 1 ? 9.0 : 10.0) * n * 4;
-                    printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f, dx %.4f, dw db %.4f ms)\n",
+                    printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f ms, dx %.4f ms, dw db %.4f ms)\n",
                            version, ms[0], bytes / ms[0] / 1e6, ms[1], ms[2], ms[3]);
                     if (version == 3) {                  // the partials' versions 4 and 5 (+ the column sum)
                         float m45[2];
