@@ -669,6 +669,55 @@ def test_precision_study_of_the_cuda_mixed_step(mode):
     assert "OK" in out, out
 
 
+def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
+    """The mixed path's residual and dropout + residual layernorm forwards run layernorm.cu's version 3 (the row in
+    registers) by default and version 2 under REFBERT_MIXED_LN=2: out, its twin, what the forward keeps in 16 bits
+    for the backward and the backward's dx, da, dw, db the same bits either way (the same sums in the same order;
+    the emulator's g++ contracts nothing), in bf16 and fp16, with what each run meant to run asserted; an unknown
+    value is an error naming the variable."""
+    out = _child("""
+        import numpy as np
+        from refbert import ops
+        from refbert.philox import DropoutRNG
+        from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
+        r = np.random.default_rng(8)
+        for compute in ("bfloat16", "float16"):
+            R_ = lambda t: ops.round_compute(np.asarray(t, np.float32), compute)
+            x, a, d = (B.to_device(R_(r.standard_normal((40, 64)))) for _ in range(3))
+            w, b = (B.to_device(r.standard_normal(64).astype(np.float32)) for _ in range(2))
+            for kind in ("res", "drop"):
+                got = {}
+                for v in ("3", "2"):
+                    M.MIXED_LN = v
+                    E.COUNTS.reset()
+                    if kind == "res":
+                        o, c = M.residual_layernorm_forward_mixed(x, a, w, b, compute=compute)
+                        grads = M.residual_layernorm_backward_mixed(d, c)
+                    else:
+                        o, c = M.dropout_residual_layernorm_forward_mixed(x, a, w, b, 1e-12, 0.1, DropoutRNG(3), True,
+                                                                          compute)
+                        grads = M.dropout_residual_layernorm_backward_mixed(d, c)
+                    ran = f"layernorm_fwd_v{v}_{kind}" in E.COUNTS.launches
+                    kept = [t for t in c.cache[1:3] if hasattr(t, "get")]   # (x2, a2 of the cache: 16-bit kept)
+                    mean_rstd = c.cache[5:7]
+                    got[v] = [np.asarray(t.get()).view(np.uint8)
+                              for t in (o, M.twin_of(o, compute), *kept, *mean_rstd, *grads)]
+                    print(compute, kind, v, "ran", ran, "kept", len(kept))
+                print(compute, kind, "same bits:", all(np.array_equal(p, q) for p, q in zip(got["3"], got["2"])))
+        M.MIXED_LN = "4"
+        try:
+            M.residual_layernorm_forward_mixed(x, a, w, b, compute="bfloat16")
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+    """, "emu")
+    for compute in ("bfloat16", "float16"):
+        for kind in ("res", "drop"):
+            assert f"{compute} {kind} 3 ran True kept 2" in out and f"{compute} {kind} 2 ran True kept 2" in out, out
+            assert f"{compute} {kind} same bits: True" in out, out
+    assert "ERR layernorm: REFBERT_MIXED_LN expected 2 or 3, got '4'" in out, out
+
+
 _TWINS = """
     import os
     import numpy as np
