@@ -37,7 +37,8 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          (what the backward will read), and the ratios against sdpa and the floor. No optimizer update. Beside the
          first: the same step with the adds around the linears unfused (an A/B row: the bias after the GEMM, the
          gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins,
-         and with the attention as S3's and S4's flash kernels (REFBERT_MIXED_ATTENTION's choices) instead of S2.
+         and with the attention as S3's and S4's flash kernels (REFBERT_MIXED_ATTENTION's choices) instead of S2,
+         and with the residual layernorms' forward as layernorm.cu's version 2 (REFBERT_MIXED_LN=2) instead of 3.
 optim    the optimizer's step on the model's parameters (base: 110M in ~200 tensors, float32): clip_grad_norm to 1
          and AdamW.step, as pretrain runs them, by refbert's multi-tensor kernels (csrc/optim.cu, through
          refbert.optim) and by its per-array code (REFBERT_FUSED_OPTIM=0: the spec's ~15 launches a tensor) on the
@@ -1061,9 +1062,45 @@ def run_mixed(args, timer):
                                         floor, hf_ms)
                     rows.append(row)
                     failed |= "ms" not in row or not row["attention_ran"]
+                row = layernorm_v2_row(timer, args, ours, dict(x, mlm_decode="all"), base, precision, floor, hf_ms)
+                rows.append(row)
+                failed |= "ms" not in row or not row["layernorm_v2_ran"]
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
+
+
+def _kernels_of_step(ours, x):
+    """The names of the CUDA C kernels one eager training step of `ours` on batch x launches (cuda_c.RECORD)."""
+    from refbert_kernels.cuda import cuda_c as K
+    K.RECORD = []
+    try:
+        ours(**x)
+        ours.backward()
+    finally:
+        recorded, K.RECORD = K.RECORD, None
+    return {name for name, *_ in recorded}
+
+
+def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
+    """An A/B row of the mixed section: the step's CUDA graph with the residual layernorms' forward as
+    layernorm.cu's version 2 (REFBERT_MIXED_LN=2) in place of the default version 3 (the same bits). Its note says
+    which forward kernels one eager step of it launched."""
+    from refbert_kernels.cuda import mixed as M
+    had = M.MIXED_LN
+    M.MIXED_LN = "2"
+    try:
+        names = _kernels_of_step(ours, x)
+        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm forward v2", floor,
+                        peer_ms, "vs_hf")
+    finally:
+        M.MIXED_LN = had
+    fwd = sorted(n for n in names if n.startswith("layernorm_fwd_v"))
+    row["layernorm_v2_ran"] = ran = bool(fwd) and all(n.startswith("layernorm_fwd_v2_") for n in fwd)
+    row["note"] = (f"layernorm forwards {', '.join(fwd)}" if ran else
+                   f"layernorm forward v2 did NOT run alone: {', '.join(fwd) or 'none'}") + \
+        ("; " + row["note"] if row.get("note") else "")
+    return row
 
 
 def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_ms):
