@@ -1070,16 +1070,24 @@ def run_mixed(args, timer):
     return rows, failed
 
 
-def _kernels_of_step(ours, x):
-    """The names of the CUDA C kernels one eager training step of `ours` on batch x launches (cuda_c.RECORD)."""
+def _recorded(step):
+    """Every CUDA C launch one call of step() makes, as cuda_c.RECORD holds them: [(name, kernel, grid, block, args,
+    kw)] in launch order."""
     from refbert_kernels.cuda import cuda_c as K
     K.RECORD = []
     try:
-        ours(**x)
-        ours.backward()
+        step()
     finally:
         recorded, K.RECORD = K.RECORD, None
-    return {name for name, *_ in recorded}
+    return recorded
+
+
+def _kernels_of_step(ours, x):
+    """The names of the CUDA C kernels one eager training step of `ours` on batch x launches."""
+    def step():
+        ours(**x)
+        ours.backward()
+    return {name for name, *_ in _recorded(step)}
 
 
 def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
@@ -1266,13 +1274,8 @@ def launch_probe(step, repeats=200):
     arguments: host microseconds per launch (the wall time of the loop / repeats, the device drained before and
     after). -> rows [dict(kernel, calls_per_step, host_us)]."""
     cp = _xp()
-    from refbert_kernels.cuda import cuda_c as K
     repeats = repeats if not emulated() else 2
-    K.RECORD = []
-    try:
-        step()
-    finally:
-        recorded, K.RECORD = K.RECORD, None
+    recorded = _recorded(step)
     first, calls = {}, {}
     for name, fn, grid, block, args, kw in recorded:
         calls[name] = calls.get(name, 0) + 1
