@@ -13,20 +13,21 @@ probes   the device's copy bandwidth (a CuPy device-to-device copy of a 1 GiB bu
          the kernels: empty Numba and CuPy kernels, and (step section) every CUDA C kernel one training step
          launches, replayed with the step's own argument lists: host microseconds per launch.
 kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C versions (C1, C2: the versions
-         kernels/cuda/versions.py knows): each version is validated against its oracle first (GPU shapes, float32
-         and float16; a version over tolerance is FAIL and never timed), then timed at the spec's bench_shape on CuPy
-         arrays (attention: B=8, H=12, hs=64 at each --attention-T: B*H = 96, issue 13's shapes): forward, and
-         backward on one cached forward, each the median of --repeats CUDA-event timings after 2 warm-up calls, with
-         the L2 cache flushed (a 256 MiB buffer written) before every timed call, twice: as called (events around
-         the call, its host work included) and on the device alone (the call's launches queued while a blocking
-         kernel holds the stream, nvbench's method: what a small kernel costs inside a CUDA graph or a busy
-         stream, without its launch); GB/s of a napkin byte count, % of the copy bandwidth (of the device times
-         where a call has them); attention
-         TFLOP/s (4 B H T^2 hs forward, 2.5x that backward). PyTorch peers on the same inputs (zero-copy through
+         kernels/cuda/versions.py knows): each version is validated against its oracle first (GPU shapes, in every
+         dtype it is timed in and the --validate-dtypes; a version over tolerance is FAIL and never timed), then
+         timed at the spec's bench_shape on CuPy arrays (attention: B=8, H=12, hs=64 at each --attention-T: B*H =
+         96, issue 13's shapes): forward, and backward on one cached forward, each the median of --repeats
+         CUDA-event timings after 2 warm-up calls, with the L2 cache flushed (a 256 MiB buffer written) before
+         every timed call, twice: as called (events around the call, its host work included) and on the device
+         alone (the call's launches queued while a blocking kernel holds the stream, nvbench's method: what a small
+         kernel costs inside a CUDA graph or a busy stream, without its launch); GB/s of a napkin byte count, % of
+         the copy bandwidth (of the device times where a call has them); attention TFLOP/s (4 B H T^2 hs forward,
+         2.5x that backward). PyTorch peers on the same inputs (zero-copy through
          DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
          without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times
-         order each op's versions: cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it; the
-         sections after it in the same run use it, unless REFBERT_CUDA_ORDER was set already).
+         order each op's versions (forward + backward on the device alone where a call has both, else as called:
+         order_seconds): cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it; the sections
+         after it in the same run use it, unless REFBERT_CUDA_ORDER was set already).
 step     one BertForPreTraining training step (forward + backward; train mode, dropout 0.1, MLM + NSP loss) at
          base size and training batches (--step, default B=32 T=128 and B=8 T=512: 4096 tokens each), float32 with
          TF32 off on both sides: refbert backend="cuda" with HF's full logits (mlm_decode "all") and with its labelled
@@ -130,7 +131,8 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
     p.add_argument("--kernels", nargs="+", metavar="NAME", help="only the KernelSpecs with these names")
     p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
-                   choices=["float64", "float32", "float16", "bfloat16"], help="dtypes each version is validated in")
+                   choices=["float64", "float32", "float16", "bfloat16"],
+                   help="dtypes each version is validated in, beside every dtype it is timed in (always validated)")
     p.add_argument("--attention-T", nargs="+", type=int, help="attention sequence lengths (default 512 1024 2048)")
     p.add_argument("--step", nargs="+", metavar="BxT", help="training-step batches (default 32x128 8x512)")
     p.add_argument("--step-T", nargs="+", type=int, help="training-step sequence lengths at 4096 tokens (B = 4096/T)")
@@ -589,8 +591,8 @@ def sdpa_peers(B, T, H, hs, dtype, mask_host, p):
 
 def run_kernels(args, timer, bw):
     """Validate every version, then time it and its PyTorch peer. -> (rows, failed, timings): timings
-    {(op, "float32"): {version key: forward + backward seconds}} of the passing versions at the bench shape (the
-    first --attention-T for attention): what cuda_order.json orders."""
+    {(op, "float32"): {version key: seconds (order_seconds: on the device where the call has device times)}} of the
+    passing versions at the bench shape (the first --attention-T for attention): what cuda_order.json orders."""
     from refbert_kernels.cuda import _common as C   # noqa: F401  (imports the CUDA stack once, before timing)
     found, errors = kernel_specs(args.kernels)
     rows, failed, timings = [], False, {}
@@ -600,33 +602,48 @@ def run_kernels(args, timer, bw):
         failed = True
     for m, spec in found:
         spec = with_cuda_c(spec)
-        passing = []
-        for v in sorted(spec.versions, key=str):
-            worst, err = validate_version(spec, v, args.validate_dtypes)
-            ok = err is None and worst <= 1
-            failed |= not ok
-            print(f"  validate {spec.name} v{v} ({', '.join(args.validate_dtypes)}): err/tol {fmt(worst)} "
-                  f"{'ok' if ok else 'FAIL'} {err or ''}", flush=True)
-            rows.append(dict(spec=spec.name, version=v, status="ok" if ok else "FAIL", err_tol=worst, error=err,
-                             note=spec.notes.get(v, "")))
-            if ok:
-                passing.append(v)
         if spec.name == "attention":
             shapes = [dict(spec.bench_shape, B=ATTENTION["B"], H=ATTENTION["H"], hs=ATTENTION["hs"], T=T)
                       for T in args.attention_T]
             dtypes = [np.float32, np.float16]
         else:
             shapes, dtypes = [spec.bench_shape], [np.float32]
+        # every version validated in every dtype it is timed in, and in the --validate-dtypes
+        checked = list(dict.fromkeys(list(args.validate_dtypes) + [np.dtype(d).name for d in dtypes]))
+        passing = []
+        for v in sorted(spec.versions, key=str):
+            worst, err = validate_version(spec, v, checked)
+            ok = err is None and worst <= 1
+            failed |= not ok
+            print(f"  validate {spec.name} v{v} ({', '.join(checked)}): err/tol {fmt(worst)} "
+                  f"{'ok' if ok else 'FAIL'} {err or ''}", flush=True)
+            rows.append(dict(spec=spec.name, version=v, status="ok" if ok else "FAIL", err_tol=worst, error=err,
+                             note=spec.notes.get(v, "")))
+            if ok:
+                passing.append(v)
         for i, shape in enumerate(shapes):
             for dtype in dtypes:
                 got = time_spec(args, timer, bw, spec, passing, shape, dtype)
                 rows += got
                 if i == 0 and dtype == np.float32:
                     for r in got:
-                        if r.get("fwd_ms") is not None and r["impl"].startswith("v"):
-                            timings.setdefault((spec.name, "float32"), {})[r["impl"][1:]] = \
-                                (r["fwd_ms"] + r["bwd_ms"]) / 1e3
+                        sec = order_seconds(r)
+                        if sec is not None and r["impl"].startswith("v"):
+                            timings.setdefault((spec.name, "float32"), {})[r["impl"][1:]] = sec
     return rows, failed, timings
+
+
+def order_seconds(row):
+    """The seconds a timing row of a version ranks it by in cuda_order.json: forward + backward on the device alone
+    where the call has both (what the op costs inside a step that keeps the GPU busy, the training step's case: its
+    launches are queued while earlier kernels run, or a graph replays them), else forward + backward as called (a
+    call that synchronises inside, as Numba's launches on CuPy arrays do, has no device time; its time as called is
+    at least its device time, so it is never ranked ahead of a version by its launch's absence). None: not timed."""
+    if row.get("fwd_ms") is None or row.get("bwd_ms") is None:
+        return None
+    if row.get("fwd_dev_ms") is not None and row.get("bwd_dev_ms") is not None:
+        return (row["fwd_dev_ms"] + row["bwd_dev_ms"]) / 1e3
+    return (row["fwd_ms"] + row["bwd_ms"]) / 1e3
 
 
 def time_spec(args, timer, bw, spec, versions, shape, dtype):
@@ -676,6 +693,8 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
         except Exception as e:
             rows.append(dict(base, impl=f"v{v}", note=_err(e)))
             print(f"  {spec.name} v{v}: {_err(e, 1000)}", flush=True)
+        if spec.name == "attention" and v == "C5" and np.dtype(dtype) == np.float16:
+            ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base)
     if args.no_torch:
         return rows
     try:
@@ -696,6 +715,34 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
     except Exception as e:
         rows.append(dict(base, impl="torch", note=_err(e)))
     return rows
+
+
+def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
+    """The A/B row of C5's backward kernels: version 6 (REFBERT_ATTN_BWD16=6: version 5's bits, each tile in four
+    chunks, three blocks an SM) beside the default version 5's row, validated against the oracle in float16 first
+    (a failure is a row saying so, never timed) and checked to have launched version 6's kernels."""
+    from refbert_kernels.cuda import cuda_c as K
+    impl, was = "vC5 (backward v6)", K.ATTN_BWD16
+    K.ATTN_BWD16 = "6"
+    try:
+        worst, err = validate_version(spec, "C5", ["float16"])
+        if err is not None or worst > 1:
+            rows.append(dict(base, impl=impl, note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
+            return
+        forward, backward = spec.versions["C5"]
+        out, cache = forward(**inputs, **_fresh(kwargs))
+        ran = {r[0] for r in _recorded(lambda: backward(out, cache))}       # (out: a dout of the right shape)
+        if not {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"} <= ran:
+            rows.append(dict(base, impl=impl, note=f"FAIL: version 6's kernels did not run ({sorted(ran)})"))
+            return
+        add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
+            note=f"C5 with its backward's version 6 (err/tol {fmt(worst)}): attention_backward.cu v6, version 5's "
+                 "bits with each 64-wide tile in four chunks and three blocks an SM (168 registers); the A/B of "
+                 "REFBERT_ATTN_BWD16")
+    except Exception as e:
+        rows.append(dict(base, impl=impl, note=_err(e)))
+    finally:
+        K.ATTN_BWD16 = was
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -807,7 +854,6 @@ def run_step(args, timer):
         base = dict(shape=shape, B=B, T=T, labelled=n)
         tx = None
         if hf:                                          # the same loss before any timing (eval: no dropout)
-            import torch
             tx = {k: torch.as_tensor(v, device="cuda") for k, v in x.items()}
             ours.eval()
             hf["eager"].eval()

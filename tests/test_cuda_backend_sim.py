@@ -449,6 +449,32 @@ def test_bench_cuda_formulas():
     assert BC.fmt(None) == "—" and BC.fmt(float("nan")) == "—" and BC.fmt(1234.5, ".0f") == "1234"
 
 
+@needs_numba_cuda
+def test_bench_cuda_order_ranks_by_device_time(tmp_path):
+    """cuda_order.json ranks an op's versions by forward + backward on the device alone where a call has both (the
+    step keeps the GPU busy: what a version costs there is its device time), by its time as called where it has
+    none; the file keeps the milliseconds and says what they are, and the backend reads the order back."""
+    from refbert import bench_cuda as BC
+    from refbert_kernels.cuda import versions as VV
+    row = dict(fwd_ms=0.30, bwd_ms=0.20, fwd_dev_ms=0.05, bwd_dev_ms=0.10)
+    assert BC.order_seconds(row) == pytest.approx(0.15e-3)                     # (float sums: 1e-12 relative)
+    assert BC.order_seconds(dict(row, bwd_dev_ms=None)) == pytest.approx(0.5e-3)
+    assert BC.order_seconds(dict(fwd_ms=None, bwd_ms=None)) is None
+    # C4's call the faster, C6's device time the faster (the H200's case at T=128): C6 ranks first; the Numba
+    # version's call synchronises inside, so its time as called ranks it
+    rows = {"C4": dict(fwd_ms=0.137, bwd_ms=0.134, fwd_dev_ms=0.0262, bwd_dev_ms=0.0636),
+            "C6": dict(fwd_ms=0.181, bwd_ms=0.141, fwd_dev_ms=0.0239, bwd_dev_ms=0.0635),
+            "3": dict(fwd_ms=0.316, bwd_ms=1.07, fwd_dev_ms=None, bwd_dev_ms=None)}
+    timings = {("attention", "float32"): {k: BC.order_seconds(r) for k, r in rows.items()}}
+    path = tmp_path / "cuda_order.json"
+    VV.write_order(str(path), VV.device_name(), timings)
+    data = json.loads(path.read_text())
+    assert data["orders"]["attention"]["float32"] == ["C6", "C4", "3"], data
+    assert data["ms"]["attention"]["float32"]["C6"] == pytest.approx(0.0874) and "device alone" in data["by"], data
+    assert VV.load_order(str(path))[("attention", "float32")] == ["C6", "C4", "3"]
+    assert not (tmp_path / "cuda_order.json.tmp").exists()
+
+
 def test_bench_cuda_arguments():
     from refbert import bench_cuda as BC
     a = BC.defaults(BC.parse([]))

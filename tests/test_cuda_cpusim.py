@@ -23,12 +23,15 @@ SOURCES = sorted(CSRC.glob("*.cu"))
 # what each main prints when every version it validates passed (validate_result exits 1 at the first mismatch)
 # (attention: versions 3 skip key tiles of padding and must give version 2's bits, having skipped some; the
 # forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits, the
-# backward's version 5 version 4's, at T % 4 != 0 (a Philox call a score) and == 0 (a call per 4 scores); a main
-# exits 1 when any of these differs). A tuple: every line in it, each at least once.
+# backward's version 5 version 4's, at T % 4 != 0 (a Philox call a score) and == 0 (a call per 4 scores), its
+# version 6 (tiles in chunks) version 5's; a main exits 1 when any of these differs). A tuple: every line in it,
+# each at least once.
 DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
         "attention_backward.cu": ("v4 = v3 bit for bit (bf16 dq, dk, dv): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
-                                  "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes"),
+                                  "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes",
+                                  "v6 = v5 bit for bit (f16 dq, dk, dv): yes",
+                                  "v6 = v5 bit for bit (bf16 dq, dk, dv): yes"),
         "softmax.cu": "dx ok",
         "layernorm.cu": tuple(f"dw, db partials v{v} = v3 bit for bit (rk {rk}): yes" for v in (4, 5)
                               for rk in (-1, 0, 1)) + ("layernorm: every version ok",)}
@@ -94,7 +97,7 @@ def test_every_cuda_c_main_validates_on_cpu_threads():
         else:
             assert out.count(done) >= (2 if name in AGAIN else 1), f"{name}:\n{out[-4000:]}"
         if name.startswith("attention_") and name != "attention_f32.cu":
-            skipped = re.search(r"v3(?:, v4|-v5)?(?:, v5)? skipped (\d+)", out)
+            skipped = re.search(r"v3(?:, v4|-v[56])?(?:, v5)? skipped (\d+)", out)
             assert skipped and int(skipped.group(1)) > 0, f"{name}:\n{out[-4000:]}"
 
 
@@ -145,6 +148,22 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "v5 forward = v3 forward bit for bit (out, m, 1/l): NO" in run.stdout, \
         run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("tile", ["query", "key"])
+def test_cpusim_catches_a_flash_backward_chunk_taken_out_of_order(tmp_path, tile):
+    """attention_backward.cu's version 6 works each 64-wide tile in four chunks (flash_tc.cuh SPLIT), each chunk's
+    k-steps of dV and dK (the query tiles of the dk, dv pass) or of dq (the key tiles of the dq pass) added to the
+    accumulators in the whole tile's order, to keep version 5's bits. With the chunks of one pass taken last to
+    first (versions 2-5, one chunk each, untouched), the main's comparison of version 6 with version 5 must say NO
+    and exit 1, or it proves nothing about that pass's order."""
+    exe = _mutant(tmp_path, "flash_tc.cuh",
+                  f"        for (int nb = 0; nb < 8; nb += NN) {{                  // (SPLIT 1: the whole {tile} tile",
+                  f"        for (int nb = 8 - NN; nb >= 0; nb -= NN) {{ // (mutant: last chunk first; the {tile} tile",
+                  "attention_backward.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v6 = v5 bit for bit (f16 dq, dk, dv): NO" in run.stdout, run.stdout[-3000:]
+    assert "v5 = v4 bit for bit (f16 dq, dk, dv, T % 4 != 0): yes" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("depth", [4, 8])

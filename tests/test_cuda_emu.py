@@ -108,16 +108,26 @@ def test_emu_every_cuda_c_version_matches_oracle():
             ref = K.attention_forward_c2(q, k, v, H, mask, 0.1, DropoutRNG(9), True)
             dout = E.cupy.asarray(r.standard_normal((Bn, T, H * 64)).astype(np.float16))
             ref_d = K.attention_backward_c2(dout, ref[1])
-            for rows in (64, 128):
+            for rows, bwd in ((64, None), (128, "5"), (128, "6")):    # (bwd: REFBERT_ATTN_BWD16, C5's backward)
                 E.COUNTS.reset()
                 got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
-                got_d = K.attention_backward_c5(dout, got[1]) if rows == 128 else ref_d
+                K.ATTN_BWD16 = bwd or "5"
+                got_d = K.attention_backward_c5(dout, got[1]) if bwd else ref_d
+                K.ATTN_BWD16 = "5"
                 assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
-                assert rows == 64 or {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"} <= set(E.COUNTS.launches)
+                assert not bwd or {f"attn_bwd_dkdv_v{bwd}_f16_hs64", f"attn_bwd_dq_v{bwd}_f16_hs64"} <= \
+                    set(E.COUNTS.launches), E.COUNTS.launches
                 for a, b in ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7]), *zip(ref_d, got_d)):
                     assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
-                                          b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, rows)
-        print("C5 = C2 bit for bit")
+                                          b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, bwd)
+        print("C5 = C2 bit for bit (its backward's versions 5 and 6)")
+        K.ATTN_BWD16 = "7"
+        try:
+            K.attention_backward_c5(dout, got[1])
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+        K.ATTN_BWD16 = "5"
         # C6's forward (attention_f32.cu v5) moves C3's (v3) loads: out, m and 1/l the same bits (3 key tiles, padding,
         # dropout with T % 4 == 0)
         q, k, v = (E.cupy.asarray(r.standard_normal((2, 132, 128)).astype(np.float32)) for _ in range(3))
@@ -164,7 +174,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
     # cpusim.cuh's mma.sync)
     assert out.count("OK ") == 22, out
     assert "OK attention C6 float32" in out and "attn_fwd_v5_f32_hs64" in out, out
-    assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out and "C5 = C2 bit for bit" in out
+    assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out, out
+    assert "C5 = C2 bit for bit (its backward's versions 5 and 6)" in out, out
+    assert "ERR attention C5: REFBERT_ATTN_BWD16 expected one of 5, 6, got '7'" in out, out
     assert "C6 forward = C3 forward bit for bit" in out, out
     assert "C4 over its limit = C3 bit for bit, said once" in out, out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
@@ -356,13 +368,14 @@ for L in (1, 2):
 
 
 def test_emu_training_step_equals_numpy_runs_cuda_c_and_moves_its_inputs_once():
-    # head size 64: the attention runs its register-tiled fp32 flash (C4: C3's forward, the one-pass backward)
+    # head size 64: the attention runs its register-tiled fp32 flash (C6, first in the built-in order: C4's one-pass
+    # backward, the forward's loads pipelined)
     cases = CASES_HS32.replace("CASES = [", "HS64 = dict(hidden_size=128, num_attention_heads=2, intermediate_size=96)\n"
                                              "CASES = [(\"BertForPreTraining\", np.float32, HS64)]\n_unused = [")
     out = cudachild.check(_run(_env(cases + _COMPARE + _COUNT)))
     assert out.count("OK ") == 1, out
     assert_ran_cuda_c(out)
-    assert "('attention', 'float32', 'C4')" in out, out              # the register-tiled flash ran
+    assert "('attention', 'float32', 'C6')" in out, out              # the register-tiled flash ran
     counts = {}
     for line in out.splitlines():
         if line.startswith("COUNT"):
@@ -399,7 +412,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
     step's own arguments), its mixed-precision and its optimizer sections run on the emulator: a tooling check of
     the code the GPU run will execute (its times mean nothing here). Every CUDA C kernel of the step shows in the
-    launch probe. (The tiny config has base's head size, 64: the step runs the attention kernels base does, C4's, and
+    launch probe. (The tiny config has base's head size, 64: the step runs the attention kernels base does, C6's, and
     the mixed section's S3 / S4 rows their flash kernels.)"""
     import json
     code = f"""
@@ -438,7 +451,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     kernels = {r["kernel"] for r in data["launch"]}
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v3_drop",
             "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
-            "attn_fwd_v3_f32_hs64", "attn_bwd_fused_v4_f32_hs64"} <= kernels, sorted(kernels)
+            "attn_fwd_v5_f32_hs64", "attn_bwd_fused_v4_f32_hs64"} <= kernels, sorted(kernels)
     optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
     assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
                                           "refbert per-array code"], optim
@@ -461,6 +474,7 @@ def test_emu_ncu_attention_driver_runs():
     # (C5's forward is version 5 where its grid fills the SMs twice, else version 4: here 4)
     for version, kernels in (("C2", "attn_fwd_v3_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v3_f16_hs64 attn_bwd_dq_v3"),
                              ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
+                             ("C5b6", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v6_f16_hs64 attn_bwd_dq_v6"),
                              ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64"),
                              ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64")):
         assert re.search(rf"^{version} \w+ B=1 .*kernels {kernels}.*\|out, dq, dk, dv\| \d", out, re.M), (version, out)

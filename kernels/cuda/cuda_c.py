@@ -272,7 +272,12 @@ def _attention_backward(dout, cache, version):
         warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward "
                       f"({FELL_BACK[('attention', op)]})", RuntimeWarning, stacklevel=3)
         version = 1
-    if version in (3, 5):
+    if version == 5:
+        if ATTN_BWD16 not in ATTN_BWD16S:
+            raise ValueError(f"attention C5: REFBERT_ATTN_BWD16 expected one of {', '.join(ATTN_BWD16S)}, got "
+                             f"{ATTN_BWD16!r}")
+        version = int(ATTN_BWD16)
+    if version in (3, 5, 6):
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v{version}_f16_hs64", xp)(grid, (128,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v{version}_f16_hs64", xp)(grid, (128,), args + (dq,))
     else:
@@ -288,11 +293,17 @@ def attention_backward_c2(dout, cache):
     return _attention_backward(dout, cache, 3)
 
 
+# C5's backward kernels (A/B runs): "5" (the default) or "6" (version 5's bits, each tile worked in four chunks and
+# three blocks an SM asked of ptxas: attention_backward.cu; the default once a GPU times it the faster)
+ATTN_BWD16 = os.environ.get("REFBERT_ATTN_BWD16", "5")
+ATTN_BWD16S = ("5", "6")
+
+
 def attention_backward_c5(dout, cache):
     """C5's backward: attention_backward.cu version 5 (version 3 with ldmatrix fragments, the mask read once per key
     row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox call per 4 scores where T % 4 == 0: version
-    3's bits) for float16 at hs 64. (Version 4, without the shared Philox calls, is timed beside it by the .cu's
-    main.)"""
+    3's bits) for float16 at hs 64, or version 6 with REFBERT_ATTN_BWD16=6 (version 5's bits in fewer registers).
+    (Version 4, without the shared Philox calls, is timed beside them by the .cu's main.)"""
     return _attention_backward(dout, cache, 5)
 
 

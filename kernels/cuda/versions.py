@@ -40,17 +40,17 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 # attention C2 (float16 alone) before C1 (its backward 2.69 ms at B=8 H=12 T=2048 against C1's 27.2); C5 (C2's
 # bits, fragments by ldmatrix) after C2: its forward the faster at T = 2048 (0.431 against 0.576 ms), its backward
 # the slower at T = 512 and 2048 (0.292 / 2.92 against 0.27 / 2.69 ms); C6 (C4's bits, the forward's loads
-# pipelined) after C4: its forward the faster on the device at every T (0.214 against 0.244 ms at T = 512), its call
-# as timed the slower at T = 128 (0.322 against 0.271 ms: where the bench's measured order is decided, C4 first)
-# and the faster at T = 2048; layernorm's and dropout + residual layernorm's C3 (the row in registers) before C2:
-# the faster forward on the H100 (2026-11-26, as called: 0.00882 / 0.0135 against 0.01 / 0.0156 ms) and on the
-# H200 (the device alone: 0.00782 / 0.0104 against 0.00909 / 0.0144), the backward the same kernels; the plain
-# residual's C2 stays first: its C3 forward was called in 0.0705 ms against C2's 0.0251 on the H100, and the H200
-# had it the faster (0.00952 against 0.0111 device ms))
+# pipelined) before C4: its forward the faster on the device at every T (0.214 against 0.244 ms at T = 512), the
+# backward C4's own kernels (its call as timed was the slower at T = 128, 0.322 against 0.271 ms: the bench's
+# measured order now ranks by device time, what a step that keeps the GPU busy pays); layernorm's and dropout +
+# residual layernorm's C3 (the row in registers) before C2: the faster forward on the H100 (2026-11-26, as called:
+# 0.00882 / 0.0135 against 0.01 / 0.0156 ms) and on the H200 (the device alone: 0.00782 / 0.0104 against 0.00909 /
+# 0.0144), the backward the same kernels; the plain residual's C2 stays first: its C3 forward was called in 0.0705
+# ms against C2's 0.0251 on the H100, and the H200 had it the faster (0.00952 against 0.0111 device ms))
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C3", "C2", "C1", "2", "1"],
          "residual_layernorm": ["C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C3", "C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
-         "attention": ["C4", "C6", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
+         "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -319,15 +319,21 @@ def load_order(path=None):
     return {(op, dt): list(keys) for op, per in data.get("orders", {}).items() for dt, keys in per.items()}
 
 
-def write_order(path, device, timings):
+ORDER_BY = ("forward + backward ms on the device alone where the call has both (its launches queued behind a "
+            "blocking kernel), else as called (a call that synchronises inside)")
+
+
+def write_order(path, device, timings, by=ORDER_BY):
     """Write {op: {dtype: [keys fastest first]}} from timings {(op, dtype): {key: seconds}} (passing versions only),
-    atomically."""
-    orders = {}
+    with the seconds themselves (ms, "ms") and what they are ("by"), atomically."""
+    orders, ms = {}, {}
     for (op, dt), per in timings.items():
-        orders.setdefault(op, {})[dt] = [k for k, _ in sorted(per.items(), key=lambda kv: kv[1])]
+        ranked = sorted(per.items(), key=lambda kv: kv[1])
+        orders.setdefault(op, {})[dt] = [k for k, _ in ranked]
+        ms.setdefault(op, {})[dt] = {k: round(sec * 1e3, 6) for k, sec in ranked}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"device": device, "orders": orders}, f, indent=1)
+        json.dump({"device": device, "by": by, "orders": orders, "ms": ms}, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
 

@@ -39,6 +39,16 @@ Versions:
      t4, for two queries and two key rows: 4 blocks, one drawn by each of the four lanes, then a 4 x 4 transpose by
      three xor shuffles (flash_tc.cuh tc_words_cols). The same words, so version 4's bits (the main compares them,
      at T % 4 == 0 and not).
+  6  version 5 in fewer registers, for occupancy. On the H200 (ncu, 2f0feb7) version 5's two passes take 250 and
+     252 registers a thread: two blocks of 4 warps an SM (12.5% occupancy), IPC 0.8-1.0, latency-bound. Version 6
+     works each 64-wide tile of the other side in four chunks of 16 (flash_tc.cuh SPLIT: S^T / S and dP^T / dP
+     of 16 columns, their scores, then those columns' k-step of dV, dK or dq, before the next chunk), so 2 x 32
+     accumulator floats a thread become 2 x 8, and asks ptxas for three blocks an SM (__launch_bounds__(128, 3)):
+     168 registers in both passes (the dk, dv pass spills 40 bytes, the dq pass none). Every accumulator takes
+     its k-steps in the whole tile's order, so version 5's bits (the main compares them; a negative control in
+     tests/test_cuda_cpusim.py takes the chunks last to first and must be caught). What it gives up: each chunk's
+     four chains of mma.sync in flight a warp where version 5 had sixteen. Not yet timed on a GPU (the .cu's main
+     and the bench's "vC5 (backward v6)" row time it beside version 5; REFBERT_ATTN_BWD16=6 runs it in C5).
 
 Build and run standalone (validates against the CPU reference, then times; fp16 / bf16: versions 1 and 2 against
 the reference of the same rounded inputs):
@@ -247,7 +257,8 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
 // V5 (version 5): version 4 with dropout's words drawn a Philox call per 4 scores when T % 4 == 0 (flash_tc.cuh
 // tc_words_cols: the four lanes of 4 consecutive keys draw a block each and trade by three shuffles), a call per
 // score otherwise: the same words, so version 4's bits
-template <typename T, bool SKIP, bool V4 = false, bool V5 = false>
+// SPLIT (version 6: 4): version 5 with each query tile worked in SPLIT chunks (flash_tc.cuh tc_bwd_keys): its bits
+template <typename T, bool SKIP, bool V4 = false, bool V5 = false, int SPLIT = 1>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, j0 = blockIdx.x * 64, C = H * 64;
@@ -271,19 +282,17 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
     };
     if constexpr (V5) {
         const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
-        tc_bwd_keys<T, V4, true>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
-                                 [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz,
-                                     float& ds, u32 w) {
-                                     const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
-                                                          : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream,
-                                                                   thresh, dscale);
-                                     score(s, dp, i, j, mi, li, D, z, pz, ds);
-                                 },
-                                 [&](int n, int i0, u32 (&w)[4]) {
-                                     if (quad)
-                                         tc_words_cols(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + n * 8 + t4 * 2,
-                                                       g & 3, seed, stream);
-                                 });
+        auto elem = [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds,
+                        u32 w) {
+            const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
+                                 : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+            score(s, dp, i, j, mi, li, D, z, pz, ds);
+        };
+        auto words = [&](int n, int i0, u32 (&w)[4]) {
+            if (quad) tc_words_cols(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + n * 8 + t4 * 2, g & 3, seed, stream);
+        };
+        tc_bwd_keys<T, V4, true, SPLIT>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva, elem,
+                                        words);
     } else {
         tc_bwd_keys<T, V4>(q, k, v, dout, m, linv, Dr, 0.f, Tn, C, base, bh, j0, keypad, dka, dva,
                            [&](float s, float dp, int i, int j, float mi, float li, float D, float& pz, float& ds) {
@@ -312,7 +321,8 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
 // mask row read once into shared memory (Mrow, the kernel's) instead of once per score: version 3's bits
 // V5 (version 5): version 4 with dropout's words a Philox call per 4 scores when T % 4 == 0 (flash_tc.cuh
 // tc_words_rows: lanes t4 = 2G, 2G + 1 draw a row each and trade two words), a call per score otherwise: its bits
-template <typename T, bool SKIP, bool V4 = false, bool V5 = false>
+// SPLIT (version 6: 4): version 5 with each key tile worked in SPLIT chunks (flash_tc.cuh tc_bwd_queries): its bits
+template <typename T, bool SKIP, bool V4 = false, bool V5 = false, int SPLIT = 1>
 __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float* Mrow = nullptr) {
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3, warp = tid >> 5;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, i0 = blockIdx.x * 64, C = H * 64;
@@ -342,16 +352,15 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
     };
     if constexpr (V5) {
         const bool quad = thresh && (Tn & 3) == 0;            // (uniform: every lane draws, or none)
-        tc_bwd_queries<T, V4, true>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, skip,
-                                    [&](float s, float dp, int i, int j, float mr, float lr, float D, u32 w) {
-                                        const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
-                                                             : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream,
-                                                                      thresh, dscale);
-                                        return score(s, dp, i, j, mr, lr, D, z);
-                                    },
-                                    [&](int n, int j0, u32 (&w)[4]) {
-                                        if (quad) tc_words_rows(w, bh, Tn, ir[0], ir[1], j0 + n * 8, t4, seed, stream);
-                                    });
+        auto elem = [&](float s, float dp, int i, int j, float mr, float lr, float D, u32 w) {
+            const float z = quad ? ((u64)w >= thresh ? dscale : 0.f)
+                                 : keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale);
+            return score(s, dp, i, j, mr, lr, D, z);
+        };
+        auto words = [&](int n, int j0, u32 (&w)[4]) {
+            if (quad) tc_words_rows(w, bh, Tn, ir[0], ir[1], j0 + n * 8, t4, seed, stream);
+        };
+        tc_bwd_queries<T, V4, true, SPLIT>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, skip, elem, words);
     } else {
         tc_bwd_queries<T, V4>(q, k, v, dout, mi, li, Di, Tn, C, base, i0, dqa, skip,
                               [&](float s, float dp, int i, int j, float mr, float lr, float D) {
@@ -374,7 +383,7 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
 
 // the names cuda_c.py loads: attn_bwd_D_<dtype> (block 256, grid ceil(B*H*T / 8)),
 // attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H)),
-// attn_bwd_dkdv_v<2-5>_<f16|bf16>_hs64, attn_bwd_dq_v<2-5>_<f16|bf16>_hs64 (block 128, the same grid)
+// attn_bwd_dkdv_v<2-6>_<f16|bf16>_hs64, attn_bwd_dq_v<2-6>_<f16|bf16>_hs64 (block 128, the same grid)
 #define FWD_CALL q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr
 #define INST_D(T, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
@@ -438,6 +447,19 @@ INST_TC4(__nv_bfloat16, bf16)
     }
 INST_TC5(__half, f16)
 INST_TC5(__nv_bfloat16, bf16)
+// version 6: version 5 with each 64-wide tile worked in four chunks of 16 (SPLIT 4) and at least three blocks an SM
+// asked of ptxas (__launch_bounds__(128, 3): at most 168 registers, against version 5's 250 / 252 and its two)
+#define INST_TC6(T, NAME)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, 3) attn_bwd_dkdv_v6_##NAME##_hs64(BWD_ARGS(T), T* dk,     \
+                                                                                       T* dv) {                 \
+        bwd_dkdv_tc<T, true, true, true, 4>(FWD_CALL, dk, dv);                                                  \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 3) attn_bwd_dq_v6_##NAME##_hs64(BWD_ARGS(T), T* dq) {    \
+        __shared__ float Mrow[BWD_MROW];                                                                        \
+        bwd_dq_tc<T, true, true, true, 4>(FWD_CALL, dq, Mrow);                                                  \
+    }
+INST_TC6(__half, f16)
+INST_TC6(__nv_bfloat16, bf16)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -458,7 +480,7 @@ void attention_backward(const float* q, const float* k, const float* v, const fl
 }
 
 #ifdef HALF_TYPES
-// 16-bit storage: version 1 (scalar) or 2-5 (tensor cores), D by attn_bwd_D_<dtype>
+// 16-bit storage: version 1 (scalar) or 2-6 (tensor cores), D by attn_bwd_D_<dtype>
 template <typename T>
 void attention_backward_16(int version, const T* q, const T* k, const T* v, const float* mask, int B, int Tn, int H,
                            float scale, u64 seed, u64 stream, u64 thresh, float dscale, const float* m,
@@ -491,10 +513,15 @@ void attention_backward_16(int version, const T* q, const T* k, const T* v, cons
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v4_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
-        } else {                                                                                                \
+        } else if (version == 5) {                                                                              \
             LAUNCH(attn_bwd_dkdv_v5_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
                    Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
             LAUNCH(attn_bwd_dq_v5_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
+                   H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
+        } else {                                                                                                \
+            LAUNCH(attn_bwd_dkdv_v6_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B,    \
+                   Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv);                      \
+            LAUNCH(attn_bwd_dq_v6_##NAME##_hs64, grid, 128, q, k, v, mask, (long long)Tn, 0LL, 0LL, 1LL, B, Tn,  \
                    H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq);                              \
         }                                                                                                       \
         cudaCheck(cudaGetLastError());                                                                          \
@@ -549,8 +576,8 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     for (size_t i = 0; i < n; i++)
         scale_ref = std::max({scale_ref, (double)fabsf(rq[i]), (double)fabsf(rk[i]), (double)fabsf(rv[i])});
     const float u = std::ldexp(1.f, -bits), atol = (float)(4.0 * u * scale_ref), rtol = 2.f * u;
-    std::vector<std::vector<T>> got(6);
-    for (int version = 1; version <= 5; version++) {
+    std::vector<std::vector<T>> got(7);
+    for (int version = 1; version <= 6; version++) {
         auto launch = [&]() {
             attention_backward_16<T>(version, dq_, dk_, dv_, dmask, B, Tn, H, scale, seed, stream, thresh, dscale,
                                      dm, dl, dout_, ddo, dD, gq, gk, gv);
@@ -581,7 +608,10 @@ void run16(const char* name, int bits, int B, int Tn, int H, int hs, const float
     // version 5 draws version 4's dropout words with fewer Philox calls (T % 4 == 0; else as version 4): its bits
     const bool same5 = std::memcmp(got[4].data(), got[5].data(), 3 * n * sizeof(T)) == 0;
     printf("v5 = v4 bit for bit (%s dq, dk, dv, T %% 4 %s 0): %s\n", name, Tn % 4 ? "!=" : "==", same5 ? "yes" : "NO");
-    if (!same || !same4 || !same5) exit(EXIT_FAILURE);
+    // version 6 works version 5's tiles in chunks, each product's terms in the same order: its bits
+    const bool same6 = std::memcmp(got[5].data(), got[6].data(), 3 * n * sizeof(T)) == 0;
+    printf("v6 = v5 bit for bit (%s dq, dk, dv): %s\n", name, same6 ? "yes" : "NO");
+    if (!same || !same4 || !same5 || !same6) exit(EXIT_FAILURE);
     cudaFree(dq_); cudaFree(dk_); cudaFree(dv_); cudaFree(ddo); cudaFree(dout_); cudaFree(dmask); cudaFree(dm);
     cudaFree(dl); cudaFree(dD); cudaFree(gq); cudaFree(gk); cudaFree(gv);
 }
@@ -658,7 +688,7 @@ int main(int argc, char** argv) {
     run16<__nv_bfloat16>("bf16", 8, B, Tn, H, hs, q, k, v, dout, mask, scale, seed, stream, thresh, dscale,
                          reference);
 #ifdef CPUSIM
-    printf("v3-v5 skipped %lld tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
+    printf("v3-v6 skipped %lld tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
 #endif
 #endif
     return 0;

@@ -44,42 +44,52 @@ __device__ __forceinline__ void tc_frag_b(u32* b, const T* Y, int k0, int n0, in
 }
 // acc (16 x 64: 8 n-tiles) = A (16 x 64, as 4 k-steps of register fragments) times Y^T, Y a 64 x 64 shared tile.
 // LDSM: the B fragments of two k-steps by one ldmatrix (lane L: row n 8 + L % 8, columns 32 k2 + 8 (L / 8)), the
-// same values in the same order of products (so the same bits) for half the load instructions
-template <typename T, bool LDSM = false>
-__device__ __forceinline__ void tc_rows_times_t(float (*acc)[4], const u32 (*a)[4], const T* Y, int g, int t4) {
+// same values in the same order of products (so the same bits) for half the load instructions.
+// NN < 8 (attention_backward.cu version 6): the NN n-tiles nb .. nb + NN - 1 alone (16 x 8 NN: Y's rows 8 nb ..),
+// into acc[0 .. NN - 1]; each is the same 4 k-steps in the same order as in the whole tile, so the same bits
+template <typename T, bool LDSM = false, int NN = 8>
+__device__ __forceinline__ void tc_rows_times_t(float (*acc)[4], const u32 (*a)[4], const T* Y, int g, int t4,
+                                                int nb = 0) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int c = 0; c < NN; c++) {
+        const int n = nb + c;
+        acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
         if (LDSM) {
 #pragma unroll
             for (int k2 = 0; k2 < 2; k2++) {
                 u32 b[4];
                 ldsm_x4(b, Y + (n * 8 + (lane & 7)) * TC_LD + k2 * 32 + (lane >> 3) * 8);
-                mma16816(acc[n], a[2 * k2], b, T());
-                mma16816(acc[n], a[2 * k2 + 1], b + 2, T());
+                mma16816(acc[c], a[2 * k2], b, T());
+                mma16816(acc[c], a[2 * k2 + 1], b + 2, T());
             }
         } else {
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 u32 b[2];
                 tc_frag_b_t(b, Y, n * 8, kk * 16, g, t4);
-                mma16816(acc[n], a[kk], b, T());
+                mma16816(acc[c], a[kk], b, T());
             }
         }
     }
 }
 // acc (16 x 64) += X (16 x 64 float32 C fragments, rounded to 16 bits as A fragments) times Y (64 x 64 shared).
 // LDSM: the B fragments of two n-tiles by one ldmatrix.trans (matrices: rows 16 kk + 0 / 8, columns 8 n / 8 n + 8)
-// where tc_frag_b takes four 16-bit loads for one; the same values, the same order of products
-template <typename T, bool LDSM = false>
-__device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4], const T* Y, int g, int t4) {
+// where tc_frag_b takes four 16-bit loads for one; the same values, the same order of products.
+// NN < 8 (even): X is the NN n-tiles nb .. (16 x 8 NN, nb even), the k-steps nb / 2 .. (nb + NN) / 2 - 1 of the
+// product (Y's rows 8 nb ..); called for nb = 0, NN, 2 NN, .. in turn, every acc element takes its k-steps in the
+// whole tile's order, so the same bits
+template <typename T, bool LDSM = false, int NN = 8>
+__device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4], const T* Y, int g, int t4,
+                                             int nb = 0) {
+    static_assert(NN % 2 == 0 && NN <= 8, "whole k-steps: an even number of n-tiles");
     const int lane = threadIdx.x & 31, mi = lane >> 3;
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        const u32 a[4] = {pack2(x[2 * kk][0], x[2 * kk][1], T()), pack2(x[2 * kk][2], x[2 * kk][3], T()),
-                          pack2(x[2 * kk + 1][0], x[2 * kk + 1][1], T()),
-                          pack2(x[2 * kk + 1][2], x[2 * kk + 1][3], T())};
+    for (int c = 0; c < NN / 2; c++) {
+        const int kk = nb / 2 + c;
+        const u32 a[4] = {pack2(x[2 * c][0], x[2 * c][1], T()), pack2(x[2 * c][2], x[2 * c][3], T()),
+                          pack2(x[2 * c + 1][0], x[2 * c + 1][1], T()),
+                          pack2(x[2 * c + 1][2], x[2 * c + 1][3], T())};
         if (LDSM) {
 #pragma unroll
             for (int n = 0; n < 8; n += 2) {
@@ -201,7 +211,10 @@ struct TcNoWords {
 // operands of dV += pz^T dout and dK += ds^T q (pz = ds = 0 elsewhere). keypad (block-uniform: this key tile is
 // all padding, attention_backward.cu v3): a query tile whose rows all met a real key in the forward
 // (r0 = m > PAD_MIN) is skipped, its p exactly 0.
-template <typename T, bool LDSM = false, bool WORDS = false, class Elem, class Words = TcNoWords>
+// SPLIT (attention_backward.cu version 6: 1, 2 or 4): the query tile worked in SPLIT chunks of 64 / SPLIT queries,
+// each chunk's S^T, dP^T, scores and its k-steps of dV and dK before the next chunk's: S^T and dP^T's registers
+// (2 x 32 floats a thread) cut to 2 x 32 / SPLIT, the products' terms in the same order, so the same bits
+template <typename T, bool LDSM = false, bool WORDS = false, int SPLIT = 1, class Elem, class Words = TcNoWords>
 __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ dout,
                                             const float* __restrict__ r0, const float* __restrict__ r1,
@@ -243,31 +256,36 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
             __syncthreads();
             continue;
         }
-        float s[8][4], dp[8][4];
-        // (LDSM takes ldmatrix for the two products below, not for these: here it left ptxas 255 registers and
-        // 40 bytes of spills, against 247 and none)
-        tc_rows_times_t<T>(s, ka, Qs[cur], g, t4);            // S^T: keys x queries
-        tc_rows_times_t<T>(dp, va, Os[cur], g, t4);           // dP^T = V dout^T: keys x queries
+        constexpr int NN = 8 / SPLIT;                         // n-tiles (of 8 queries) a chunk
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-            u32 w[4] = {};                                    // (read only where words filled it)
-            if constexpr (WORDS) words(n, i0, w);             // (every lane: words may shuffle)
+        for (int nb = 0; nb < 8; nb += NN) {                  // (SPLIT 1: the whole query tile at once)
+            float s[NN][4], dp[NN][4];
+            // (LDSM takes ldmatrix for the two products below, not for these: here it left ptxas 255 registers
+            // and 40 bytes of spills, against 247 and none)
+            tc_rows_times_t<T, false, NN>(s, ka, Qs[cur], g, t4, nb);     // S^T: keys x queries
+            tc_rows_times_t<T, false, NN>(dp, va, Os[cur], g, t4, nb);    // dP^T = V dout^T: keys x queries
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
-                float pz = 0.f, ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    if constexpr (WORDS)
-                        elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds, w[e]);
-                    else
-                        elem(s[n][e], dp[n][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds);
+            for (int c = 0; c < NN; c++) {
+                const int n = nb + c;
+                u32 w[4] = {};                                // (read only where words filled it)
+                if constexpr (WORDS) words(n, i0, w);         // (every lane: words may shuffle)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int ii = n * 8 + t4 * 2 + (e & 1), i = i0 + ii, j = jr[e >> 1];
+                    float pz = 0.f, ds = 0.f;
+                    if (i < Tn && j < Tn) {
+                        if constexpr (WORDS)
+                            elem(s[c][e], dp[c][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds, w[e]);
+                        else
+                            elem(s[c][e], dp[c][e], i, j, R0[cur][ii], R1[cur][ii], R2[cur][ii], pz, ds);
+                    }
+                    s[c][e] = pz;
+                    dp[c][e] = ds;
                 }
-                s[n][e] = pz;
-                dp[n][e] = ds;
             }
+            tc_acc_times<T, LDSM, NN>(dva, s, Os[cur], g, t4, nb);        // dV += pz^T dout
+            tc_acc_times<T, LDSM, NN>(dka, dp, Qs[cur], g, t4, nb);       // dK += ds^T q
         }
-        tc_acc_times<T, LDSM>(dva, s, Os[cur], g, t4);        // dV += pz^T dout
-        tc_acc_times<T, LDSM>(dka, dp, Qs[cur], g, t4);       // dK += ds^T q
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
 }
@@ -275,8 +293,10 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
 // pass 2, per 64-query tile i0 (the same grid and block): the block's q and dout kept as A fragments, the rows'
 // r0, r1, r2 in registers (ri[r], r = 0, 1: the thread's rows i0 + warp * 16 + g + 8 r); for each 64-key tile (k, v
 // double-buffered) that skip(j0) does not pass (block-uniform), S = q k^T and dP = dout v^T, elem(s, dp, i, j,
-// r0_i, r1_i, r2_i) gives ds for every real pair (0 elsewhere), dQ += ds k
-template <typename T, bool LDSM = false, bool WORDS = false, class Skip, class Elem, class Words = TcNoWords>
+// r0_i, r1_i, r2_i) gives ds for every real pair (0 elsewhere), dQ += ds k.
+// SPLIT (version 6): the key tile in SPLIT chunks of 64 / SPLIT keys, as tc_bwd_keys' chunks of queries: the same bits
+template <typename T, bool LDSM = false, bool WORDS = false, int SPLIT = 1, class Skip, class Elem,
+          class Words = TcNoWords>
 __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T* __restrict__ k,
                                                const T* __restrict__ v, const T* __restrict__ dout,
                                                const float (&r0)[2], const float (&r1)[2], const float (&r2)[2],
@@ -295,27 +315,32 @@ __device__ __forceinline__ void tc_bwd_queries(const T* __restrict__ q, const T*
             COUNT_SKIP(tid);
             return;
         }
-        float s[8][4], dp[8][4];
-        tc_rows_times_t<T, LDSM>(s, qa, Ks[cur], g, t4);      // S: queries x keys
-        tc_rows_times_t<T, LDSM>(dp, oa, Vs[cur], g, t4);     // dP = dout V^T
+        constexpr int NN = 8 / SPLIT;                         // n-tiles (of 8 keys) a chunk
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-            u32 w[4] = {};                                    // (read only where words filled it)
-            if constexpr (WORDS) words(n, j0, w);             // (every lane: words may shuffle)
+        for (int nb = 0; nb < 8; nb += NN) {                  // (SPLIT 1: the whole key tile at once)
+            float s[NN][4], dp[NN][4];
+            tc_rows_times_t<T, LDSM, NN>(s, qa, Ks[cur], g, t4, nb);      // S: queries x keys
+            tc_rows_times_t<T, LDSM, NN>(dp, oa, Vs[cur], g, t4, nb);     // dP = dout V^T
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
-                float ds = 0.f;
-                if (i < Tn && j < Tn) {
-                    if constexpr (WORDS)
-                        ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r], w[e]);
-                    else
-                        ds = elem(s[n][e], dp[n][e], i, j, r0[r], r1[r], r2[r]);
+            for (int c = 0; c < NN; c++) {
+                const int n = nb + c;
+                u32 w[4] = {};                                // (read only where words filled it)
+                if constexpr (WORDS) words(n, j0, w);         // (every lane: words may shuffle)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = j0 + n * 8 + t4 * 2 + (e & 1), r = e >> 1, i = ir[r];
+                    float ds = 0.f;
+                    if (i < Tn && j < Tn) {
+                        if constexpr (WORDS)
+                            ds = elem(s[c][e], dp[c][e], i, j, r0[r], r1[r], r2[r], w[e]);
+                        else
+                            ds = elem(s[c][e], dp[c][e], i, j, r0[r], r1[r], r2[r]);
+                    }
+                    dp[c][e] = ds;
                 }
-                dp[n][e] = ds;
             }
+            tc_acc_times<T, LDSM, NN>(dqa, dp, Ks[cur], g, t4, nb);       // dq += ds K
         }
-        tc_acc_times<T, LDSM>(dqa, dp, Ks[cur], g, t4);       // dq += ds K
     });
 }
 
