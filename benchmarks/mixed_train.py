@@ -15,7 +15,9 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
    With --torch-peer each run is trained again by HF transformers + PyTorch on exactly its data and initial
    weights (benchmarks/torch_pretrain.py: the same recipe in PyTorch's idiom, torch.autocast for the mixed ones,
    on the GPU with --backend cuda, else the CPU): its losses beside the run's, and the median milliseconds of a
-   step on both sides (refbert's from its log: a batch's tokens over its tokens/s). Under benchmarks/gpu_all.sh
+   step on both sides, from a batch in hand to its loss read back (refbert's log.csv step_ms), with refbert's
+   whole loop iteration beside them (a batch's tokens over its logged tokens/s: the next batch's masking, the
+   metrics and the logs too, which the PyTorch loop's timed steps leave out). Under benchmarks/gpu_all.sh
    these runs share the machine with its other parallel steps (mains, tests, check), each side at another moment:
    the milliseconds are for orientation there; the bench's step and optim sections are the uncontended figures.
 2. Step time (numpy backend only): one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
@@ -150,17 +152,19 @@ def main():
                   "initial weights)", "", "(Milliseconds a step as measured, beside whatever else ran on the machine "
                   "then: under gpu_all.sh, its other parallel steps.)", "",
                   "| run | refbert held-out MLM | HF + PyTorch held-out MLM | refbert MLM + NSP | HF + PyTorch MLM + "
-                  "NSP | refbert ms / step | HF + PyTorch ms / step | x HF + PyTorch | HF + PyTorch loop s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "NSP | refbert ms / step | HF + PyTorch ms / step | x HF + PyTorch | refbert loop ms / step | "
+                  "HF + PyTorch loop s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for flag, name in PRECISIONS:
             r, q = runs[flag], runs[flag].get("peer", {})
             if "error" in q:
-                lines.append(f"| {name} | {r['mlm']:.3f} | failed: {q['error']} | | | | | | |")
+                lines.append(f"| {name} | {r['mlm']:.3f} | failed: {q['error']} | | | | | | | |")
                 continue
-            ours = q.get("refbert_step_ms")
+            ours, loop = q.get("refbert_step_ms"), q.get("refbert_loop_ms")
             ms, x = ("—", "—") if ours is None else (f"{ours:.2f}", f"{ours / q['step_ms']:.2f}")
             lines.append(f"| {name} | {r['mlm']:.3f} | {q['mlm']:.3f} | {r['total']:.3f} | {q['mlm'] + q['nsp']:.3f} | "
-                         f"{ms} | {q['step_ms']:.2f} | {x} | {q['loop_s']:.1f} |")
+                         f"{ms} | {q['step_ms']:.2f} | {x} | {'—' if loop is None else f'{loop:.2f}'} | "
+                         f"{q['loop_s']:.1f} |")
     if a.cuda_graph:
         lines += ["", "CUDA graphs (pretrain's own report per run): " +
                   "; ".join(f"{name}: {runs[flag]['graph'] or 'none reported'}" for flag, name in PRECISIONS)]

@@ -15,9 +15,11 @@ torch.amp.GradScaler). HF decodes every position (its MLM head has no labelled-o
 the masked ones).
 
 Printed (and with --json written): the held-out MLM and NSP losses at the end (the run's eval set, masks fixed,
-eval mode), the mean training loss of the last 50 steps, the median milliseconds of one step (the device
-synchronised after each step, as refbert's loop is by reading its loss) and the loop's seconds; beside them the
-refbert run's own median step (from its log.csv: the batch's tokens over the logged tokens/s).
+eval mode), the mean training loss of the last 50 steps, the median milliseconds of one step (the batches made
+before the loop; a step from a batch in hand to its loss read back, the device synchronised, as refbert's
+step_ms is timed) and the loop's seconds; beside them the refbert run's own median step (its log.csv's step_ms)
+and its median loop iteration (the batch's tokens over the logged tokens/s: the next batch's masking, the metrics
+and the logs included, which PyTorch's timed steps here leave out).
 """
 import argparse
 import glob
@@ -72,13 +74,17 @@ def epochs_of_batches(data, batch_size, steps):
 
 
 def refbert_step_ms(run, batches):
-    """Median ms of the refbert run's steps: each logged tokens/s against its batch's real tokens."""
+    """(median ms of the refbert run's steps, median ms of its loop's iterations), each None where its log lacks
+    them: the step from its log.csv's step_ms (from a batch in hand to its loss read back after the update: what
+    this script times of PyTorch's loop), the iteration from each logged tokens/s against its batch's real tokens
+    (the next batch's masking, the metrics and the logs included). The first of each left out (compiles, capture)."""
     import csv
     with open(os.path.join(run, "log.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
-    ms = [1e3 * float(b["attention_mask"].sum()) / float(r["tokens_per_s"])
-          for r, b in zip(rows, batches) if float(r.get("tokens_per_s") or 0) > 0]
-    return statistics.median(ms[1:] if len(ms) > 1 else ms) if ms else None      # (the first: compiles, capture)
+    step = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
+    loop = [1e3 * float(b["attention_mask"].sum()) / float(r["tokens_per_s"])
+            for r, b in zip(rows, batches) if float(r.get("tokens_per_s") or 0) > 0]
+    return tuple(statistics.median(ms[1:] if len(ms) > 1 else ms) if ms else None for ms in (step, loop))
 
 
 def initial_model(run, a, tok, dev):
@@ -174,7 +180,7 @@ def main(argv=None):
     mlm, nsp = held_out(model, eval_data, a["batch_size"], dev, dtype) if eval_data is not None else (np.nan,) * 2
     res = dict(precision=prec, device=str(dev), steps=len(batches), mlm=mlm, nsp=nsp,
                train_last50=float(np.mean(losses[-50:])), step_ms=1e3 * statistics.median(times[1:] or times),
-               loop_s=loop_s, refbert_step_ms=refbert_step_ms(args.run, batches),
+               loop_s=loop_s, **dict(zip(("refbert_step_ms", "refbert_loop_ms"), refbert_step_ms(args.run, batches))),
                torch=torch.__version__, transformers=transformers.__version__)
     print(json.dumps(res), flush=True)
     if args.json:

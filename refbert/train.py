@@ -406,7 +406,11 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
     sched = LinearWarmupDecay(a["lr"], int(a["warmup"] * total) if a["warmup"] < 1 else int(a["warmup"]), total)
     scaler = _scaler(a["mixed_precision"], state.get("grad_scaler") if resume else None)
     baseline = unigram_baseline(data, tokenizer, a["batch_size"])
-    fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s"]
+    # tokens_per_s: the batch's real tokens over the whole iteration (the next batch's masking, the metrics, the
+    # logs included); step_ms: the step alone, from a batch in hand to its loss read back after the update (what
+    # benchmarks/torch_pretrain.py times of HF + PyTorch's loop)
+    fields = ["step", "epoch", "lr", "loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc", "grad_norm", "tokens_per_s",
+              "step_ms"]
     fields += ["loss_scale"] if scaler.is_enabled() else []
     log = CsvLog(os.path.join(out, "log.csv"), fields, state["step"] if resume else None)
     elog = CsvLog(os.path.join(out, "eval.csv"), ["step", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"],
@@ -425,6 +429,7 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
                 continue                                # resumed mid-epoch: these batches were already seen
             if step >= stop:
                 break
+            t_step = time.perf_counter()
             model.train()
             lr, scale = sched.lr(step), scaler.get_scale()
             # an epoch's last batch, when smaller, runs eagerly: a capture of its own shapes would drop the run's
@@ -439,13 +444,15 @@ def _pretrain_steps(out, a, resume, model, tokenizer, opt_state, state, data, ev
             else:
                 norm = _apply(o.pop("grads"), opt, scaler, lr)
             step += 1
+            loss = float(o.loss)                        # (the read waits for the step's device work, the update's too)
+            step_ms = 1e3 * (time.perf_counter() - t_step)
             met = pretraining_metrics(o, batch)
             tps = int(batch["attention_mask"].sum() / max(time.perf_counter() - t0, 1e-9))
             t0 = time.perf_counter()
-            log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{float(o.loss):.6f}", grad_norm=f"{norm:.4f}",
-                           tokens_per_s=tps, loss_scale=f"{scale:.17g}",
+            log.write(dict(step=step, epoch=epoch, lr=f"{lr:.6g}", loss=f"{loss:.6f}", grad_norm=f"{norm:.4f}",
+                           tokens_per_s=tps, step_ms=f"{step_ms:.3f}", loss_scale=f"{scale:.17g}",
                            **{k: f"{v:.6f}" for k, v in met.items() if k != "n_masked"}))
-            bar.set_postfix(loss=f"{float(o.loss):.3f}", mlm_acc=f"{met['mlm_acc']:.2f}", nsp_acc=f"{met['nsp_acc']:.2f}",
+            bar.set_postfix(loss=f"{loss:.3f}", mlm_acc=f"{met['mlm_acc']:.2f}", nsp_acc=f"{met['nsp_acc']:.2f}",
                             tok_s=tps)
             bar.update(1)
             done_epoch = bi + 1 >= steps_per_epoch

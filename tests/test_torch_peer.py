@@ -49,4 +49,7 @@ def test_torch_peer_trains_the_runs_job(tmp_path, torch, transformers, monkeypat
     res = json.loads(out.read_text())
     assert res["steps"] == 2 and res["precision"] == "fp32" and res["device"] == "cpu", res
     assert all(math.isfinite(res[k]) and res[k] > 0 for k in ("mlm", "nsp", "train_last50", "step_ms",
-                                                               "refbert_step_ms")), res
+                                                               "refbert_step_ms", "refbert_loop_ms")), res
+    # refbert's step (its log's step_ms) is a part of its loop's iteration: never the longer (medians of the same
+    # steps; the iteration read back from a truncated tokens/s is never shorter than it was)
+    assert res["refbert_step_ms"] <= res["refbert_loop_ms"], res

@@ -43,7 +43,7 @@ def pretrain_args(demo, out, *extra):
             "--save-every", "4", "--eval-every", "4", "--lr", "3e-3", *extra]
 
 
-def rows(path, drop=("tokens_per_s",)):
+def rows(path, drop=("tokens_per_s", "step_ms")):          # (timings: never equal across runs)
     with open(path, newline="") as f:
         return [{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(f)]
 
@@ -68,6 +68,17 @@ def test_pretrain_then_resume_is_bit_exact(demo, tmp_path):
     assert cli.main(pretrain_args(demo, cut, "--resume")) == 0                # continues from step 4
     assert rows(full / "log.csv") == rows(cut / "log.csv")                    # the same losses, every step
     assert len(rows(full / "log.csv")) == 12
+    # step_ms times the step alone, a part of the iteration whose time tokens_per_s reports (its batch's real
+    # tokens over the iteration's seconds, truncated to an integer: the iteration's time read back is never less)
+    timed = rows(full / "log.csv", drop=())
+    from refbert import train as T
+    from refbert.tokenization import BertTokenizer
+    a = json.load(open(full / "checkpoint-0000012" / "trainer_state.json"))["args"]
+    data = T.pretraining_data(a, BertTokenizer(a["vocab"], do_lower_case=not a["cased"]))[0]
+    batches = [b for e in range(3) for b in data.batches(e, a["batch_size"])][:12]    # (the run's order of batches)
+    tokens = [int(np.sum(b["attention_mask"])) for b in batches]
+    assert len(tokens) == len(timed) == 12
+    assert all(0 < float(r["step_ms"]) <= 1e3 * n / int(r["tokens_per_s"]) for r, n in zip(timed, tokens)), timed
     from refbert import safetensors_io
     a = safetensors_io.load_file(str(full / "model" / "model.safetensors"))
     b = safetensors_io.load_file(str(cut / "model" / "model.safetensors"))
