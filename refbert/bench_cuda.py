@@ -718,31 +718,39 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
 
 
 def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
-    """The A/B row of C5's backward kernels: version 6 (REFBERT_ATTN_BWD16=6: version 5's bits, each tile in four
-    chunks, three blocks an SM) beside the default version 5's row, validated against the oracle in float16 first
-    (a failure is a row saying so, never timed) and checked to have launched version 6's kernels."""
+    """The A/B rows of C5's backward kernels beside the default version 5's row: version 6 (REFBERT_ATTN_BWD16=6:
+    version 5's bits, each tile in four chunks, three blocks an SM) and version 7 (=7: one pass, dq's shares added
+    by float atomics), each validated against the oracle in float16 first (a failure is a row saying so, never
+    timed) and checked to have launched its own kernels."""
     from refbert_kernels.cuda import cuda_c as K
-    impl, was = "vC5 (backward v6)", K.ATTN_BWD16
-    K.ATTN_BWD16 = "6"
-    try:
-        worst, err = validate_version(spec, "C5", ["float16"])
-        if err is not None or worst > 1:
-            rows.append(dict(base, impl=impl, note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
-            return
-        forward, backward = spec.versions["C5"]
-        out, cache = forward(**inputs, **_fresh(kwargs))
-        ran = {r[0] for r in _recorded(lambda: backward(out, cache))}       # (out: a dout of the right shape)
-        if not {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"} <= ran:
-            rows.append(dict(base, impl=impl, note=f"FAIL: version 6's kernels did not run ({sorted(ran)})"))
-            return
-        add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
-            note=f"C5 with its backward's version 6 (err/tol {fmt(worst)}): attention_backward.cu v6, version 5's "
-                 "bits with each 64-wide tile in four chunks and three blocks an SM (168 registers); the A/B of "
-                 "REFBERT_ATTN_BWD16")
-    except Exception as e:
-        rows.append(dict(base, impl=impl, note=_err(e)))
-    finally:
-        K.ATTN_BWD16 = was
+    notes = {"6": "attention_backward.cu v6, version 5's bits with each 64-wide tile in four chunks and three "
+                  "blocks an SM (168 registers)",
+             "7": "attention_backward.cu v7, one pass: version 5's dk, dv and each key tile's share of dq added "
+                  "by float atomics (5 tile products a tile pair where version 5 takes 7; dq's bits not fixed)"}
+    kernels = {"6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
+               "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}
+    was = K.ATTN_BWD16
+    for bwd in ("6", "7"):
+        impl = f"vC5 (backward v{bwd})"
+        K.ATTN_BWD16 = bwd
+        try:
+            worst, err = validate_version(spec, "C5", ["float16"])
+            if err is not None or worst > 1:
+                rows.append(dict(base, impl=impl, note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
+                continue
+            forward, backward = spec.versions["C5"]
+            out, cache = forward(**inputs, **_fresh(kwargs))
+            ran = {r[0] for r in _recorded(lambda: backward(out, cache))}       # (out: a dout of the right shape)
+            if not kernels[bwd] <= ran:
+                rows.append(dict(base, impl=impl, note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
+                continue
+            add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
+                note=f"C5 with its backward's version {bwd} (err/tol {fmt(worst)}): {notes[bwd]}; the A/B of "
+                     "REFBERT_ATTN_BWD16")
+        except Exception as e:
+            rows.append(dict(base, impl=impl, note=_err(e)))
+        finally:
+            K.ATTN_BWD16 = was
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,14 +24,16 @@ SOURCES = sorted(CSRC.glob("*.cu"))
 # (attention: versions 3 skip key tiles of padding and must give version 2's bits, having skipped some; the
 # forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits, the
 # backward's version 5 version 4's, at T % 4 != 0 (a Philox call a score) and == 0 (a call per 4 scores), its
-# version 6 (tiles in chunks) version 5's; a main exits 1 when any of these differs). A tuple: every line in it,
-# each at least once.
+# version 6 (tiles in chunks) version 5's, its version 7 (one pass, dq by atomics) version 5's dk and dv; a main
+# exits 1 when any of these differs). A tuple: every line in it, each at least once.
 DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
         "attention_backward.cu": ("v4 = v3 bit for bit (bf16 dq, dk, dv): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes",
                                   "v6 = v5 bit for bit (f16 dq, dk, dv): yes",
-                                  "v6 = v5 bit for bit (bf16 dq, dk, dv): yes"),
+                                  "v6 = v5 bit for bit (bf16 dq, dk, dv): yes",
+                                  "v7 = v5 bit for bit (f16 dk, dv): yes",
+                                  "v7 = v5 bit for bit (bf16 dk, dv): yes"),
         "softmax.cu": "dx ok",
         "layernorm.cu": tuple(f"dw, db partials v{v} = v3 bit for bit (rk {rk}): yes" for v in (4, 5)
                               for rk in (-1, 0, 1)) + ("layernorm: every version ok",)}
@@ -97,7 +99,7 @@ def test_every_cuda_c_main_validates_on_cpu_threads():
         else:
             assert out.count(done) >= (2 if name in AGAIN else 1), f"{name}:\n{out[-4000:]}"
         if name.startswith("attention_") and name != "attention_f32.cu":
-            skipped = re.search(r"v3(?:, v4|-v[56])?(?:, v5)? skipped (\d+)", out)
+            skipped = re.search(r"v3(?:, v4|-v[5-7])?(?:, v5)? skipped (\d+)", out)
             assert skipped and int(skipped.group(1)) > 0, f"{name}:\n{out[-4000:]}"
 
 
@@ -164,6 +166,22 @@ def test_cpusim_catches_a_flash_backward_chunk_taken_out_of_order(tmp_path, tile
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "v6 = v5 bit for bit (f16 dq, dk, dv): NO" in run.stdout, run.stdout[-3000:]
     assert "v5 = v4 bit for bit (f16 dq, dk, dv, T % 4 != 0): yes" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("mutant", ["untransposed", "half the columns"])
+def test_cpusim_catches_a_wrong_one_pass_dq(tmp_path, mutant):
+    """attention_backward.cu's version 7 adds each key tile's share of dq, dS K, from dS^T fragments it writes into
+    shared memory transposed. With dS written untransposed, or the product's second half of the head's columns
+    never added, the main's validation of version 7's dq against the CPU reference must fail (exit 1, naming it),
+    or it proves nothing about the one-pass dq (its dk, dv are version 5's code, compared bit for bit)."""
+    old, new = {"untransposed": ("DS[(n * 8 + t4 * 2 + (e & 1)) * TC_LD + warp * 16 + g + 8 * (e >> 1)]",
+                                 "DS[(warp * 16 + g + 8 * (e >> 1)) * TC_LD + n * 8 + t4 * 2 + (e & 1)]"),
+                "half the columns": ("for (int nb = 0; nb < 8; nb += 4) {        // two halves",
+                                     "for (int nb = 0; nb < 4; nb += 4) {        // (mutant: one half)")}[mutant]
+    exe = _mutant(tmp_path, "attention_backward.cu", old, new, "attention_backward.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v7 f16 dq mismatch" in run.stdout, run.stdout[-3000:]
+    assert "v6 f16 dq ok" in run.stdout, run.stdout[-3000:]                  # (what ran before version 7 passed)
 
 
 @pytest.mark.parametrize("depth", [4, 8])

@@ -49,8 +49,13 @@ SPILLS_KNOWN = {
     # pass's spilled (its dq pass none), the trade the GPU's timing judges (not the default until then)
     **{f"attn_bwd_dkdv_v6_{t}_hs64": "16-bit flash v6 backward: 168 registers for three blocks an SM"
        for t in ("f16", "bf16")},
+    # version 7 holds version 5's dk, dv accumulators and K fragments while it forms dq's share: 255 registers and 16
+    # bytes spilled (an experiment beside version 5, not the default)
+    **{f"attn_bwd_fused_v7_{t}_hs64": "16-bit flash v7 one-pass backward: dk, dv and dq's share in one block"
+       for t in ("f16", "bf16")},
 }
-SPILL_BOUND = {f"attn_bwd_dkdv_v6_{t}_hs64": 64 for t in ("f16", "bf16")}   # bytes of spill stores it may take
+SPILL_BOUND = {**{f"attn_bwd_dkdv_v6_{t}_hs64": 64 for t in ("f16", "bf16")},      # bytes of spill stores each
+               **{f"attn_bwd_fused_v7_{t}_hs64": 32 for t in ("f16", "bf16")}}     # may take
 
 
 def _ptxas(text):

@@ -240,8 +240,8 @@ def attention_backward(dout, cache):
 def _attention_backward(dout, cache, version):
     """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size), 3 (tensor cores with
     padding tiles skipped) or 5 (version 3 with ldmatrix fragments and dropout's words a Philox call per 4 scores:
-    its bits); 3 and 5 need float16, hs = 64, 16-byte aligned rows, otherwise version 1 runs, recorded in
-    FELL_BACK."""
+    its bits; REFBERT_ATTN_BWD16 may run 6 or 7 in its place); 3 and 5 need float16, hs = 64, 16-byte aligned rows,
+    otherwise version 1 runs, recorded in FELL_BACK."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -277,7 +277,12 @@ def _attention_backward(dout, cache, version):
             raise ValueError(f"attention C5: REFBERT_ATTN_BWD16 expected one of {', '.join(ATTN_BWD16S)}, got "
                              f"{ATTN_BWD16!r}")
         version = int(ATTN_BWD16)
-    if version in (3, 5, 6):
+    if version == 7:                              # one pass: dq's shares added by atomics to a float32 buffer
+        acc = xp.zeros(q.shape, np.float32)
+        kernel("attention_backward.cu", "attn_bwd_fused_v7_f16_hs64", xp)(grid, (128,), args + (dk, dv, acc))
+        kernel("attention_backward.cu", "attn_bwd_dqcast_f16", xp)(((acc.size + 255) // 256,), (256,),
+                                                                   (acc, dq, np.int64(acc.size)))
+    elif version in (3, 5, 6):
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v{version}_f16_hs64", xp)(grid, (128,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v{version}_f16_hs64", xp)(grid, (128,), args + (dq,))
     else:
@@ -293,16 +298,18 @@ def attention_backward_c2(dout, cache):
     return _attention_backward(dout, cache, 3)
 
 
-# C5's backward kernels (A/B runs): "5" (the default) or "6" (version 5's bits, each tile worked in four chunks and
-# three blocks an SM asked of ptxas: attention_backward.cu; the default once a GPU times it the faster)
+# C5's backward kernels (A/B runs): "5" (the default), "6" (version 5's bits, each tile worked in four chunks and
+# three blocks an SM asked of ptxas) or "7" (one pass: version 5's dk, dv and dq's shares added by float atomics,
+# so dq's bits may differ from run to run): attention_backward.cu; the default once a GPU times one the faster
 ATTN_BWD16 = os.environ.get("REFBERT_ATTN_BWD16", "5")
-ATTN_BWD16S = ("5", "6")
+ATTN_BWD16S = ("5", "6", "7")
 
 
 def attention_backward_c5(dout, cache):
     """C5's backward: attention_backward.cu version 5 (version 3 with ldmatrix fragments, the mask read once per key
     row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox call per 4 scores where T % 4 == 0: version
-    3's bits) for float16 at hs 64, or version 6 with REFBERT_ATTN_BWD16=6 (version 5's bits in fewer registers).
+    3's bits) for float16 at hs 64, or version 6 with REFBERT_ATTN_BWD16=6 (version 5's bits in fewer registers),
+    or version 7 with REFBERT_ATTN_BWD16=7 (one pass, dq by atomics: not bitwise reproducible).
     (Version 4, without the shared Philox calls, is timed beside them by the .cu's main.)"""
     return _attention_backward(dout, cache, 5)
 

@@ -109,6 +109,26 @@ __device__ __forceinline__ void tc_acc_times(float (*acc)[4], const float (*x)[4
     }
 }
 
+// acc (16 x 8 NN: the n-tiles nb .. nb + NN - 1) = A (16 x 64, as 4 k-steps of register fragments) times Y (64 x 64
+// shared, Y's rows are the k index: K for dq = dS K), the B fragments of two n-tiles by one ldmatrix.trans as
+// tc_acc_times' LDSM path takes them (attention_backward.cu version 7)
+template <typename T, int NN = 8>
+__device__ __forceinline__ void tc_frags_times(float (*acc)[4], const u32 (*a)[4], const T* Y, int nb = 0) {
+    static_assert(NN % 2 == 0 && NN <= 8, "n-tiles in pairs");
+    const int lane = threadIdx.x & 31, mi = lane >> 3;
+#pragma unroll
+    for (int c = 0; c < NN; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int c = 0; c < NN; c += 2) {
+            u32 b[4];
+            ldsm_x4_t(b, Y + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * TC_LD + (nb + c + (mi >> 1)) * 8);
+            mma16816(acc[c], a[kk], b, T());
+            mma16816(acc[c + 1], a[kk], b + 2, T());
+        }
+}
+
 
 // rows r0.. of x (and of y, where y is given) staged through X (Y) and kept as A fragments xa (ya): the 64 rows a
 // block holds fixed while it streams the other side's tiles; X and Y are free again on return
@@ -195,6 +215,12 @@ __device__ __forceinline__ void tc_words_cols(u32 (&w)[4], int bh, int Tn, int k
 struct TcNoWords {
     __device__ void operator()(int, int, u32 (&)[4]) const {}
 };
+// what a caller passes for `after` when it has nothing to do with a query tile's dS (every version but 7)
+struct TcNoAfter {
+    template <typename T> __device__ void operator()(int, const float (&)[8][4], T*) const {}
+};
+template <class A> struct TcHasAfter { static constexpr bool value = true; };
+template <> struct TcHasAfter<TcNoAfter> { static constexpr bool value = false; };
 
 // The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-5 (float16 / bfloat16
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
@@ -213,14 +239,19 @@ struct TcNoWords {
 // (r0 = m > PAD_MIN) is skipped, its p exactly 0.
 // SPLIT (attention_backward.cu version 6: 1, 2 or 4): the query tile worked in SPLIT chunks of 64 / SPLIT queries,
 // each chunk's S^T, dP^T, scores and its k-steps of dV and dK before the next chunk's: S^T and dP^T's registers
-// (2 x 32 floats a thread) cut to 2 x 32 / SPLIT, the products' terms in the same order, so the same bits
-template <typename T, bool LDSM = false, bool WORDS = false, int SPLIT = 1, class Elem, class Words = TcNoWords>
+// (2 x 32 floats a thread) cut to 2 x 32 / SPLIT, the products' terms in the same order, so the same bits.
+// after (version 7; SPLIT 1): once a query tile's dV and dK products are issued, after(i0, ds, scratch) with the
+// thread's dS^T fragments (keys x queries, as float32 before their rounding) and this tile's q buffer, free for it
+// once every warp has passed a barrier (after's own first): the same dk and dv as without it
+template <typename T, bool LDSM = false, bool WORDS = false, int SPLIT = 1, class Elem, class Words = TcNoWords,
+          class After = TcNoAfter>
 __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ dout,
                                             const float* __restrict__ r0, const float* __restrict__ r1,
                                             const float* __restrict__ r2, float r1_pad, int Tn, int C, size_t base,
                                             int bh, int j0, bool keypad, float (&dka)[8][4], float (&dva)[8][4],
-                                            Elem elem, Words words = Words()) {
+                                            Elem elem, Words words = Words(), After after = After()) {
+    static_assert(SPLIT == 1 || !TcHasAfter<After>::value, "after takes the whole tile's dS: one chunk");
     __shared__ __align__(16) T Qs[2][64 * TC_LD];
     __shared__ __align__(16) T Os[2][64 * TC_LD];             // dout tiles
     __shared__ float R0[2][64], R1[2][64], R2[2][64];
@@ -285,6 +316,7 @@ __device__ __forceinline__ void tc_bwd_keys(const T* __restrict__ q, const T* __
             }
             tc_acc_times<T, LDSM, NN>(dva, s, Os[cur], g, t4, nb);        // dV += pz^T dout
             tc_acc_times<T, LDSM, NN>(dka, dp, Qs[cur], g, t4, nb);       // dK += ds^T q
+            if constexpr (TcHasAfter<After>::value) after(i0, dp, Qs[cur]); // (SPLIT 1: the whole tile's dS^T)
         }
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
