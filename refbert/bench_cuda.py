@@ -625,6 +625,7 @@ def run_kernels(args, timer, bw):
             for dtype in dtypes:
                 got = time_spec(args, timer, bw, spec, passing, shape, dtype)
                 rows += got
+                failed |= any(r.get("status") == "FAIL" for r in got)      # (an A/B row's own validation)
                 if i == 0 and dtype == np.float32:
                     for r in got:
                         sec = order_seconds(r)
@@ -721,7 +722,7 @@ def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
     """The A/B rows of C5's backward kernels beside the default version 5's row: version 6 (REFBERT_ATTN_BWD16=6:
     version 5's bits, each tile in four chunks, three blocks an SM) and version 7 (=7: one pass, dq's shares added
     by float atomics), each validated against the oracle in float16 first (a failure is a row saying so, never
-    timed) and checked to have launched its own kernels."""
+    timed: status "FAIL", which fails the bench) and checked to have launched its own kernels."""
     from refbert_kernels.cuda import cuda_c as K
     notes = {"6": "attention_backward.cu v6, version 5's bits with each 64-wide tile in four chunks and three "
                   "blocks an SM (168 registers)",
@@ -736,13 +737,15 @@ def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
         try:
             worst, err = validate_version(spec, "C5", ["float16"])
             if err is not None or worst > 1:
-                rows.append(dict(base, impl=impl, note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
+                rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL", err_tol=worst,
+                                 note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
                 continue
             forward, backward = spec.versions["C5"]
             out, cache = forward(**inputs, **_fresh(kwargs))
             ran = {r[0] for r in _recorded(lambda: backward(out, cache))}       # (out: a dout of the right shape)
             if not kernels[bwd] <= ran:
-                rows.append(dict(base, impl=impl, note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
+                rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL",
+                                 note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
                 continue
             add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
                 note=f"C5 with its backward's version {bwd} (err/tol {fmt(worst)}): {notes[bwd]}; the A/B of "

@@ -1,6 +1,6 @@
 // The tensor-core flash kernels' building blocks (mma.sync m16n8k16 on 64 x 64 tiles of head size 64, fragments as
 // common.cuh's mma16816 documents) and the backward's two passes built on them (tc_bwd_keys, tc_bwd_queries):
-// attention_backward.cu versions 2-3 and mixed.cu's S3 (the spec's attention).
+// attention_backward.cu versions 2-7 and mixed.cu's S3 and S4 (the spec's attention).
 // 128 threads a block, 4 warps of 16 rows; g = lane / 4, t4 = lane % 4.
 #pragma once
 #include "common.cuh"
@@ -222,7 +222,7 @@ struct TcNoAfter {
 template <class A> struct TcHasAfter { static constexpr bool value = true; };
 template <> struct TcHasAfter<TcNoAfter> { static constexpr bool value = false; };
 
-// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-5 (float16 / bfloat16
+// The two passes of a tensor-core flash backward, shared by attention_backward.cu versions 2-7 (float16 / bfloat16
 // storage, __expf, linv) and mixed.cu's S3 (the spec's roundings, expf, l): what differs is the arithmetic of one
 // score (elem) and what a caller does with the accumulators; the tiles, fragments and the double buffering are
 // these. LDSM (attention_backward.cu version 4): B fragments by ldmatrix (pass 1: the transposed ones of dV and dK
