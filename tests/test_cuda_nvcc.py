@@ -39,7 +39,7 @@ def _nvcc(args):
 
 # kernel -> why it spills (ptxas: spill stores > 0). Nothing the model's step runs in float32 at hs = 64 may be here:
 # attention's v1 backward spills (its dkdv / dq keep q, k, v, dout rows and two accumulators of hs floats per
-# thread), and the step runs version C4 (attention_f32.cu: v3 forward, v4 backward) instead, which must not.
+# thread), and the step runs version C6 (attention_f32.cu: v5 forward, v4 backward) instead, which must not.
 SPILLS_KNOWN = {
     **{f"attn_fwd_v1_{t}_hs128": "scalar flash v1 forward: q and o rows of 128 floats per thread"
        for t in ("f32", "f16", "bf16")},
@@ -100,9 +100,10 @@ def test_cu_compiles():
     assert all(report[f"attn_bwd_{p}_v6_{t}_hs64"][0] <= 168 for p in ("dkdv", "dq") for t in ("f16", "bf16")), \
         {k: v for k, v in report.items() if "_v6_" in k}
     # the kernels of the step: layernorm v2 / v3, gelu, dropout, cross-entropy, column sums, embedding, the
-    # optimizer's (csrc/optim.cu); the fp32 attention (C4: v3 forward, v4 backward), the mixed path's kernels
-    # (csrc/mixed.cu) and the 16-bit flash kernels of C5 (attention_forward.cu v4, v5, attention_backward.cu v5):
-    # none spills, and none needs a stack frame (a local array indexed at run time)
+    # optimizer's (csrc/optim.cu); the fp32 attention (C6 / C4: v5 / v3 forward, v4 backward), the mixed path's
+    # kernels (csrc/mixed.cu) and the 16-bit flash kernels of C5 (attention_forward.cu v4, v5,
+    # attention_backward.cu v5; v6's dq pass): none spills, and none needs a stack frame (a local array indexed at
+    # run time)
     checked = set()
     for k, (regs, stack, _, _) in report.items():
         if re.match(r"(layernorm_.*v2|gelu_|bias_gelu_|dropout_v1|ce_|colsum_|colsum16_|emb_bwd_|column_sum2|adamw_v1|"
