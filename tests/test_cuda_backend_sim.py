@@ -475,6 +475,23 @@ def test_bench_cuda_order_ranks_by_device_time(tmp_path):
     assert not (tmp_path / "cuda_order.json.tmp").exists()
 
 
+@needs_numba_cuda
+def test_describe_names_kernel_variants_off_their_default():
+    """describe() names each kernel variant an environment variable chose away from its default (REFBERT_ATTN_BWD16
+    and the like: A/B runs must say what ran), and none at the defaults."""
+    from refbert_kernels.cuda import cuda_c as K, versions as VV
+    was = K.ATTN_BWD16, K.LN_DWDB
+    try:
+        K.ATTN_BWD16, K.LN_DWDB = "5", "3"
+        assert not any("variant" in line for line in VV.describe()), VV.describe()
+        K.ATTN_BWD16, K.LN_DWDB = "7", "4"
+        lines = [line for line in VV.describe() if "variant" in line]
+        assert lines == ["  variant REFBERT_ATTN_BWD16=7 (attention C5's backward kernels; not the default)",
+                         "  variant REFBERT_LN_DWDB=4 (layernorm's dw, db partials; not the default)"], lines
+    finally:
+        K.ATTN_BWD16, K.LN_DWDB = was
+
+
 def test_bench_cuda_arguments():
     from refbert import bench_cuda as BC
     a = BC.defaults(BC.parse([]))

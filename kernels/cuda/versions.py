@@ -433,8 +433,29 @@ def problems():
     return out
 
 
+# kernel variants chosen inside a version by an environment variable (A/B runs): (module, attribute, default,
+# variable, what it chooses); describe() names every one not at its default
+VARIANTS = (("cuda_c", "ATTN_BWD16", "5", "REFBERT_ATTN_BWD16", "attention C5's backward kernels"),
+            ("cuda_c", "LN_DWDB", "3", "REFBERT_LN_DWDB", "layernorm's dw, db partials"),
+            ("mixed", "ATTENTION", "S2", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
+            ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"))
+
+
+def variants():
+    """[(variable, value, what it chooses)] of the VARIANTS not at their default (in the modules as imported)."""
+    import sys
+    out = []
+    for mod, attr, default, var, what in VARIANTS:
+        m = sys.modules.get(f"{__package__}.{mod}")
+        value = getattr(m, attr, default) if m is not None else os.environ.get(var, default)
+        if value != default:
+            out.append((var, value, what))
+    return out
+
+
 def describe():
-    """Lines: per op, the version each dtype runs (and the order it came from), pins, demotions, fallbacks."""
+    """Lines: per op, the version each dtype runs (and the order it came from), pins, demotions, fallbacks, and the
+    kernel variants not at their default."""
     lines = []
     for op in OPS:
         chosen = sorted((dt, v.key) for (o, dt), v in CHOSEN.items() if o == op)
@@ -448,6 +469,8 @@ def describe():
         lines.append(text)
     for op, why in problems():
         lines.append(f"  FALLBACK {op}: {why}")
+    for var, value, what in variants():
+        lines.append(f"  variant {var}={value} ({what}; not the default)")
     return lines
 
 

@@ -433,7 +433,8 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
 
 // the names cuda_c.py loads: attn_bwd_D_<dtype> (block 256, grid ceil(B*H*T / 8)),
 // attn_bwd_dkdv_v1_<dtype>_hs<hs>, attn_bwd_dq_v1_<dtype>_hs<hs> (block 64, grid (ceil(T / 64), B * H)),
-// attn_bwd_dkdv_v<2-6>_<f16|bf16>_hs64, attn_bwd_dq_v<2-6>_<f16|bf16>_hs64 (block 128, the same grid)
+// attn_bwd_dkdv_v<2-6>_<f16|bf16>_hs64, attn_bwd_dq_v<2-6>_<f16|bf16>_hs64 (block 128, the same grid),
+// attn_bwd_fused_v7_<f16|bf16>_hs64 (block 128, the same grid) and attn_bwd_dqcast_<f16|bf16> (block 256)
 #define FWD_CALL q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr
 #define INST_D(T, NAME)                                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
