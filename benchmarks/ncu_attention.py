@@ -7,7 +7,7 @@ is designed from it).
     ncu --clock-control none -k regex:'^attn_' --section SpeedOfLight ... python benchmarks/ncu_attention.py
     python benchmarks/ncu_attention.py [--B 4 --H 12 --T 2048 --hs 64 --p 0.0 --versions C2 C5 C5b6 C5b7 C3 C4 C6]
 
-C5b6 and C5b7 are C5 with its backward's version 6 or 7 (cuda_c.ATTN_BWD16: attention_backward.cu v6, version 5's
+C5b6 and C5b7 are C5 with its backward's version 6 or 7 (REFBERT_ATTN_BWD16: attention_backward.cu v6, version 5's
 work in 168 registers; v7, one pass with dq by atomics), for the counters ncu reports beside version 5's.
 Each version runs in the dtype its fast kernels take (C2, C5: float16, tensor cores; C3, C4, C6: float32), on
 kernels/cuda/attention.py's inputs (BERT's padding mask, p = 0 by default as the bench's timings), one forward and
@@ -45,6 +45,7 @@ def main(argv=None):
     from refbert.philox import DropoutRNG
     from refbert_kernels.cuda import attention as A
     from refbert_kernels.cuda import cuda_c as K
+    from refbert_kernels.cuda import versions as VV
     shape = dict(B=args.B, T=args.T, H=args.H, hs=args.hs, mask="hf", p=args.p, train=True)
     inputs_h, kwargs_h = A.make_inputs(shape, np.float32, 0)
     ran = []
@@ -64,11 +65,8 @@ def main(argv=None):
             out, cache = getattr(K, fwd)(**inputs, **kwargs)
             xp.cuda.Device().synchronize()
             dout = xp.asarray(np.random.default_rng(1).standard_normal(out.shape).astype(dt))
-            K.ATTN_BWD16 = v[-1] if v.startswith("C5b") else "5"
-            try:
+            with VV.kernel_variant("REFBERT_ATTN_BWD16", v[-1] if v.startswith("C5b") else "5"):
                 dq, dk, dv = getattr(K, bwd)(dout, cache)
-            finally:
-                K.ATTN_BWD16 = "5"
             xp.cuda.Device().synchronize()
             total = float(sum(float(xp.abs(a.astype(np.float32)).sum().get()) for a in (out, dq, dk, dv)))
             print(f"{v} {np.dtype(dt).name} B={args.B} H={args.H} T={args.T} hs={args.hs} p={args.p}: "

@@ -74,8 +74,8 @@ def epochs_of_batches(data, batch_size, steps):
 
 
 def refbert_step_ms(run, batches):
-    """(median ms of the refbert run's steps, median ms of its loop's iterations), each None where its log lacks
-    them: the step from its log.csv's step_ms (from a batch in hand to its loss read back after the update: what
+    """{"refbert_step_ms": median ms of the refbert run's steps, "refbert_loop_ms": median ms of its loop's
+    iterations}, each None where its log lacks them: the step from its log.csv's step_ms (from a batch in hand to its loss read back after the update: what
     this script times of PyTorch's loop), the iteration from each logged tokens/s against its batch's real tokens
     (the next batch's masking, the metrics and the logs included). The first of each left out (compiles, capture)."""
     import csv
@@ -84,7 +84,8 @@ def refbert_step_ms(run, batches):
     step = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
     loop = [1e3 * float(b["attention_mask"].sum()) / float(r["tokens_per_s"])
             for r, b in zip(rows, batches) if float(r.get("tokens_per_s") or 0) > 0]
-    return tuple(statistics.median(ms[1:] if len(ms) > 1 else ms) if ms else None for ms in (step, loop))
+    return {k: statistics.median(ms[1:] if len(ms) > 1 else ms) if ms else None
+            for k, ms in (("refbert_step_ms", step), ("refbert_loop_ms", loop))}
 
 
 def initial_model(run, a, tok, dev):
@@ -180,7 +181,7 @@ def main(argv=None):
     mlm, nsp = held_out(model, eval_data, a["batch_size"], dev, dtype) if eval_data is not None else (np.nan,) * 2
     res = dict(precision=prec, device=str(dev), steps=len(batches), mlm=mlm, nsp=nsp,
                train_last50=float(np.mean(losses[-50:])), step_ms=1e3 * statistics.median(times[1:] or times),
-               loop_s=loop_s, **dict(zip(("refbert_step_ms", "refbert_loop_ms"), refbert_step_ms(args.run, batches))),
+               loop_s=loop_s, **refbert_step_ms(args.run, batches),
                torch=torch.__version__, transformers=transformers.__version__)
     print(json.dumps(res), flush=True)
     if args.json:

@@ -723,37 +723,38 @@ def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
     version 5's bits, each tile in four chunks, three blocks an SM) and version 7 (=7: one pass, dq's shares added
     by float atomics), each validated against the oracle in float16 first (a failure is a row saying so, never
     timed: status "FAIL", which fails the bench) and checked to have launched its own kernels."""
-    from refbert_kernels.cuda import cuda_c as K
+    from refbert_kernels.cuda import versions as VV
     notes = {"6": "attention_backward.cu v6, version 5's bits with each 64-wide tile in four chunks and three "
                   "blocks an SM (168 registers)",
              "7": "attention_backward.cu v7, one pass: version 5's dk, dv and each key tile's share of dq added "
                   "by float atomics (5 tile products a tile pair where version 5 takes 7; dq's bits not fixed)"}
     kernels = {"6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
                "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}
-    was = K.ATTN_BWD16
     for bwd in ("6", "7"):
         impl = f"vC5 (backward v{bwd})"
-        K.ATTN_BWD16 = bwd
         try:
-            worst, err = validate_version(spec, "C5", ["float16"])
-            if err is not None or worst > 1:
-                rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL", err_tol=worst,
-                                 note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
-                continue
-            forward, backward = spec.versions["C5"]
-            out, cache = forward(**inputs, **_fresh(kwargs))
-            ran = {r[0] for r in _recorded(lambda: backward(out, cache))}       # (out: a dout of the right shape)
-            if not kernels[bwd] <= ran:
-                rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL",
-                                 note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
-                continue
-            add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
-                note=f"C5 with its backward's version {bwd} (err/tol {fmt(worst)}): {notes[bwd]}; the A/B of "
-                     "REFBERT_ATTN_BWD16")
+            with VV.kernel_variant("REFBERT_ATTN_BWD16", bwd):
+                _ab_c5_row(rows, add, timer, spec, inputs, kwargs, base, impl, bwd, kernels[bwd], notes[bwd])
         except Exception as e:
             rows.append(dict(base, impl=impl, note=_err(e)))
-        finally:
-            K.ATTN_BWD16 = was
+
+
+def _ab_c5_row(rows, add, timer, spec, inputs, kwargs, base, impl, bwd, kernels, note):
+    """One of ab_c5_backward's rows, its variant set: validated, its kernels seen to run, then timed."""
+    worst, err = validate_version(spec, "C5", ["float16"])
+    if err is not None or worst > 1:
+        rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL", err_tol=worst,
+                         note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
+        return
+    forward, backward = spec.versions["C5"]
+    out, cache = forward(**inputs, **_fresh(kwargs))
+    ran = {r[0] for r in _recorded(lambda: backward(out, cache))}               # (out: a dout of the right shape)
+    if not kernels <= ran:
+        rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL",
+                         note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
+        return
+    add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
+        note=f"C5 with its backward's version {bwd} (err/tol {fmt(worst)}): {note}; the A/B of REFBERT_ATTN_BWD16")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1151,15 +1152,11 @@ def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
     """An A/B row of the mixed section: the step's CUDA graph with the residual layernorms' forward as
     layernorm.cu's version 2 (REFBERT_MIXED_LN=2) in place of the default version 3 (the same bits). Its note says
     which forward kernels one eager step of it launched."""
-    from refbert_kernels.cuda import mixed as M
-    had = M.MIXED_LN
-    M.MIXED_LN = "2"
-    try:
+    from refbert_kernels.cuda import versions as VV
+    with VV.kernel_variant("REFBERT_MIXED_LN", "2"):
         names = _kernels_of_step(ours, x)
         row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm forward v2", floor,
                         peer_ms, "vs_hf")
-    finally:
-        M.MIXED_LN = had
     fwd = sorted(n for n in names if n.startswith("layernorm_fwd_v"))
     row["layernorm_v2_ran"] = ran = bool(fwd) and all(n.startswith("layernorm_fwd_v2_") for n in fwd)
     row["note"] = (f"layernorm forwards {', '.join(fwd)}" if ran else
@@ -1173,15 +1170,12 @@ def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_
     as csrc/mixed.cu's tensor-core flash kernels, no (B, H, T, T) array; "S4": S3 with a Philox call per 4 scores,
     S3's bits) in place of the default S2 (refbert_kernels.cuda.mixed.ATTENTION, REFBERT_MIXED_ATTENTION's).
     Its note says whether the flash kernels ran (they take head size 64: elsewhere S2 runs, and the row says so)."""
-    from refbert_kernels.cuda import mixed as M, versions as VV
+    from refbert_kernels.cuda import versions as VV
     key = ("attention", "bfloat16" if precision == "bf16-mixed" else "float16", attention)
-    had, before = M.ATTENTION, VV.RAN.get(key, 0)
-    M.ATTENTION = attention
-    try:
+    before = VV.RAN.get(key, 0)
+    with VV.kernel_variant("REFBERT_MIXED_ATTENTION", attention):
         row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), attention {attention}", floor,
                         peer_ms, "vs_hf")
-    finally:
-        M.ATTENTION = had
     row["attention_ran"] = ran = VV.RAN.get(key, 0) > before
     row["note"] = (f"attention {attention} ran" if ran else f"attention {attention} did NOT run (S2 did: head size "
                    f"{ours.config.hidden_size // ours.config.num_attention_heads}, the flash kernels take 64)") + \

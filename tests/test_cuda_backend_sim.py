@@ -488,6 +488,15 @@ def test_describe_names_kernel_variants_off_their_default():
         lines = [line for line in VV.describe() if "variant" in line]
         assert lines == ["  variant REFBERT_ATTN_BWD16=7 (attention C5's backward kernels; not the default)",
                          "  variant REFBERT_LN_DWDB=4 (layernorm's dw, db partials; not the default)"], lines
+        # kernel_variant (the bench's A/B rows): set inside the block, put back after, even through an exception
+        with pytest.raises(RuntimeError, match="inside"):
+            with VV.kernel_variant("REFBERT_ATTN_BWD16", "6"):
+                assert K.ATTN_BWD16 == "6"
+                raise RuntimeError("inside")
+        assert K.ATTN_BWD16 == "7"
+        with pytest.raises(ValueError, match="kernel_variant: expected one of REFBERT_ATTN_BWD16, .*got 'X'"):
+            with VV.kernel_variant("X", "1"):
+                pass
     finally:
         K.ATTN_BWD16, K.LN_DWDB = was
 

@@ -23,6 +23,7 @@ Validation at first use is on on a GPU (REFBERT_CUDA_VALIDATE=0 turns it off), o
 emulator, whose tests validate every version themselves (REFBERT_CUDA_VALIDATE=1 turns it on).
 RAN counts the calls of each (op, dtype, version): the GPU tests assert that what ran is what they meant to run.
 """
+import contextlib
 import json
 import math
 import os
@@ -441,7 +442,25 @@ VARIANTS = (("cuda_c", "ATTN_BWD16", "5", "REFBERT_ATTN_BWD16", "attention C5's 
             ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"))
 
 
-def variants():
+@contextlib.contextmanager
+def kernel_variant(var, value):
+    """The kernel variant `var` (a VARIANTS variable, e.g. "REFBERT_ATTN_BWD16") set to `value` inside the block, as
+    the variable would set it at import (an A/B run), and what it was put back after."""
+    import importlib
+    found = [(mod, attr) for mod, attr, _, v, _ in VARIANTS if v == var]
+    if not found:
+        raise ValueError(f"kernel_variant: expected one of {', '.join(v for *_, v, _ in VARIANTS)}, "
+                         f"got {var!r}")
+    m = importlib.import_module(f"{__package__}.{found[0][0]}")
+    had = getattr(m, found[0][1])
+    setattr(m, found[0][1], value)
+    try:
+        yield
+    finally:
+        setattr(m, found[0][1], had)
+
+
+def kernel_variants():
     """[(variable, value, what it chooses)] of the VARIANTS not at their default (in the modules as imported)."""
     import sys
     out = []
@@ -469,7 +488,7 @@ def describe():
         lines.append(text)
     for op, why in problems():
         lines.append(f"  FALLBACK {op}: {why}")
-    for var, value, what in variants():
+    for var, value, what in kernel_variants():
         lines.append(f"  variant {var}={value} ({what}; not the default)")
     return lines
 
