@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything refbert does on a GPU, in one go, for a lent H100 / H200 (CUDA 13, cupy-cuda13x, numba-cuda, PyTorch,
 # transformers and nvcc installed there; no network): the whole report in one run (421 s on the H200 at commit
-# 2f0feb7, with three steps cut short by the limits of then: a whole run at the limits below is not yet timed; over
-# issue 13's 6 minutes). Run from anywhere:
+# 2f0feb7, 492 s on the H100 at 719a3b9, each with steps cut short by the limits of then: a whole run at the limits
+# below is not yet timed; over issue 13's 6 minutes). Run from anywhere:
 #
 #     OUT=/some/dir bash benchmarks/gpu_all.sh        (OUT defaults to ./gpu_out; on the device machine: OUT=$OUT)
 #
@@ -21,8 +21,11 @@
 #               float64, beside the spec's and HF autocast's (report/precision_step.md)
 #   verify      benchmarks/verify_noise_gpu.py --sizes $VERIFY_SIZES (tiny,mini): `refbert verify` judging torch's
 #               own GPU dumps (float64, float32, float32 with TF32, float16, bfloat16) in units of refbert's noise
-#   graphdiag   benchmarks/graph_diag.py: the small model whose CUDA graphs replayed NaN on the H100, replay by
-#               replay, then op by op (--trace: the first op whose replayed output differs from the eager one)
+#   graphdiag   (not in the default STEPS: STEPS="... graphdiag ..." runs it) benchmarks/graph_diag.py: the small
+#               model whose CUDA graphs replayed NaN on the H100 before their slots moved out of the capture, replay
+#               by replay, then op by op (--trace: the first op whose replayed output differs from the eager one);
+#               on the H100 at 719a3b9 every replay equalled its eager step, so it no longer shares the machine with
+#               every run
 #   train       benchmarks/mixed_train.py --backend cuda --cuda-graph --steps $TRAIN_STEPS (300): `refbert pretrain
 #               --backend cuda --cuda-graph` (each step one CUDA graph replay; eager if the graph is refused)
 #               on the demo corpus in fp32, bf16-mixed and fp16-mixed, the held-out losses side by side (issue 14:
@@ -40,13 +43,15 @@
 #   ncu         Nsight Compute (where installed; --clock-control none) on one call of each flash attention
 #               version's forward and backward at B=4 H=12 T=2048 (benchmarks/ncu_attention.py): speed of light,
 #               tensor-pipe and shared-memory load, bank conflicts, stall reasons, occupancy: report/ncu.log
-# mains, tests, check, verify, train and graphdiag run side by side (they time nothing that is reported; 16 cores;
-# Numba compiles on the CPU); bench runs alone after them. A step that fails or times out is recorded and the next
+# mains, tests, check, verify and train run side by side (they time nothing that is reported; 16 cores, each
+# process's BLAS, OpenMP and Numba threads capped: CPU_THREADS, 4, and one a pytest worker; Numba compiles on the
+# CPU); bench runs alone after them, its threads uncapped. A step that fails or times out is recorded and the next
 # one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
-# BENCH_ARGS="...", TRAIN_STEPS=..., STEPS="mains tests check verify train graphdiag bench ncu" (a subset). DRY=1:
+# BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains tests check verify train bench ncu" (a subset, or
+# more: graphdiag). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, the bench says SKIPPED, train and graphdiag are skipped).
 set -u
@@ -63,18 +68,23 @@ PY=${PYTHON:-python3}
 # in each; all together, mains, train and check ran past 120, 180 and 200 s; run again, four side by side, mains
 # took 126 s, train 151, check 175; tests 166 s, bench 172, ncu 35 (since then the bench validates the attention in
 # float16 too and times C5's backward versions 6 and 7 beside 5, and ncu profiles those two: 230 and 80 s given).
-# Worst case with these, each stage's 10 s of --kill-after counted, after a preflight of the usual ~15 s:
-# 15 + 250 + 240 + 90 = 595 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
+# On the H100 at 719a3b9 (2026-11-28), seven steps side by side (graphdiag among them) and every process's BLAS
+# threads as many as the cores: mains 221 s, tests 228, verify 91, study 119, graphdiag 124, and check and train
+# cut off at 240 (train in its third of three runs); bench 186 (its CUDA graph rows failing at once), ncu 48.
+# Hence graphdiag out of the default steps, the threads capped, check and train 265 s, ncu 60.
+# Worst case with these, each stage's 5 s of --kill-after counted, after a preflight of the usual ~17 s:
+# 17 + 270 + 235 + 65 = 587 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
 T_MAINS=${T_MAINS:-240}
 T_TESTS=${T_TESTS:-240}
-T_CHECK=${T_CHECK:-240}
+T_CHECK=${T_CHECK:-265}
 T_BENCH=${T_BENCH:-230}
 T_VERIFY=${T_VERIFY:-150}
-T_TRAIN=${T_TRAIN:-240}
-T_NCU=${T_NCU:-80}
+T_TRAIN=${T_TRAIN:-265}
+T_NCU=${T_NCU:-60}
+CPU_THREADS=${CPU_THREADS:-4}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train graphdiag bench ncu"}
+STEPS=${STEPS:-"mains tests check verify train bench ncu"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed optim profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -85,7 +95,7 @@ step() {            # step NAME TIMEOUT COMMAND...
     shift 2
     t0=$(date +%s)
     echo "== $name (timeout ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" > "$R/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" > "$R/$name.log" 2>&1
     rc=$?
     local msg="$name: rc=$rc, $(( $(date +%s) - t0 )) s"
     [ "$rc" = 124 ] && msg="$msg (TIMED OUT)"
@@ -176,7 +186,11 @@ fi
 echo "preflight: ok, $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 fi
 
-# ---- the standalone mains, the GPU tests and the GPU half of check, side by side
+# ---- the standalone mains, the GPU tests and the GPU half of check, side by side, each process's CPU threads capped
+# (seven processes, a pytest worker each of ten among them, each with as many BLAS threads as the 16 cores, had
+# check and train run out of time on the H100)
+export OMP_NUM_THREADS=$CPU_THREADS OPENBLAS_NUM_THREADS=$CPU_THREADS MKL_NUM_THREADS=$CPU_THREADS \
+    NUMBA_NUM_THREADS=$CPU_THREADS
 mains() {
     local dir="$R/mains" rc=0 src
     mkdir -p "$dir"
@@ -199,7 +213,8 @@ fi
 if wants tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 10")    # pytest-xdist: the test children in parallel
     # shellcheck disable=SC2046
-    step tests "$T_TESTS" "$PY" -m pytest -q -rs -k "gpu or cuda_c_matches_oracle" -p no:cacheprovider \
+    step tests "$T_TESTS" env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1 \
+        "$PY" -m pytest -q -rs -k "gpu or cuda_c_matches_oracle" -p no:cacheprovider \
         --durations=15 $XDIST $(ls tests/test_cuda*.py) &
 fi
 if wants verify; then   # refbert verify against torch's own GPU dumps (benchmarks/verify_noise_gpu.py; rows as they come)
@@ -225,6 +240,7 @@ if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU
         --json "$R/precision_step.json" --report "$R/precision_step.md" &
 fi
 wait
+unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS NUMBA_NUM_THREADS
 
 # ---- the bench, alone on the machine
 if wants bench; then

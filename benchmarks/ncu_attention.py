@@ -5,10 +5,11 @@ The bench times these kernels; this says where their time goes, which no timing 
 is designed from it).
 
     ncu --clock-control none -k regex:'^attn_' --section SpeedOfLight ... python benchmarks/ncu_attention.py
-    python benchmarks/ncu_attention.py [--B 4 --H 12 --T 2048 --hs 64 --p 0.0 --versions C2 C5 C5b6 C5b7 C3 C4 C6]
+    python benchmarks/ncu_attention.py [--B 4 --H 12 --T 2048 --hs 64 --p 0.0 --versions C2 C5 C5b5 C5b7 C3 C4 C6]
 
-C5b6 and C5b7 are C5 with its backward's version 6 or 7 (REFBERT_ATTN_BWD16: attention_backward.cu v6, version 5's
-work in 168 registers; v7, one pass with dq by atomics), for the counters ncu reports beside version 5's.
+C5 runs its backward's default, attention_backward.cu version 6 (version 5's work in 168 registers); C5b5 and C5b7
+are C5 with its backward's version 5 or 7 (REFBERT_ATTN_BWD16: v5, the same work in 250 registers; v7, one pass
+with dq by atomics), for the counters ncu reports beside version 6's.
 Each version runs in the dtype its fast kernels take (C2, C5: float16, tensor cores; C3, C4, C6: float32), on
 kernels/cuda/attention.py's inputs (BERT's padding mask, p = 0 by default as the bench's timings), one forward and
 one backward on its cache, the device synchronised after each; it prints the kernels each version ran
@@ -22,7 +23,7 @@ import numpy as np
 
 PAIRS = {"C2": ("attention_forward_c2", "attention_backward_c2", np.float16),
          "C5": ("attention_forward_c5", "attention_backward_c5", np.float16),
-         "C5b6": ("attention_forward_c5", "attention_backward_c5", np.float16),
+         "C5b5": ("attention_forward_c5", "attention_backward_c5", np.float16),
          "C5b7": ("attention_forward_c5", "attention_backward_c5", np.float16),
          "C3": ("attention_forward_c3", "attention_backward_c3", np.float32),
          "C4": ("attention_forward_c3", "attention_backward_c4", np.float32),
@@ -65,7 +66,7 @@ def main(argv=None):
             out, cache = getattr(K, fwd)(**inputs, **kwargs)
             xp.cuda.Device().synchronize()
             dout = xp.asarray(np.random.default_rng(1).standard_normal(out.shape).astype(dt))
-            with VV.kernel_variant("REFBERT_ATTN_BWD16", v[-1] if v.startswith("C5b") else "5"):
+            with VV.kernel_variant("REFBERT_ATTN_BWD16", v[-1] if v.startswith("C5b") else "6"):
                 dq, dk, dv = getattr(K, bwd)(dout, cache)
             xp.cuda.Device().synchronize()
             total = float(sum(float(xp.abs(a.astype(np.float32)).sum().get()) for a in (out, dq, dk, dv)))

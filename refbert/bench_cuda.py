@@ -26,8 +26,9 @@ kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C v
          DLPack): F.softmax, F.layer_norm, F.gelu, F.dropout, F.cross_entropy, F.scaled_dot_product_attention (flash
          without a mask in float16, memory-efficient with the padding mask). The passing versions' float32 times
          order each op's versions (forward + backward on the device alone where a call has both, else as called:
-         order_seconds): cuda_order.json (REFBERT_CUDA_ORDER=<that file> makes the backend use it; the sections
-         after it in the same run use it, unless REFBERT_CUDA_ORDER was set already).
+         order_seconds; every Numba version after every other: versions.rank): cuda_order.json
+         (REFBERT_CUDA_ORDER=<that file> makes the backend use it; the sections after it in the same run use it,
+         unless REFBERT_CUDA_ORDER was set already).
 step     one BertForPreTraining training step (forward + backward; train mode, dropout 0.1, MLM + NSP loss) at
          base size and training batches (--step, default B=32 T=128 and B=8 T=512: 4096 tokens each), float32 with
          TF32 off on both sides: refbert backend="cuda" with HF's full logits (mlm_decode "all") and with its labelled
@@ -719,18 +720,18 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
 
 
 def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
-    """The A/B rows of C5's backward kernels beside the default version 5's row: version 6 (REFBERT_ATTN_BWD16=6:
-    version 5's bits, each tile in four chunks, three blocks an SM) and version 7 (=7: one pass, dq's shares added
-    by float atomics), each validated against the oracle in float16 first (a failure is a row saying so, never
-    timed: status "FAIL", which fails the bench) and checked to have launched its own kernels."""
+    """The A/B rows of C5's backward kernels beside the default version 6's row (cuda_c.ATTN_BWD16): version 5
+    (REFBERT_ATTN_BWD16=5: version 6's bits in 250 registers, two blocks an SM) and version 7 (=7: one pass, dq's
+    shares added by float atomics), each validated against the oracle in float16 first (a failure is a row saying
+    so, never timed: status "FAIL", which fails the bench) and checked to have launched its own kernels."""
     from refbert_kernels.cuda import versions as VV
-    notes = {"6": "attention_backward.cu v6, version 5's bits with each 64-wide tile in four chunks and three "
-                  "blocks an SM (168 registers)",
-             "7": "attention_backward.cu v7, one pass: version 5's dk, dv and each key tile's share of dq added "
-                  "by float atomics (5 tile products a tile pair where version 5 takes 7; dq's bits not fixed)"}
-    kernels = {"6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
+    notes = {"5": "attention_backward.cu v5, version 6's bits with each 64-wide tile in one piece (250 registers, "
+                  "two blocks an SM)",
+             "7": "attention_backward.cu v7, one pass: version 6's dk, dv and each key tile's share of dq added "
+                  "by float atomics (5 tile products a tile pair where version 6 takes 7; dq's bits not fixed)"}
+    kernels = {"5": {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
                "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}
-    for bwd in ("6", "7"):
+    for bwd in ("5", "7"):
         impl = f"vC5 (backward v{bwd})"
         try:
             with VV.kernel_variant("REFBERT_ATTN_BWD16", bwd):

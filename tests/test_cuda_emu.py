@@ -91,10 +91,10 @@ def test_emu_every_cuda_c_version_matches_oracle():
                     assert not K.FELL_BACK, (op, v.key, K.FELL_BACK)      # the CUDA C path ran, not the Numba one
                     assert E.COUNTS.launched() > 0 and E.COUNTS.d2h == 0, (op, v.key, E.COUNTS)
                     print(f"OK {op} {v.key} {dtype} worst err/tol {worst:.3f}, kernels {sorted(E.COUNTS.launches)}")
-        # C5 (attention_forward.cu v5 and v4, attention_backward.cu v5) reorganises C2 (v3, v3): out, m, 1/l and
-        # dq, dk, dv the same bits, with dropout at T % 4 == 0 (a Philox call per 4 keys shared by two lanes, and
-        # in the backward per 4 scores) and not (a call per pair; per score), padding (whole key tiles skipped) and
-        # a mask with query rows (read per score)
+        # C5 (attention_forward.cu v5 and v4, attention_backward.cu v6 by default) reorganises C2 (v3, v3): out, m,
+        # 1/l and dq, dk, dv the same bits, with dropout at T % 4 == 0 (a Philox call per 4 keys shared by two
+        # lanes, and in the backward per 4 scores) and not (a call per pair; per score), padding (whole key tiles
+        # skipped) and a mask with query rows (read per score)
         from refbert_kernels.cuda.attention import DropoutRNG
         r = np.random.default_rng(5)
         for (Bn, T, H), mk in (((2, 132, 2), "pad"), ((1, 70, 2), "rows")):
@@ -111,11 +111,12 @@ def test_emu_every_cuda_c_version_matches_oracle():
             for rows, bwd in ((64, None), (128, "5"), (128, "6"), (128, "7")):   # (bwd: REFBERT_ATTN_BWD16)
                 E.COUNTS.reset()
                 got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
-                K.ATTN_BWD16 = bwd or "5"
+                K.ATTN_BWD16 = bwd or "6"
                 got_d = K.attention_backward_c5(dout, got[1]) if bwd else ref_d
-                K.ATTN_BWD16 = "5"
+                K.ATTN_BWD16 = "6"
                 assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
-                ran = {"6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
+                ran = {"5": {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
+                       "6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
                        "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}.get(bwd, set())
                 assert ran <= set(E.COUNTS.launches) and (bwd != "7" or not any(
                     n.startswith(("attn_bwd_dkdv", "attn_bwd_dq_")) for n in E.COUNTS.launches)), E.COUNTS.launches
@@ -138,7 +139,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
             print("UNKNOWN RAN")
         except ValueError as e:
             print("ERR", e)
-        K.ATTN_BWD16 = "5"
+        K.ATTN_BWD16 = "6"
         # C6's forward (attention_f32.cu v5) moves C3's (v3) loads: out, m and 1/l the same bits (3 key tiles, padding,
         # dropout with T % 4 == 0)
         q, k, v = (E.cupy.asarray(r.standard_normal((2, 132, 128)).astype(np.float32)) for _ in range(3))
@@ -419,6 +420,34 @@ def test_emu_value_checks_need_refbert_cuda_checks():
     assert "ERR cross_entropy: argument 'logits' expected finite rows" in strict, strict
 
 
+def test_emu_bench_c5_backward_ab_rows():
+    """The bench's A/B rows of C5's backward (bench_cuda.ab_c5_backward: versions 5 and 7 beside the default, 6) run
+    on the emulator through C5's launcher, each seeing its own kernels launched (a row whose kernels did not run is
+    a FAIL row); float16 is not the emulator's to validate, so the err/tol here is of nothing (the GPU run's is
+    real: 0.88 on the H100)."""
+    code = """
+        import numpy as np
+        from refbert import bench_cuda as BC
+        from refbert.model import get_backend
+        from refbert_kernels.cuda import cuda_c as K
+        get_backend("cuda")
+        spec = BC.with_cuda_c(BC.kernel_specs(["attention"])[0][0][1])
+        inputs_h, kwargs_h = spec.make_inputs(dict(spec.bench_shape, B=1, H=1, hs=64, T=64), np.float32, 0)
+        inputs, kwargs = BC._on_gpu(inputs_h, kwargs_h, np.float16)
+        rows = []
+        BC.ab_c5_backward(rows, lambda impl, *t, note="": rows.append(dict(impl=impl, note=note)), BC.Timer(1),
+                          spec, inputs, kwargs, {})
+        for r in rows:
+            print("ROW", r["impl"], "|", r.get("status"), "|", r["note"])
+        print("DEFAULT", K.ATTN_BWD16)
+    """
+    out = cudachild.check(_run(_env(code)))
+    rows = [line for line in out.splitlines() if line.startswith("ROW")]
+    assert [r.split(" | ")[0] for r in rows] == ["ROW vC5 (backward v5)", "ROW vC5 (backward v7)"], out
+    assert all(" | None | C5 with its backward's version" in r for r in rows), out
+    assert "DEFAULT 6" in out, out                      # (the variant put back after the rows)
+
+
 def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     """refbert bench --device cuda's step section (both decoders, the GEMM floor, memory, the launch probe with the
     step's own arguments), its mixed-precision and its optimizer sections run on the emulator: a tooling check of
@@ -484,8 +513,8 @@ def test_emu_ncu_attention_driver_runs():
     out = cudachild.check(_run(_env(code)))
     # (C5's forward is version 5 where its grid fills the SMs twice, else version 4: here 4)
     for version, kernels in (("C2", "attn_fwd_v3_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v3_f16_hs64 attn_bwd_dq_v3"),
-                             ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
-                             ("C5b6", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v6_f16_hs64 attn_bwd_dq_v6"),
+                             ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v6_f16_hs64 attn_bwd_dq_v6"),
+                             ("C5b5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
                              ("C5b7", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_fused_v7_f16_hs64 "
                                       "attn_bwd_dqcast_f16"),
                              ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64"),

@@ -239,9 +239,9 @@ def attention_backward(dout, cache):
 
 def _attention_backward(dout, cache, version):
     """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size), 3 (tensor cores with
-    padding tiles skipped) or 5 (version 3 with ldmatrix fragments and dropout's words a Philox call per 4 scores:
-    its bits; REFBERT_ATTN_BWD16 may run 6 or 7 in its place); 3 and 5 need float16, hs = 64, 16-byte aligned rows,
-    otherwise version 1 runs, recorded in FELL_BACK."""
+    padding tiles skipped) or 5 (C5's: version 3 with ldmatrix fragments and dropout's words a Philox call per 4
+    scores, its bits, run as REFBERT_ATTN_BWD16 says: 6 by default, or 5 or 7); 3 and 5 need float16, hs = 64,
+    16-byte aligned rows, otherwise version 1 runs, recorded in FELL_BACK."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
     C.dout("attention", dout, out.shape, out.dtype)
@@ -298,18 +298,21 @@ def attention_backward_c2(dout, cache):
     return _attention_backward(dout, cache, 3)
 
 
-# C5's backward kernels (A/B runs): "5" (the default), "6" (version 5's bits, each tile worked in four chunks and
-# three blocks an SM asked of ptxas) or "7" (one pass: version 5's dk, dv and dq's shares added by float atomics,
-# so dq's bits may differ from run to run): attention_backward.cu; the default once a GPU times one the faster
-ATTN_BWD16 = os.environ.get("REFBERT_ATTN_BWD16", "5")
+# C5's backward kernels: "6" (the default: version 5's bits, each tile worked in four chunks and three blocks an SM
+# asked of ptxas), "5" or "7" (one pass: version 5's dk, dv and dq's shares added by float atomics, so dq's bits may
+# differ from run to run), attention_backward.cu. On the H100 (2026-11-28, the bench at B=8 H=12 hs=64, device ms
+# of the backward): T=128 v5 0.066, v6 0.070, v7 0.054; T=512 0.293, 0.231, 0.225; T=2048 2.89, 2.16, 2.11. Version
+# 6 is the fastest of the bitwise-reproducible ones where the time is (T >= 512), and within 3% of version 7 there
+ATTN_BWD16 = os.environ.get("REFBERT_ATTN_BWD16", "6")
 ATTN_BWD16S = ("5", "6", "7")
 
 
 def attention_backward_c5(dout, cache):
-    """C5's backward: attention_backward.cu version 5 (version 3 with ldmatrix fragments, the mask read once per key
-    row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox call per 4 scores where T % 4 == 0: version
-    3's bits) for float16 at hs 64, or version 6 with REFBERT_ATTN_BWD16=6 (version 5's bits in fewer registers),
-    or version 7 with REFBERT_ATTN_BWD16=7 (one pass, dq by atomics: not bitwise reproducible).
+    """C5's backward: attention_backward.cu version 6 (version 5's work and bits in 168 registers: version 3 with
+    ldmatrix fragments, the mask read once per key row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox
+    call per 4 scores where T % 4 == 0: version 3's bits) for float16 at hs 64, or version 5 itself with
+    REFBERT_ATTN_BWD16=5, or version 7 with REFBERT_ATTN_BWD16=7 (one pass, dq by atomics: not bitwise
+    reproducible).
     (Version 4, without the shared Philox calls, is timed beside them by the .cu's main.)"""
     return _attention_backward(dout, cache, 5)
 

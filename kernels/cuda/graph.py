@@ -113,6 +113,19 @@ def _same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
 
 
+def _refuse_uncapturable(ran0, fell0):
+    """RuntimeError naming every Numba version the step ran (versions.RAN past ran0) and every CUDA C launcher that
+    handed its call to Numba (cuda_c.FELL_BACK_CALLS past fell0): a CUDA graph cannot capture them."""
+    numba = sorted({f"{op} ({dt}) version {key}" for (op, dt, key), n in versions.RAN.items()
+                    if n > ran0.get((op, dt, key), 0) and versions.numba_key(key)})
+    fell = sorted(f"{op} {v} (handed to Numba: {cuda_c.FELL_BACK.get((op, v))})"
+                  for (op, v), n in cuda_c.FELL_BACK_CALLS.items() if n > fell0.get((op, v), 0))
+    if numba or fell:
+        raise RuntimeError(f"StepGraph: the step ran what a CUDA graph cannot capture: {'; '.join(numba + fell)} "
+                           f"(a Numba version launches on its own stream; pin CUDA C versions with "
+                           f"REFBERT_CUDA_VERSIONS)")
+
+
 class StepGraph:
     """forward + backward of `model` as one CUDA graph; see the module docstring. dloss: the backward's dloss
     (GradScaler's scale for fp16-mixed); emulate: no graph, each call an eager step through the slots, the shift and
@@ -184,11 +197,15 @@ class StepGraph:
         """The warm-up step (its copies' device arrays kept: the slots, backend._held_slot), the generator rewound,
         then the step again between begin() and end() (a capture on a GPU), its copies handed the warm-up's arrays
         and listed in self._found. -> (output, grads) of the second step."""
+        ran0, fell0 = dict(versions.RAN), dict(cuda_c.FELL_BACK_CALLS)
         K.WARMUP = []
         try:
             self._step(batch)                       # (its results dropped)
         finally:
             held, K.WARMUP = K.WARMUP, None
+        # the warm-up ran what the capture would: a Numba launch in it is refused here, by name, before the capture
+        # begins (inside one, the launch invalidates the capture and CUDA says only cudaErrorStreamCaptureInvalidated)
+        _refuse_uncapturable(ran0, fell0)
         self.model.dropout_rng.calls = c0
         K.CAPTURE, K.HELD = [], list(held)
         try:
@@ -247,14 +264,7 @@ class StepGraph:
             with xp.cuda.using_allocator(malloc), self.stream:
                 out, grads = self._warm_then_capture(batch, c0, begin, end)
             graph = ended[0]
-        numba = sorted({f"{op} ({dt}) version {key}" for (op, dt, key), n in versions.RAN.items()
-                        if n > ran0.get((op, dt, key), 0) and str(key).isdigit()})
-        fell = sorted(f"{op} {v} (handed to Numba: {cuda_c.FELL_BACK.get((op, v))})"
-                      for (op, v), n in cuda_c.FELL_BACK_CALLS.items() if n > fell0.get((op, v), 0))
-        if numba or fell:
-            raise RuntimeError(f"StepGraph: the step ran what a CUDA graph cannot capture: {'; '.join(numba + fell)} "
-                               f"(a Numba version launches on its own stream; pin CUDA C versions with "
-                               f"REFBERT_CUDA_VERSIONS)")
+        _refuse_uncapturable(ran0, fell0)
         calls = rng.calls - c0                      # the step's dropout calls
         rng.calls = c0
         rules = _slot_rules(self.model, batch)
