@@ -71,15 +71,16 @@ PY=${PYTHON:-python3}
 # On the H100 at 719a3b9 (2026-11-28), seven steps side by side (graphdiag among them) and every process's BLAS
 # threads as many as the cores: mains 221 s, tests 228, verify 91, study 119, graphdiag 124, and check and train
 # cut off at 240 (train in its third of three runs); bench 186 (its CUDA graph rows failing at once), ncu 48.
-# Hence graphdiag out of the default steps, the threads capped, check and train 265 s, ncu 60.
+# Hence graphdiag out of the default steps, the threads capped, check and train 260 s, ncu 60, and the bench 240
+# (its graph rows run again, and an A/B row of C6's backward version 4 beside version 6 came in).
 # Worst case with these, each stage's 5 s of --kill-after counted, after a preflight of the usual ~17 s:
-# 17 + 270 + 235 + 65 = 587 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
+# 17 + 265 + 245 + 65 = 592 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
 T_MAINS=${T_MAINS:-240}
 T_TESTS=${T_TESTS:-240}
-T_CHECK=${T_CHECK:-265}
-T_BENCH=${T_BENCH:-230}
+T_CHECK=${T_CHECK:-260}
+T_BENCH=${T_BENCH:-240}
 T_VERIFY=${T_VERIFY:-150}
-T_TRAIN=${T_TRAIN:-265}
+T_TRAIN=${T_TRAIN:-260}
 T_NCU=${T_NCU:-60}
 CPU_THREADS=${CPU_THREADS:-4}
 TRAIN_STEPS=${TRAIN_STEPS:-300}

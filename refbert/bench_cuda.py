@@ -695,8 +695,8 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
         except Exception as e:
             rows.append(dict(base, impl=f"v{v}", note=_err(e)))
             print(f"  {spec.name} v{v}: {_err(e, 1000)}", flush=True)
-        if spec.name == "attention" and v == "C5" and np.dtype(dtype) == np.float16:
-            ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base)
+        if spec.name == "attention" and (v, np.dtype(dtype).name) in AB_BACKWARD:
+            ab_backward(rows, add, timer, spec, v, dtype, inputs, kwargs, base)
     if args.no_torch:
         return rows
     try:
@@ -719,43 +719,55 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
     return rows
 
 
-def ab_c5_backward(rows, add, timer, spec, inputs, kwargs, base):
-    """The A/B rows of C5's backward kernels beside the default version 6's row (cuda_c.ATTN_BWD16): version 5
-    (REFBERT_ATTN_BWD16=5: version 6's bits in 250 registers, two blocks an SM) and version 7 (=7: one pass, dq's
-    shares added by float atomics), each validated against the oracle in float16 first (a failure is a row saying
-    so, never timed: status "FAIL", which fails the bench) and checked to have launched its own kernels."""
+# The A/B rows of a version's backward kernels (an environment variable's values beside its default's row, in the
+# dtype the variant's kernels take): {(version, dtype): (variable, {value: (kernels that must run, note)})}
+AB_BACKWARD = {
+    ("C5", "float16"): ("REFBERT_ATTN_BWD16", {
+        "5": ({"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
+              "attention_backward.cu v5, version 6's bits with each 64-wide tile in one piece (250 registers, two "
+              "blocks an SM)"),
+        "7": ({"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"},
+              "attention_backward.cu v7, one pass: version 6's dk, dv and each key tile's share of dq added by "
+              "float atomics (5 tile products a tile pair where version 6 takes 7; dq's bits not fixed)")}),
+    ("C6", "float32"): ("REFBERT_F32_BWD", {
+        "4": ({"attn_bwd_fused_v4_f32_hs64", "attn_bwd_dqsum_v4_f32"},
+              "attention_f32.cu v4, version 6's bits with the transposing pass's shared stores 8-way bank "
+              "conflicted")}),
+}
+
+
+def ab_backward(rows, add, timer, spec, version, dtype, inputs, kwargs, base):
+    """The A/B rows of `version`'s backward kernels (AB_BACKWARD) beside its default's row: C5's versions 5 and 7
+    beside 6 (REFBERT_ATTN_BWD16), C6's version 4 beside 6 (REFBERT_F32_BWD), each validated against the oracle in
+    `dtype` first (a failure is a row saying so, never timed: status "FAIL", which fails the bench) and checked to
+    have launched its own kernels."""
     from refbert_kernels.cuda import versions as VV
-    notes = {"5": "attention_backward.cu v5, version 6's bits with each 64-wide tile in one piece (250 registers, "
-                  "two blocks an SM)",
-             "7": "attention_backward.cu v7, one pass: version 6's dk, dv and each key tile's share of dq added "
-                  "by float atomics (5 tile products a tile pair where version 6 takes 7; dq's bits not fixed)"}
-    kernels = {"5": {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
-               "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}
-    for bwd in ("5", "7"):
-        impl = f"vC5 (backward v{bwd})"
+    var, values = AB_BACKWARD[(version, np.dtype(dtype).name)]
+    for value, (kernels, note) in values.items():
+        impl = f"v{version} (backward v{value})"
         try:
-            with VV.kernel_variant("REFBERT_ATTN_BWD16", bwd):
-                _ab_c5_row(rows, add, timer, spec, inputs, kwargs, base, impl, bwd, kernels[bwd], notes[bwd])
+            with VV.kernel_variant(var, value):
+                _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note)
         except Exception as e:
             rows.append(dict(base, impl=impl, note=_err(e)))
 
 
-def _ab_c5_row(rows, add, timer, spec, inputs, kwargs, base, impl, bwd, kernels, note):
-    """One of ab_c5_backward's rows, its variant set: validated, its kernels seen to run, then timed."""
-    worst, err = validate_version(spec, "C5", ["float16"])
+def _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note):
+    """One of ab_backward's rows, its variant set: validated, its kernels seen to run, then timed."""
+    worst, err = validate_version(spec, version, [np.dtype(dtype).name])
     if err is not None or worst > 1:
         rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL", err_tol=worst,
                          note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
         return
-    forward, backward = spec.versions["C5"]
+    forward, backward = spec.versions[version]
     out, cache = forward(**inputs, **_fresh(kwargs))
     ran = {r[0] for r in _recorded(lambda: backward(out, cache))}               # (out: a dout of the right shape)
     if not kernels <= ran:
         rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL",
-                         note=f"FAIL: version {bwd}'s kernels did not run ({sorted(ran)})"))
+                         note=f"FAIL: version {value}'s kernels did not run ({sorted(ran)})"))
         return
     add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
-        note=f"C5 with its backward's version {bwd} (err/tol {fmt(worst)}): {note}; the A/B of REFBERT_ATTN_BWD16")
+        note=f"{version} with its backward's version {value} (err/tol {fmt(worst)}): {note}; the A/B of {var}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

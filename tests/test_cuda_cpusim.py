@@ -34,6 +34,8 @@ DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
                                   "v6 = v5 bit for bit (bf16 dq, dk, dv): yes",
                                   "v7 = v5 bit for bit (f16 dk, dv): yes",
                                   "v7 = v5 bit for bit (bf16 dk, dv): yes"),
+        "attention_f32.cu": ("v6 = v4 bit for bit (dq, dk, dv): yes", "v6 dk, dv = v3 dk, dv bit for bit: yes",
+                             "attention_f32: every version ok"),
         "softmax.cu": "dx ok",
         "layernorm.cu": tuple(f"dw, db partials v{v} = v3 bit for bit (rk {rk}): yes" for v in (4, 5)
                               for rk in (-1, 0, 1)) + ("layernorm: every version ok",)}
@@ -150,6 +152,18 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "v5 forward = v3 forward bit for bit (out, m, 1/l): NO" in run.stdout, \
         run.stdout[-3000:]
+
+
+def test_cpusim_catches_the_c6_backward_v6_missing_cells(tmp_path):
+    """attention_f32.cu's backward version 6 lays the transposing pass's cells out a warp down a column
+    (a3_xt_cell): every (query row, 4-key group) of the tile must be some thread's, once. With the odd rows left
+    out (r = g & 62: their p z and ds never computed, their transposed cells never written), the main's comparison
+    of version 6 with version 4 must say NO and exit 1, or it proves nothing about the layout."""
+    exe = _mutant(tmp_path, "attention_f32.cu", "{ r = g & 63; c4 = (g >> 6) * 4; }",
+                  "{ r = g & 62; c4 = (g >> 6) * 4; }", "attention_f32.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v6 = v4 bit for bit (dq, dk, dv): NO" in run.stdout, run.stdout[-3000:]
+    assert "v5 forward = v3 forward bit for bit (out, m, 1/l): yes" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("tile", ["query", "key"])

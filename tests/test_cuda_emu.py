@@ -168,7 +168,8 @@ def test_emu_every_cuda_c_version_matches_oracle():
             K.C4_PARTS_MAX = None
         said = [str(w.message) for w in said if "REFBERT_C4_PARTS_MB" in str(w.message)]
         assert len(said) == 1 and "version 3's dq kernel" in said[0], said
-        assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches and "attn_bwd_fused_v4_f32_hs64" not in E.COUNTS.launches
+        assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches and "attn_bwd_dkdv_v6_f32_hs64" in E.COUNTS.launches \
+            and not any(n.startswith("attn_bwd_fused") for n in E.COUNTS.launches), E.COUNTS.launches
         for got in got_d:
             for a, b in zip(ref_d, got):
                 assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32))
@@ -181,6 +182,29 @@ def test_emu_every_cuda_c_version_matches_oracle():
         finally:
             del os.environ["REFBERT_C4_PARTS_MB"]
         print("C4 over its limit = C3 bit for bit, said once")
+        # C4's backward kernels: version 6 (the default, REFBERT_F32_BWD) and version 4 the same bits, each having
+        # launched its own fused kernel (at 3 key tiles, a padded one among them, dropout on)
+        cache = K.attention_forward_c6(q, k, v, 2, E.cupy.asarray(host), 0.1, DropoutRNG(4), True)[1]
+        dout = E.cupy.asarray(r.standard_normal((2, 132, 128)).astype(np.float32))
+        both = {}
+        for bwd in ("6", "4"):
+            E.COUNTS.reset()
+            K.F32_BWD = bwd
+            try:
+                both[bwd] = K.attention_backward_c4(dout, cache)
+            finally:
+                K.F32_BWD = "6"
+            assert f"attn_bwd_fused_v{bwd}_f32_hs64" in E.COUNTS.launches, (bwd, E.COUNTS.launches)
+        for a, b in zip(both["6"], both["4"]):
+            assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32))
+        K.F32_BWD = "5"
+        try:
+            K.attention_backward_c4(dout, cache)
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+        K.F32_BWD = "6"
+        print("C4 backward v6 = v4 bit for bit")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
@@ -191,7 +215,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
     assert "ERR attention C5: REFBERT_ATTN_BWD16 expected one of 5, 6, 7, got '8'" in out, out
     assert "C6 forward = C3 forward bit for bit" in out, out
     assert "C4 over its limit = C3 bit for bit, said once" in out, out
-    assert "OK attention C4 float32" in out and "attn_bwd_fused_v4_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
+    assert "C4 backward v6 = v4 bit for bit" in out, out
+    assert "ERR attention C4: REFBERT_F32_BWD expected one of 4, 6, got '5'" in out, out
+    assert "OK attention C4 float32" in out and "attn_bwd_fused_v6_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)
         assert f"layernorm_fwd_v3_{kind}" in out, out
@@ -420,11 +446,12 @@ def test_emu_value_checks_need_refbert_cuda_checks():
     assert "ERR cross_entropy: argument 'logits' expected finite rows" in strict, strict
 
 
-def test_emu_bench_c5_backward_ab_rows():
-    """The bench's A/B rows of C5's backward (bench_cuda.ab_c5_backward: versions 5 and 7 beside the default, 6) run
-    on the emulator through C5's launcher, each seeing its own kernels launched (a row whose kernels did not run is
-    a FAIL row); float16 is not the emulator's to validate, so the err/tol here is of nothing (the GPU run's is
-    real: 0.88 on the H100)."""
+def test_emu_bench_backward_ab_rows():
+    """The bench's A/B rows of a version's backward kernels (bench_cuda.ab_backward) run on the emulator through
+    the launchers, each seeing its own kernels launched (a row whose kernels did not run is a FAIL row): C5's
+    versions 5 and 7 beside its default, 6 (float16 is not the emulator's to validate, so their err/tol here is of
+    nothing; the GPU run's is real: 0.88 on the H100), and C6's version 4 beside its default, 6, validated here in
+    float32 against the oracle. The variables are put back after the rows."""
     code = """
         import numpy as np
         from refbert import bench_cuda as BC
@@ -432,20 +459,23 @@ def test_emu_bench_c5_backward_ab_rows():
         from refbert_kernels.cuda import cuda_c as K
         get_backend("cuda")
         spec = BC.with_cuda_c(BC.kernel_specs(["attention"])[0][0][1])
-        inputs_h, kwargs_h = spec.make_inputs(dict(spec.bench_shape, B=1, H=1, hs=64, T=64), np.float32, 0)
-        inputs, kwargs = BC._on_gpu(inputs_h, kwargs_h, np.float16)
-        rows = []
-        BC.ab_c5_backward(rows, lambda impl, *t, note="": rows.append(dict(impl=impl, note=note)), BC.Timer(1),
-                          spec, inputs, kwargs, {})
-        for r in rows:
-            print("ROW", r["impl"], "|", r.get("status"), "|", r["note"])
-        print("DEFAULT", K.ATTN_BWD16)
+        inputs_h, kwargs_h = spec.make_inputs(dict(spec.bench_shape, B=1, H=1, hs=64, T=70), np.float32, 0)
+        for version, dt in (("C5", np.float16), ("C6", np.float32)):
+            inputs, kwargs = BC._on_gpu(inputs_h, kwargs_h, dt)
+            rows = []
+            BC.ab_backward(rows, lambda impl, *t, note="": rows.append(dict(impl=impl, note=note)), BC.Timer(1),
+                           spec, version, dt, inputs, kwargs, {})
+            for r in rows:
+                print("ROW", r["impl"], "|", r.get("status"), "|", r["note"])
+        print("DEFAULTS", K.ATTN_BWD16, K.F32_BWD)
     """
     out = cudachild.check(_run(_env(code)))
     rows = [line for line in out.splitlines() if line.startswith("ROW")]
-    assert [r.split(" | ")[0] for r in rows] == ["ROW vC5 (backward v5)", "ROW vC5 (backward v7)"], out
-    assert all(" | None | C5 with its backward's version" in r for r in rows), out
-    assert "DEFAULT 6" in out, out                      # (the variant put back after the rows)
+    assert [r.split(" | ")[0] for r in rows] == ["ROW vC5 (backward v5)", "ROW vC5 (backward v7)",
+                                                 "ROW vC6 (backward v4)"], out
+    assert all(" | None | C5 with its backward's version" in r for r in rows[:2]), out
+    assert " | None | C6 with its backward's version 4 (err/tol 0." in rows[2], out       # (validated: err/tol < 1)
+    assert "DEFAULTS 6 6" in out, out
 
 
 def test_emu_bench_step_section_runs_end_to_end(tmp_path):
@@ -491,7 +521,7 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     kernels = {r["kernel"] for r in data["launch"]}
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v3_drop",
             "layernorm_bwd_dx_v2_drop", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
-            "attn_fwd_v5_f32_hs64", "attn_bwd_fused_v4_f32_hs64"} <= kernels, sorted(kernels)
+            "attn_fwd_v5_f32_hs64", "attn_bwd_fused_v6_f32_hs64"} <= kernels, sorted(kernels)
     optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
     assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
                                           "refbert per-array code"], optim
@@ -517,6 +547,6 @@ def test_emu_ncu_attention_driver_runs():
                              ("C5b5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
                              ("C5b7", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_fused_v7_f16_hs64 "
                                       "attn_bwd_dqcast_f16"),
-                             ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64"),
-                             ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v4_f32_hs64")):
+                             ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v6_f32_hs64"),
+                             ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v6_f32_hs64")):
         assert re.search(rf"^{version} \w+ B=1 .*kernels {kernels}.*\|out, dq, dk, dv\| \d", out, re.M), (version, out)

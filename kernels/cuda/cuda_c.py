@@ -410,8 +410,18 @@ def attention_backward_c4(dout, cache):
     tile's block writes dk, dv and its share of dq for every query tile into partials (nkt, B H, T, 64) float32,
     which a second kernel sums in key-tile order (no atomics: the same bits every run). The partials take
     B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048): above 1 GiB (REFBERT_C4_PARTS_MB, or
-    C4_PARTS_MAX in bytes) this call runs version 3's dq kernel instead, saying so once per shape."""
+    C4_PARTS_MAX in bytes) this call runs version 3's dq kernel instead, saying so once per shape. The kernels are
+    version 6's by default (F32_BWD: version 4's and version 3's dk, dv kernel with conflict-free shared stores in
+    their transposing pass, the same bits), version 4's own with REFBERT_F32_BWD=4."""
     return _attention_backward_f32(dout, cache, 4)
+
+
+# C4's (and C6's) backward kernels: "6" (the default: attention_f32.cu version 6, version 4's bits with the
+# transposing pass's shared stores free of bank conflicts, where ncu measured version 4's 4.5-way on the H100) or
+# "4" (version 4's own kernels, for A/B runs); where the partials do not fit, version 3's dk, dv kernel or version
+# 6's, the same way
+F32_BWD = os.environ.get("REFBERT_F32_BWD", "6")
+F32_BWDS = ("4", "6")
 
 
 def _attention_backward_f32(dout, cache, version):
@@ -437,11 +447,14 @@ def _attention_backward_f32(dout, cache, version):
             linv, dout, Dr)
     nkt = (T + 63) // 64
     grid = (nkt, B * H)
+    if version == 4 and F32_BWD not in F32_BWDS:
+        raise ValueError(f"attention C4: REFBERT_F32_BWD expected one of {', '.join(F32_BWDS)}, got {F32_BWD!r}")
+    kv = "v6" if version == 4 and F32_BWD == "6" else "v3"          # (version 3, C3's own: its own kernels)
     if version == 4:
         nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
         if nbytes <= limit:
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
-            kernel_smem("attention_f32.cu", "attn_bwd_fused_v4_f32_hs64", xp, A3_BWD_SMEM)(
+            kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{F32_BWD}_f32_hs64", xp, A3_BWD_SMEM)(
                 grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
                 (-(-(B * T * Cc // 4) // 256),), (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
@@ -451,8 +464,8 @@ def _attention_backward_f32(dout, cache, version):
             warnings.warn(f"refbert cuda: attention C4's dq partials would take {nbytes >> 20} MiB (B={B} H={H} T={T}),"
                           f" over its limit of {limit >> 20} MiB (REFBERT_C4_PARTS_MB): version 3's dq kernel runs "
                           "instead", RuntimeWarning, stacklevel=3)
-    kernel_smem("attention_f32.cu", "attn_bwd_dkdv_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
-                                                                                 shared_mem=A3_BWD_SMEM)
+    kernel_smem("attention_f32.cu", f"attn_bwd_dkdv_{kv}_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
+                                                                                  shared_mem=A3_BWD_SMEM)
     kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
                                                                                shared_mem=A3_BWD_SMEM)
     return dq, dk, dv

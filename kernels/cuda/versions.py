@@ -242,10 +242,11 @@ def _build():
              ("attention", "C3", K.attention_forward_c3, K.attention_backward_c3, f32, "register-tiled fp32 flash "
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
-              "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v4)"),
+              "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v6: v4's bits "
+              "with conflict-free shared stores; v4 by REFBERT_F32_BWD=4)"),
              ("attention", "C6", K.attention_forward_c6, K.attention_backward_c4, f32, "C4 with the forward's "
               "loads off its critical path: cp.async, K and V double-buffered, the mask row staged; C3's forward "
-              "bits (attention_f32.cu v5, v4)"),
+              "bits (attention_f32.cu v5, v6 or v4 as C4)"),
              ("cross_entropy", "C1", K.cross_entropy_forward_c1, K.cross_entropy_backward_c1, f32,
               "a block per row, online max/sum; kept rows and the loss on the device"),
              ("cross_entropy", "C2", K.cross_entropy_forward_c2, K.cross_entropy_backward_c1, f32,
@@ -455,6 +456,7 @@ def problems():
 # variable, what it chooses); describe() names every one not at its default
 VARIANTS = (("cuda_c", "ATTN_BWD16", "6", "REFBERT_ATTN_BWD16", "attention C5's backward kernels"),
             ("cuda_c", "LN_DWDB", "3", "REFBERT_LN_DWDB", "layernorm's dw, db partials"),
+            ("cuda_c", "F32_BWD", "6", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
             ("mixed", "ATTENTION", "S2", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
             ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"))
 

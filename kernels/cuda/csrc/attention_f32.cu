@@ -391,10 +391,25 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_D_v3_f32(const float*
     if (lane == 0) Dr[row] = s;
 }
 
-// dk, dv of the block's 64 keys (versions 3 and 4); PARTS (version 4): also the block's share of dq for every query
-// tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x; sm: the kernel's
+// Which (query row r, key group c4 .. c4 + 3) of the 64 x 64 tile the t-th float4 of thread tid is, in a3_dkdv's
+// pass that reads P and dP row-wise and writes (p z)^T and ds^T column-wise. Versions 3 and 4 (XT false): 16
+// threads along a row, r = g / 16, c4 = 4 (g % 16), g = tid + 128 t: a warp's transposed store then hits 4 banks
+// (address (c4 + e) 68 + r; 68 = 4 mod 32, so bank 16 (c4 / 4 odd) + 4 e + r, r one of two rows), an 8-way
+// conflict, which ncu measured on the H100 (2026-11-28: 70% of version 4's shared-store wavefronts, 4.5-way on
+// average). Version 6 (XT true): a warp along a column, r = g % 64, c4 = 4 (g / 64): its row-wise float4 reads
+// start at 8 distinct bank quads (r 68 = 4 r mod 32) and its transposed stores at 32 consecutive banks, both free
+// of conflicts. Every element gets the same arithmetic either way, so the same bits; only who computes it moves.
+template <bool XT>
+__device__ __forceinline__ void a3_xt_cell(int g, int& r, int& c4) {
+    if constexpr (XT) { r = g & 63; c4 = (g >> 6) * 4; }
+    else { r = g >> 4; c4 = (g & 15) * 4; }
+}
+
+// dk, dv of the block's 64 keys (versions 3, 4 and 6); PARTS (versions 4 and 6): also the block's share of dq for
+// every query tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x; XT
+// (version 6): the transposing pass's cells laid out for conflict-free shared stores (a3_xt_cell); sm: the kernel's
 // dynamic shared memory (A3_BWD_SMEM bytes)
-template <bool PARTS>
+template <bool PARTS, bool XT>
 __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv,
                                         const float* __restrict__ dout, const float* __restrict__ Dr,
                                         float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
@@ -442,7 +457,8 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
         float pz[8][4], ds[8][4];
 #pragma unroll
         for (int t = 0; t < 8; t++) {
-            const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+            int r, c4;
+            a3_xt_cell<XT>(tid + A3_NT * t, r, c4);
             const float4 p = ld4(Pa + r * A3_LD + c4), dp = ld4(Pb + r * A3_LD + c4);
             const float4 z = thresh ? a3_keep(((u64)bh * Tn + (q0 + r)) * Tn + k0 + c4, seed, stream, thresh)
                                     : make_float4(1.f, 1.f, 1.f, 1.f);
@@ -458,7 +474,8 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
         __syncthreads();                                              // every tile read: write them transposed
 #pragma unroll
         for (int t = 0; t < 8; t++) {
-            const int g = tid + A3_NT * t, r = g >> 4, c4 = (g & 15) * 4;
+            int r, c4;
+            a3_xt_cell<XT>(tid + A3_NT * t, r, c4);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 Pa[(c4 + e) * A3_LD + r] = pz[t][e];                  // (p z)^T: [key][query]
@@ -502,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v3_f32_hs64(
     A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
     const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
     DYN_SHARED(float, sm);
-    a3_dkdv<false>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr, sm);
+    a3_dkdv<false, false>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr, sm);
 }
 
 // dq: grid (ceil(T / 64), B * H), 128 threads, A3_BWD_SMEM bytes
@@ -581,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v4_f32_hs64(
     A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
     const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
     DYN_SHARED(float, sm);
-    a3_dkdv<true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm);
+    a3_dkdv<true, false>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm);
 }
 
 // dq[b, i, h 64 + d] = scale * sum_kt parts[kt][b H + h][i][d], kt = 0, 1, .. in order (the same sum every run): a
@@ -600,6 +617,26 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_dqsum_v4_f32(const fl
         s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
     }
     st4(dq + 4 * g, make_float4(s.x * scale, s.y * scale, s.z * scale, s.w * scale));
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// backward version 6: version 4 (and version 3's dk, dv kernel, where C4's partials would not fit) with the
+// transposing pass's cells laid out for conflict-free shared stores (a3_xt_cell): the same bits
+
+// as attn_bwd_fused_v4_f32_hs64 (its dq summed by attn_bwd_dqsum_v4_f32)
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v6_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts) {
+    DYN_SHARED(float, sm);
+    a3_dkdv<true, true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm);
+}
+
+// as attn_bwd_dkdv_v3_f32_hs64 (dq by attn_bwd_dq_v3_f32_hs64)
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v6_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv) {
+    DYN_SHARED(float, sm);
+    a3_dkdv<false, true>(A3_PASS, m, linv, dout, Dr, dk, dv, nullptr, sm);
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -701,6 +738,10 @@ int main(int argc, char** argv) {
         cudaCheck(cudaFuncSetAttribute(attn_bwd_dq_v3_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize, A3_BWD_SMEM));
         cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v4_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v6_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_dkdv_v6_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
         const int nkt = (T + 63) / 64;
         float* parts = dalloc(nullptr, (size_t)nkt * nr * A3_HS);
         const dim3 grid((T + 63) / 64, B * H);
@@ -729,6 +770,27 @@ int main(int argc, char** argv) {
                         0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv, parts);
             LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
         };
+        auto bwd6 = [&]() {                                           // version 4 with conflict-free transposes
+            LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
+            LAUNCH_SMEM(attn_bwd_fused_v6_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
+                        0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv, parts);
+            LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
+        };
+        auto dkdv6 = [&]() {                                          // version 3's dk, dv, the same way
+            LAUNCH_SMEM(attn_bwd_dkdv_v6_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
+                        0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv);
+        };
+        // dq, dk, dv of the kernels `run` launches, read back; and whether they equal want's bit for bit
+        auto grads = [&](auto run) {
+            run();
+            cudaCheck(cudaGetLastError());
+            cudaCheck(cudaDeviceSynchronize());
+            std::vector<float> g(3 * n);
+            cudaCheck(cudaMemcpy(g.data(), gq, n * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(g.data() + n, gk, n * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(g.data() + 2 * n, gv, n * 4, cudaMemcpyDeviceToHost));
+            return g;
+        };
         fwd();
 #ifdef HALF_TYPES
         // forward version 5 moves version 3's loads off the critical path: its out, m and 1/l bits, or it is wrong
@@ -745,13 +807,15 @@ int main(int argc, char** argv) {
         printf("  v5 forward = v3 forward bit for bit (out, m, 1/l): %s\n", same5 ? "yes" : "NO");
         if (!same5) exit(EXIT_FAILURE);
 #endif
-        bwd4();                                                       // version 4 first: v3 overwrites its results
-        cudaCheck(cudaGetLastError());
-        cudaCheck(cudaDeviceSynchronize());
-        std::vector<float> gq4(n), gk4(n), gv4(n);
-        cudaCheck(cudaMemcpy(gq4.data(), gq, n * 4, cudaMemcpyDeviceToHost));
-        cudaCheck(cudaMemcpy(gk4.data(), gk, n * 4, cudaMemcpyDeviceToHost));
-        cudaCheck(cudaMemcpy(gv4.data(), gv, n * 4, cudaMemcpyDeviceToHost));
+        // version 6 against version 4 (dq, dk, dv) and its dk, dv kernel against version 3's: the same bits, or the
+        // transposing pass's cells are not all written, or written twice
+        const std::vector<float> g6 = grads(bwd6), g4 = grads(bwd4);   // (version 4 last: its results kept below)
+        const std::vector<float> g6kv = grads(dkdv6);                 // (gq: still version 4's)
+        const bool same6 = std::memcmp(g6.data(), g4.data(), 3 * n * 4) == 0;
+        printf("  v6 = v4 bit for bit (dq, dk, dv): %s\n", same6 ? "yes" : "NO");
+        if (!same6) exit(EXIT_FAILURE);
+        const std::vector<float> gq4(g4.begin(), g4.begin() + n), gk4(g4.begin() + n, g4.begin() + 2 * n),
+            gv4(g4.begin() + 2 * n, g4.end());
         bwd();
         cudaCheck(cudaGetLastError());
         cudaCheck(cudaDeviceSynchronize());
@@ -774,15 +838,21 @@ int main(int argc, char** argv) {
         for (size_t e = 0; e < n; e++) kv_diff += (gk4[e] != gk3[e]) + (gv4[e] != gv3[e]);
         printf("  v4 dk, dv = v3 dk, dv bit for bit: %s\n", kv_diff ? "NO" : "yes");
         if (kv_diff) { printf("  %zu elements differ\n", kv_diff); exit(EXIT_FAILURE); }
+        const bool kv6 = std::memcmp(g6kv.data() + n, gk3.data(), n * 4) == 0 &&
+                         std::memcmp(g6kv.data() + 2 * n, gv3.data(), n * 4) == 0;
+        printf("  v6 dk, dv = v3 dk, dv bit for bit: %s\n", kv6 ? "yes" : "NO");
+        if (!kv6) exit(EXIT_FAILURE);
         cudaCheck(cudaMemcpy(gq, gq4.data(), n * 4, cudaMemcpyHostToDevice));   // v4's dq, judged on the host
         validate_result(gq, small ? dq.data() : gq3.data(), small ? "v4 dq" : "v4 dq against v3", n, 1e-4f, 1e-3f);
         const float ms_f = benchmark_kernel(10, fwd), ms_b = benchmark_kernel(10, bwd);
-        const float ms_b4 = benchmark_kernel(10, bwd4);
+        const float ms_b4 = benchmark_kernel(10, bwd4), ms_b6 = benchmark_kernel(10, bwd6);
         const double fl = 4.0 * B * H * (double)T * T * A3_HS;
         printf("  v3 f32: forward %.4f ms %.1f TFLOP/s | backward %.4f ms %.1f TFLOP/s (2.5x the forward's FLOPs)\n",
                ms_f, fl / ms_f / 1e9, ms_b, 2.5 * fl / ms_b / 1e9);
         printf("  v4 f32: backward %.4f ms %.1f TFLOP/s (dq partials %.0f MB)\n", ms_b4, 2.5 * fl / ms_b4 / 1e9,
                (double)nkt * nr * A3_HS * 4 / 1e6);
+        printf("  v6 f32: backward %.4f ms %.1f TFLOP/s (version 4, conflict-free transposes)\n", ms_b6,
+               2.5 * fl / ms_b6 / 1e9);
 #ifdef HALF_TYPES
         const float ms_f5 = benchmark_kernel(10, fwd5);
         printf("  v5 f32: forward %.4f ms %.1f TFLOP/s\n", ms_f5, fl / ms_f5 / 1e9);
