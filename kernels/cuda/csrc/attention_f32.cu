@@ -780,7 +780,7 @@ int main(int argc, char** argv) {
             LAUNCH_SMEM(attn_bwd_dkdv_v6_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
                         0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv);
         };
-        // dq, dk, dv of the kernels `run` launches, read back; and whether they equal want's bit for bit
+        // dq, dk, dv as the kernels `run` launches leave them, read back (3 n floats: dq, then dk, then dv)
         auto grads = [&](auto run) {
             run();
             cudaCheck(cudaGetLastError());
