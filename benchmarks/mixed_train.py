@@ -20,6 +20,8 @@ bf16-mixed and fp16-mixed (the README's "Mixed precision" section quotes benchma
    metrics and the logs too, which the PyTorch loop's timed steps leave out). Under benchmarks/gpu_all.sh
    these runs share the machine with its other parallel steps (mains, tests, check), each side at another moment:
    the milliseconds are for orientation there; the bench's step and optim sections are the uncontended figures.
+   The table is written again after each run (atomically), so a run cut off by a time limit keeps the rows
+   before it, the unfinished ones saying so.
 2. Step time (numpy backend only): one BertForPreTraining training step (forward + backward, dropout 0.1) of BERT mini (L4 H256 A4,
    V 2000) at B=4 T=64 on the numpy backend, in each precision: 7 rounds, each running the three precisions once
    in turn (interleaved, so a busy moment of the machine hits all three alike), the median per precision.
@@ -65,8 +67,10 @@ def torch_peer(run, device):
             return json.load(f)
 
 
-def train(work, steps, backend="numpy", graph=False, peer=False):
-    """{flag: dict(mlm, total, train_last50, scale, skipped, seconds[, peer])} of the three pretraining runs."""
+def train(work, steps, backend="numpy", graph=False, peer=False, done=None):
+    """{flag: dict(mlm, total, train_last50, scale, skipped, seconds[, peer])} of the three pretraining runs;
+    done(runs so far) after each (the table written as the runs finish: a run cut off by a time limit keeps the
+    rows before it)."""
     env = dict(os.environ, TQDM_DISABLE="1")
     _refbert(["demo-data", os.path.join(work, "demo")], env)
     out = {}
@@ -90,6 +94,8 @@ def train(work, steps, backend="numpy", graph=False, peer=False):
         if peer:
             out[flag]["peer"] = torch_peer(run, "cuda" if backend == "cuda" else "cpu")
         print(flag, out[flag], flush=True)
+        if done is not None:
+            done(out)
     return out
 
 
@@ -113,18 +119,10 @@ def step_times(rounds=7):
     return {p: statistics.median(v) for p, v in times.items()}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
-    ap.add_argument("--backend", choices=["numpy", "cuda"], default="numpy")
-    ap.add_argument("--cuda-graph", action="store_true", help="with --backend cuda: pretrain --cuda-graph")
-    ap.add_argument("--torch-peer", action="store_true", help="each run trained again by HF + PyTorch, compared")
-    a = ap.parse_args()
+def report(a, runs, times):
+    """The results file's lines for the runs that finished (runs: {flag: ...}, fp32's first; a precision not in it
+    is a row saying so)."""
     from refbert.bench import results_header
-    times = step_times() if a.backend == "numpy" else None
-    with tempfile.TemporaryDirectory() as work:
-        runs = train(work, a.steps, a.backend, a.cuda_graph, a.torch_peer)
     f32 = runs["no"]
 
     def rel(v, ref):
@@ -139,7 +137,11 @@ def main():
              "| run | held-out MLM loss (nats) | vs fp32 | held-out MLM + NSP (nats) | vs fp32 | mean training loss, "
              "last 50 steps (nats) | vs fp32 | final loss scale | skipped steps | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    unfinished = "not finished (the run did not end: cut off, or still running)"
     for flag, name in PRECISIONS:
+        if flag not in runs:
+            lines.append(f"| {name} | {unfinished} | | | | | | | | |")
+            continue
         r = runs[flag]
         scale = "—" if r["scale"] is None else f"2^{np.log2(r['scale']):.0f}"
         lines.append(f"| {name} | {r['mlm']:.3f} | {rel(r['mlm'], f32['mlm'])} | {r['total']:.3f} | "
@@ -156,6 +158,9 @@ def main():
                   "HF + PyTorch loop s |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for flag, name in PRECISIONS:
+            if flag not in runs:
+                lines.append(f"| {name} | {unfinished} | | | | | | | | |")
+                continue
             r, q = runs[flag], runs[flag].get("peer", {})
             if "error" in q:
                 lines.append(f"| {name} | {r['mlm']:.3f} | failed: {q['error']} | | | | | | | |")
@@ -167,20 +172,39 @@ def main():
                          f"{q['loop_s']:.1f} |")
     if a.cuda_graph:
         lines += ["", "CUDA graphs (pretrain's own report per run): " +
-                  "; ".join(f"{name}: {runs[flag]['graph'] or 'none reported'}" for flag, name in PRECISIONS)]
+                  "; ".join(f"{name}: {runs[flag]['graph'] or 'none reported'}" for flag, name in PRECISIONS
+                            if flag in runs)]
     if times:
         lines += ["", "## Step time: BERT mini, B=4 T=64, numpy backend (median of 7 interleaved rounds)", "",
                   "| precision | ms per step | x fp32 |", "|---|---|---|"]
         for _, p in PRECISIONS:
             lines.append(f"| {p} | {times[p] * 1e3:.1f} | {times[p] / times['fp32']:.2f} |")
-    else:
+    elif "bf16" in runs:
         bf = 100 * abs(runs["bf16"]["mlm"] - f32["mlm"]) / f32["mlm"]
         lines += ["", f"bf16-mixed against fp32, held-out MLM loss: {bf:.2f}% (issue 14's bound: 2%): "
                   f"{'within' if bf <= 2 else 'OUTSIDE'}"]
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mixed_train.md"))
+    ap.add_argument("--backend", choices=["numpy", "cuda"], default="numpy")
+    ap.add_argument("--cuda-graph", action="store_true", help="with --backend cuda: pretrain --cuda-graph")
+    ap.add_argument("--torch-peer", action="store_true", help="each run trained again by HF + PyTorch, compared")
+    a = ap.parse_args()
+    times = step_times() if a.backend == "numpy" else None
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+    def write(runs):                                   # (atomically: a cut-off run leaves the last whole table)
+        tmp = f"{a.out}.tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(report(a, runs, times)) + "\n")
+        os.replace(tmp, a.out)
+    with tempfile.TemporaryDirectory() as work:
+        runs = train(work, a.steps, a.backend, a.cuda_graph, a.torch_peer, done=write)
+    print("\n".join(report(a, runs, times)))
 
 
 if __name__ == "__main__":

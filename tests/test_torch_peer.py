@@ -53,3 +53,32 @@ def test_torch_peer_trains_the_runs_job(tmp_path, torch, transformers, monkeypat
     # refbert's step (its log's step_ms) is a part of its loop's iteration: never the longer (medians of the same
     # steps; the iteration read back from a truncated tokens/s is never shorter than it was)
     assert res["refbert_step_ms"] <= res["refbert_loop_ms"], res
+
+
+def test_mixed_train_writes_the_runs_that_finished(tmp_path, monkeypatch):
+    """benchmarks/mixed_train.py writes its table after each run (atomically), so a run cut off by a time limit
+    (gpu_all.sh's train step at 719a3b9 on the H100, in its third run) keeps the rows before it: each unfinished
+    precision is a row saying so, and the bf16 bound is judged only once bf16 has run. train() is replaced here by
+    one that reports two finished runs and is then cut off."""
+    spec = importlib.util.spec_from_file_location("mixed_train", ROOT / "benchmarks" / "mixed_train.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+    run = dict(mlm=5.0, total=5.5, train_last50=6.0, scale=None, skipped=0, seconds=1.0, graph="")
+
+    def cut_off(work, steps, backend, graph, peer, done):
+        done({"no": run})
+        done({"no": run, "bf16": dict(run, mlm=5.05)})
+        raise TimeoutError("cut off")
+    monkeypatch.setattr(M, "train", cut_off)
+    out = tmp_path / "mixed_train_cuda.md"
+    monkeypatch.setattr("sys.argv", ["mixed_train.py", "--backend", "cuda", "--out", str(out)])
+    try:
+        M.main()
+        raise AssertionError("the cut-off run was not cut off")
+    except TimeoutError:
+        pass
+    text = out.read_text()
+    assert "| fp32 | 5.000 | +0.00% |" in text and "| bf16-mixed | 5.050 | +1.00% |" in text, text
+    assert "| fp16-mixed | not finished" in text, text
+    assert "bf16-mixed against fp32, held-out MLM loss: 1.00% (issue 14's bound: 2%): within" in text, text
+    assert not (tmp_path / "mixed_train_cuda.md.tmp").exists()
