@@ -352,6 +352,14 @@ def column_sum_kernel(kind_in, kind_out):
     return k
 
 
+def variant(who, var, value, allowed):
+    """value, a kernel variant an environment variable `var` chose (REFBERT_ATTN_BWD16 and the like), or a
+    ValueError naming the variable, what it takes and what came; who: the op and version that reads it."""
+    if value not in allowed:
+        raise ValueError(f"{who}: {var} expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 def chunks(R):
     """(rows per chunk, number of chunks): a function of R alone, so column sums add in the same order."""
     per = max(1, -(-R // CHUNKS))

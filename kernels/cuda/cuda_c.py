@@ -273,10 +273,7 @@ def _attention_backward(dout, cache, version):
                       f"({FELL_BACK[('attention', op)]})", RuntimeWarning, stacklevel=3)
         version = 1
     if version == 5:
-        if ATTN_BWD16 not in ATTN_BWD16S:
-            raise ValueError(f"attention C5: REFBERT_ATTN_BWD16 expected one of {', '.join(ATTN_BWD16S)}, got "
-                             f"{ATTN_BWD16!r}")
-        version = int(ATTN_BWD16)
+        version = int(C.variant("attention C5", "REFBERT_ATTN_BWD16", ATTN_BWD16, ATTN_BWD16S))
     if version == 7:                              # one pass: dq's shares added by atomics to a float32 buffer
         acc = xp.zeros(q.shape, np.float32)
         kernel("attention_backward.cu", "attn_bwd_fused_v7_f16_hs64", xp)(grid, (128,), args + (dk, dv, acc))
@@ -447,14 +444,13 @@ def _attention_backward_f32(dout, cache, version):
             linv, dout, Dr)
     nkt = (T + 63) // 64
     grid = (nkt, B * H)
-    if version == 4 and F32_BWD not in F32_BWDS:
-        raise ValueError(f"attention C4: REFBERT_F32_BWD expected one of {', '.join(F32_BWDS)}, got {F32_BWD!r}")
-    kv = "v6" if version == 4 and F32_BWD == "6" else "v3"          # (version 3, C3's own: its own kernels)
+    bwd = C.variant("attention C4", "REFBERT_F32_BWD", F32_BWD, F32_BWDS) if version == 4 else "3"
+    kv = "v6" if bwd == "6" else "v3"                                 # (version 3, C3's own: its own kernels)
     if version == 4:
         nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
         if nbytes <= limit:
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
-            kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{F32_BWD}_f32_hs64", xp, A3_BWD_SMEM)(
+            kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{bwd}_f32_hs64", xp, A3_BWD_SMEM)(
                 grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
                 (-(-(B * T * Cc // 4) // 256),), (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
@@ -694,8 +690,7 @@ def _ln2_backward(dout, cache, o16=None):
     per, chunks = C.chunks(R)
     pw, pb = xp.empty((chunks, Cc), np.float32), xp.empty((chunks, Cc), np.float32)
     args = (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), mean, rstd, _i(R), _i(Cc), _i(per), pw, pb, x16, a16)
-    if LN_DWDB not in LN_DWDBS:
-        raise ValueError(f"layernorm: REFBERT_LN_DWDB expected one of {', '.join(LN_DWDBS)}, got {LN_DWDB!r}")
+    C.variant("layernorm", "REFBERT_LN_DWDB", LN_DWDB, LN_DWDBS)
     if vec and LN_DWDB != "2":                       # versions 3-5's partials: four columns a thread (the float4 path)
         kernel("layernorm.cu", f"layernorm_bwd_dwdb_partial_v{LN_DWDB}_{kind}", xp)(((Cc // 4 + 63) // 64, chunks),
                                                                                    (64,), args)

@@ -476,9 +476,7 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
     REFBERT_MIXED_ATTENTION (ATTENTION) asks and the head size is 64), S1 on NumPy's."""
     mask = _dev(mask)
     if C.on_device(q):
-        if ATTENTION not in ATTENTIONS:
-            raise ValueError(f"attention: REFBERT_MIXED_ATTENTION expected one of {', '.join(ATTENTIONS)}, got "
-                             f"{ATTENTION!r}")
+        C.variant("attention", "REFBERT_MIXED_ATTENTION", ATTENTION, ATTENTIONS)
         if ATTENTION in ("S3", "S4") and q.shape[-1] == 64 * int(n_heads):
             return attention_forward_s3(q, k, v, n_heads, mask, dropout_p, rng, train, compute, ATTENTION.lower())
         return attention_forward_s2(q, k, v, n_heads, mask, dropout_p, rng, train, compute)
