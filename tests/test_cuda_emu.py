@@ -205,10 +205,45 @@ def test_emu_every_cuda_c_version_matches_oracle():
             print("ERR", e)
         K.F32_BWD = "6"
         print("C4 backward v6 = v4 bit for bit")
+        # the layernorms' C4 (layernorm.cu v6: dx and the dw, db partials in one pass) over a grid of 2 blocks, so
+        # each warp takes 2-3 of the 37 rows (the grid stride and its tail): dx, da C2's bits (version 2's code per
+        # row); dw, db the same terms in another order, so within twice the float32 rounding bound of a sum of R
+        # terms of C2's: 2 R 2^-24 sum_rows |term| (the terms bounded by |g| sqrt(C), per column)
+        from refbert_kernels.cuda.dropout import DropoutRNG as DR
+        xh, ah, gh = (r.standard_normal((37, 52)).astype(np.float32) for _ in range(3))
+        wh, bh = r.standard_normal(52).astype(np.float32), r.standard_normal(52).astype(np.float32)
+        x, a, g, w, b = (E.cupy.asarray(t) for t in (xh, ah, gh, wh, bh))
+        K.LN6_BLOCKS = 2
+        for op, args in (("layernorm", (x, w, b)), ("residual_layernorm", (x, a, w, b)),
+                         ("dropout_residual_layernorm", (x, a, w, b, 1e-12, 0.2))):
+            fwd = getattr(K, op + "_forward_c3")
+            got, ref = {}, {}
+            for key, bwd in (("C4", getattr(K, op + "_backward_c4")), ("C2", getattr(K, op + "_backward_c2"))):
+                kw = dict(rng=DR(3)) if op.startswith("dropout") else {}
+                out, cache = fwd(*args, **kw)
+                E.COUNTS.reset()
+                (got if key == "C4" else ref)["g"] = [t.get() for t in bwd(g, cache)]
+                if key == "C4":
+                    kind = {"layernorm": "ln", "residual_layernorm": "res"}.get(op, "drop")
+                    assert set(E.COUNTS.launches) >= {f"layernorm_bwd_fused_v6_{kind}_nv2", "column_sum2_v6"} \
+                        and not any("dwdb" in n for n in E.COUNTS.launches), E.COUNTS.launches
+            g4, g2 = got["g"], ref["g"]
+            for t4, t2 in zip(g4[:-2], g2[:-2]):                     # dx (and da)
+                assert np.array_equal(t4.view(np.uint32), t2.view(np.uint32)), op
+            mag_w = np.abs(gh.astype(np.float64)).sum(0) * 10.0       # |g xhat| <= |g| |xhat|, |xhat| < sqrt(C) < 10
+            mag_b = np.abs(gh.astype(np.float64)).sum(0)
+            for t4, t2, mag in ((g4[-2], g2[-2], mag_w), (g4[-1], g2[-1], mag_b)):    # (each order's sum within
+                assert np.all(np.abs(t4.astype(np.float64) - t2) <= 2 * 37 * 2.0 ** -24 * mag), op  # (R-1) u sum|t|)
+        K.LN6_BLOCKS = 256
+        print("layernorm C4 dx = C2 bit for bit, dw db within rounding")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 22, out
+    assert out.count("OK ") == 25, out
+    assert "layernorm C4 dx = C2 bit for bit, dw db within rounding" in out, out
+    for kind, op in (("ln", "layernorm"), ("res", "residual_layernorm"), ("drop", "dropout_residual_layernorm")):
+        line = next(x for x in out.splitlines() if x.startswith(f"OK {op} C4 "))    # the fused kernels ran (C = 52,
+        assert f"layernorm_bwd_fused_v6_{kind}_nv2" in line and f"_{kind}_nv6" in line, line   # 768; C % 4: v2's)
     assert "OK attention C6 float32" in out and "attn_fwd_v5_f32_hs64" in out, out
     assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out, out
     assert "C5 = C2 bit for bit (its backward's versions 5 and 6; version 7's dk, dv, its dq within an ulp)" in out, out

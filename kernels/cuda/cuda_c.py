@@ -22,10 +22,12 @@ raised by the same checks before any launch; the same dropout elements).
                                  C6       attention_f32.cu v5 forward (C3's bits: cp.async,    f32, hs = 64
                                           K / V double-buffered, the mask staged), C4's backward
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
-    layernorm                    C1-C3    layernorm.cu v1, v2, v3 (kind ln)                    f32
-    residual_layernorm           C2, C3   layernorm.cu v2, v3 (kind res)                       f32
-    dropout_residual_layernorm   C2, C3   layernorm.cu v2 (kind drop: Philox in every pass),   f32
-                                          v3 (the forward's row in registers: one pass)
+    layernorm                    C1-C4    layernorm.cu v1, v2, v3 (kind ln); C4: v3's forward  f32
+                                          and v6's backward (dx and the dw, db partials in
+                                          one pass over dout, x, a)
+    residual_layernorm           C2-C4    layernorm.cu v2, v3, C4 as above (kind res)          f32
+    dropout_residual_layernorm   C2-C4    layernorm.cu v2 (kind drop: Philox in every pass),   f32
+                                          v3 (the forward's row in registers: one pass), C4
     dropout                      C1       dropout.cu v1 (a thread per Philox block, float4)    f32
     gelu, bias_gelu              C1       gelu.cu v1 (fused db partials + colsum_final)        f32
     cross_entropy                C1, C2   cross_entropy.cu v1 (kept rows found on the device,  f32
@@ -667,9 +669,15 @@ LN_DWDB = os.environ.get("REFBERT_LN_DWDB", "3")
 LN_DWDBS = ("2", "3", "4", "5")
 
 
-def _ln2_backward(dout, cache, o16=None):
+# layernorm.cu version 6's grid (C4's backward): at most this many blocks of 8 warps, each block one partial row
+LN6_BLOCKS = 256
+
+
+def _ln2_backward(dout, cache, o16=None, fused=False):
     """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx. The cache's x2,
-    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so."""
+    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so. fused (C4): layernorm.cu
+    version 6, dx (da) and the dw, db partials in one kernel, then column_sum2_v6, where it applies (float32, the
+    float4 path, C <= 1024); elsewhere version 2's kernels, as without it."""
     kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
     C.dout("layernorm", dout, shape, _f32(x2))
     xp = C.xp_of(x2)
@@ -684,6 +692,14 @@ def _ln2_backward(dout, cache, o16=None):
     da2 = dx2 if da is None else da.reshape(R, Cc)
     vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
     (x32, x16), (a32, a16) = _in16(x2, xp), _in16(x2 if a2 is None else a2, xp)
+    if fused and vec and Cc <= 1024 and rk < 0 and o16 is None and x2.dtype == F32 and (a2 is None or a2.dtype == F32):
+        G = min(-(-R // 8), LN6_BLOCKS)
+        pw, pb = xp.empty((G, Cc), np.float32), xp.empty((G, Cc), np.float32)
+        kernel("layernorm.cu", f"layernorm_bwd_fused_v6_{kind}_nv{2 * -(-Cc // 256)}", xp)(
+            (G,), (256,), (d2, x32, a32, seed, stream, thr, _f(scale), w, mean, rstd, _i(R), _i(Cc), dx2, da2, pw, pb))
+        dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
+        kernel("layernorm.cu", "column_sum2_v6", xp)((-(-Cc // 32),), (256,), (pw, pb, _i(G), _i(Cc), dw, db))
+        return dx, da, dw, db
     kernel("layernorm.cu", f"layernorm_bwd_dx_v2_{kind}", xp)(
         ((R + 7) // 8,), (256,), (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc),
                                   _i(vec), dx2, da2, _twin16(o16, dx2, xp), x16, a16))
@@ -726,6 +742,15 @@ def layernorm_backward_c2(dout, cache):
     return dx, dw, db
 
 
+def layernorm_backward_c4(dout, cache):
+    """C4's backward (C3's forward): dx and the dw, db partials in one pass (layernorm.cu version 6; _ln2_backward)."""
+    L = C.sibling("layernorm")
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.layernorm_backward(dout, cache)
+    dx, _, dw, db = _ln2_backward(dout, cache, fused=True)
+    return dx, dw, db
+
+
 def residual_layernorm_forward_c2(x, a, w, b, eps=1e-12):
     return _residual_layernorm_c(2, x, a, w, b, eps)
 
@@ -751,6 +776,15 @@ def residual_layernorm_backward_c2(dout, cache):
         return L.residual_layernorm_backward(dout, cache)
     ds, _, dw, db = _ln2_backward(dout, cache)
     return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, as the oracle
+
+
+def residual_layernorm_backward_c4(dout, cache):
+    """C4's backward: layernorm.cu version 6 (residual_layernorm_backward_c2's, dx and the partials in one pass)."""
+    L = C.sibling("layernorm")
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.residual_layernorm_backward(dout, cache)
+    ds, _, dw, db = _ln2_backward(dout, cache, fused=True)
+    return ds, ds, dw, db
 
 
 def dropout_residual_layernorm_forward_c2(x, a, w, b, eps=1e-12, p=0.0, rng=None, train=True):
@@ -781,6 +815,15 @@ def dropout_residual_layernorm_backward_c2(dout, cache):
         return L.dropout_residual_layernorm_backward(dout, cache)
     ds, da, dw, db = _ln2_backward(dout, cache)
     return ds, (ds.copy() if da is None else da), dw, db   # eval / p = 0: da is a copy of ds, as dropout_backward
+
+
+def dropout_residual_layernorm_backward_c4(dout, cache):
+    """C4's backward: layernorm.cu version 6 (dropout_residual_layernorm_backward_c2's, one pass)."""
+    L = C.sibling("layernorm")
+    if not isinstance(cache, LayerNormCacheC2):
+        return L.dropout_residual_layernorm_backward(dout, cache)
+    ds, da, dw, db = _ln2_backward(dout, cache, fused=True)
+    return ds, (ds.copy() if da is None else da), dw, db
 
 
 # ----------------------------------------------------------------------------------------------------------------

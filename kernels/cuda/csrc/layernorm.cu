@@ -38,6 +38,15 @@ Versions:
      partials' order fixes their parallelism (64 chunks of rows, four columns a thread), so their pace is set by
      the loads in flight; on the H200 (2026-11-27) version 3's partials took more time than the dx kernel beside
      them, which reads and writes more. Not yet timed: this main times them beside version 3
+  6  version 3's forward; the backward in one pass over dout, x, a: dx (da) by version 2's code per row
+     (its bits) and, in the same pass, each lane's columns of dout xhat and dout added up over the block's rows
+     (a warp per row, the rows grid-strided over at most 256 blocks), the 8 warps added in order in shared memory
+     into one partial row a block, then column_sum2_v6 (32 columns x 8 groups a block) over those rows. Versions
+     2-3 read dout, x, a a third time for the partials (on the H200 step profile of 2026-11-28 the partials kernel
+     took longer than the dx kernel). dw, db: version 3's terms in another order, so within float32 rounding of
+     version 3's, not its bits. Float32 only (the mixed step's 16-bit storage and twins keep version 3's backward),
+     the float4 path and C <= 1024 (NV = ceil(C / 128) rounded up to even float4 accumulators a lane, a kernel per
+     NV); otherwise the launchers run version 2's backward
   mixed precision (rk >= 0): every version reads and writes on the compute grid; the forward may keep x and a in
      16 bits (kx16, ka16: common.cuh keep16) and the backward read them so (x16, a16: IN16), the same values
 
@@ -309,6 +318,22 @@ __device__ __forceinline__ float ln_dx1(float wd, float s, float m, float rs, fl
     return __fmul_rn(wd - (__fmul_rn(__fmul_rn(s - m, rs), c1) + c2), rs);
 }
 
+// the float4 path's two pieces, shared by version 2's dx kernel and version 6's fused one (the same roundings):
+// the row sums' terms of four columns (c1 += wdy xhat, c2 += wdy), and dx of four columns from c1, c2
+__device__ __forceinline__ void ln_sums4(float4 v, float4 g, float4 ww, float m, float rs, float& c1, float& c2) {
+    const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
+                w3 = __fmul_rn(g.w, ww.w);
+    c1 += __fmul_rn(w0, __fmul_rn(v.x - m, rs)) + __fmul_rn(w1, __fmul_rn(v.y - m, rs)) +
+          __fmul_rn(w2, __fmul_rn(v.z - m, rs)) + __fmul_rn(w3, __fmul_rn(v.w - m, rs));
+    c2 += (w0 + w1) + (w2 + w3);
+}
+__device__ __forceinline__ float4 ln_dx4(float4 v, float4 g, float4 ww, float m, float rs, float c1, float c2) {
+    return make_float4(ln_dx1(__fmul_rn(g.x, ww.x), v.x, m, rs, c1, c2),
+                       ln_dx1(__fmul_rn(g.y, ww.y), v.y, m, rs, c1, c2),
+                       ln_dx1(__fmul_rn(g.z, ww.z), v.z, m, rs, c1, c2),
+                       ln_dx1(__fmul_rn(g.w, ww.w), v.w, m, rs, c1, c2));
+}
+
 template <int KIND, int IN16>
 __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w,
                                              const float* __restrict__ mean, const float* __restrict__ rstd, int R,
@@ -324,12 +349,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
-            const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
-            const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
-                        w3 = __fmul_rn(g.w, ww.w);
-            c1 += __fmul_rn(w0, __fmul_rn(v.x - m, rs)) + __fmul_rn(w1, __fmul_rn(v.y - m, rs)) +
-                  __fmul_rn(w2, __fmul_rn(v.z - m, rs)) + __fmul_rn(w3, __fmul_rn(v.w - m, rs));
-            c2 += (w0 + w1) + (w2 + w3);
+            ln_sums4(v, rnd4(ld4(dout + row + c), rk), rnd4(ld4(w + c), rk), m, rs, c1, c2);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
@@ -345,11 +365,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
     if (vec) {
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
-            const float4 g = rnd4(ld4(dout + row + c), rk), ww = rnd4(ld4(w + c), rk);
-            const float4 d = make_float4(ln_dx1(__fmul_rn(g.x, ww.x), v.x, m, rs, c1, c2),
-                                         ln_dx1(__fmul_rn(g.y, ww.y), v.y, m, rs, c1, c2),
-                                         ln_dx1(__fmul_rn(g.z, ww.z), v.z, m, rs, c1, c2),
-                                         ln_dx1(__fmul_rn(g.w, ww.w), v.w, m, rs, c1, c2));
+            const float4 d = ln_dx4(v, rnd4(ld4(dout + row + c), rk), rnd4(ld4(w + c), rk), m, rs, c1, c2);
             float4 t = rnd4(d, rk);                                 // dx; then the twin's values
             st4(dx + row + c, t);
             if (KIND == 2) {
@@ -573,6 +589,105 @@ LN3_KERNEL(ln, 0)
 LN3_KERNEL(res, 1)
 LN3_KERNEL(drop, 2)
 
+// backward version 6 (4 and 5 are the dw, db partials' variants above): dx (da) and the dw, db partials in one
+// pass. Version 2's dx kernel reads dout, x, a for its row sums and again for dx; the partials kernel beside it
+// reads them all a third time (in the H200's step profile of 2026-11-28, B=32 T=128: 26.6 us a call for the
+// dropout kind's partials against 21.0 for dx, 1.4 TB/s).
+// Here each warp's second pass also adds dout xhat and dout into the lane's columns (float4 sw[i], sb[i]: columns
+// lane * 4 + 128 i, NV of them, C <= 128 NV, the float4 path), over the rows r = blockIdx.x * 8 + warp + 8 G k
+// (G = gridDim.x); the block's 8 warps are then added in warp order through shared memory into its partial row
+// (pw, pb: (G, C)), and column_sum2_v6 adds the G rows in order. dx, da: version 2's code per row
+// (ln_sums4, ln_dx4), so version 2's bits; dw, db: each term version 3's (dwdb_add4), summed in this order instead
+// of version 3's chunks of consecutive rows, so within float32 rounding of version 3's (the main compares both with
+// the double reference, and dx bit for bit with version 2's). Block 256; grid G <= ceil(R / 8) (the launcher:
+// at most 256 blocks).
+template <int KIND, int NV>
+__device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, const float* __restrict__ x,
+                                                const float* __restrict__ a, u64 seed, u64 stream, u64 thresh,
+                                                float dscale, const float* __restrict__ w,
+                                                const float* __restrict__ mean, const float* __restrict__ rstd, int R,
+                                                int C, float* __restrict__ dx, float* __restrict__ da,
+                                                float* __restrict__ pw, float* __restrict__ pb, float4* Sw,
+                                                float4* Sb) {
+    constexpr int rk = -1;                                          // (float32 only: version 2's code, rk < 0)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float4 sw[NV], sb[NV];
+#pragma unroll
+    for (int i = 0; i < NV; i++) sw[i] = sb[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = blockIdx.x * 8 + warp; r < R; r += gridDim.x * 8) {          // (warp-uniform)
+        const size_t row = (size_t)r * C;
+        const float m = mean[r], rs = rstd[r];
+        float c1 = 0.f, c2 = 0.f;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {                              // version 2's pass 1: the same order of adds
+            const int c = lane * 4 + 128 * i;
+            if (c < C)
+                ln_sums4(s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk), rnd4(ld4(dout + row + c), rk),
+                         rnd4(ld4(w + c), rk), m, rs, c1, c2);
+        }
+        c1 = warp_sum(c1) / C;
+        c2 = warp_sum(c2) / C;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {                              // version 2's pass 2, and the partials' terms
+            const int c = lane * 4 + 128 * i;
+            if (c < C) {
+                const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+                const float4 g = rnd4(ld4(dout + row + c), rk);
+                const float4 d = ln_dx4(v, g, rnd4(ld4(w + c), rk), m, rs, c1, c2);
+                st4(dx + row + c, d);
+                if (KIND == 2) {
+                    const float4 z = keep4(row + c, seed, stream, thresh, dscale);
+                    st4(da + row + c, make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
+                                                  __fmul_rn(d.w, z.w)));
+                }
+                dwdb_add4(sw[i], sb[i], g, v, m, rs);
+            }
+        }
+    }
+    for (int wp = 0; wp < 8; wp++) {                                // the warps' sums, in warp order
+        if (warp == wp) {
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const int c4 = lane + 32 * i;
+                if (4 * c4 < C) {
+                    if (wp == 0) {
+                        Sw[c4] = sw[i];
+                        Sb[c4] = sb[i];
+                    } else {
+                        const float4 u = Sw[c4], y = Sb[c4];
+                        Sw[c4] = make_float4(u.x + sw[i].x, u.y + sw[i].y, u.z + sw[i].z, u.w + sw[i].w);
+                        Sb[c4] = make_float4(y.x + sb[i].x, y.y + sb[i].y, y.z + sb[i].z, y.w + sb[i].w);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int c4 = threadIdx.x; 4 * c4 < C; c4 += 256) {
+        st4(pw + (size_t)blockIdx.x * C + 4 * c4, Sw[c4]);
+        st4(pb + (size_t)blockIdx.x * C + 4 * c4, Sb[c4]);
+    }
+}
+
+// a kernel per (kind, NV): each takes the registers its own NV needs (one kernel with a switch over NV takes the
+// largest case's); layernorm_bwd_fused_v6_<kind>_nv<NV>, NV in 2, 4, 6, 8; two blocks an SM asked of ptxas (at
+// most 128 registers) where NV <= 6
+#define LN6_KERNEL(NAME, KIND, N)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, N == 8 ? 1 : 2) layernorm_bwd_fused_v6_##NAME##_nv##N(     \
+        const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ a, u64 seed,      \
+        u64 stream, u64 thresh, float dscale, const float* __restrict__ w, const float* __restrict__ mean,       \
+        const float* __restrict__ rstd, int R, int C, float* __restrict__ dx, float* __restrict__ da,           \
+        float* __restrict__ pw, float* __restrict__ pb) {                                                       \
+        __shared__ float4 Sw[256], Sb[256];                        /* the block's partial row (C <= 1024) */     \
+        ln_bwd_fused_v6<KIND, N>(dout, x, a, seed, stream, thresh, dscale, w, mean, rstd, R, C, dx, da, pw, pb,  \
+                                 Sw, Sb);                                                                       \
+    }
+#define LN6_KERNELS(NAME, KIND) LN6_KERNEL(NAME, KIND, 2) LN6_KERNEL(NAME, KIND, 4) LN6_KERNEL(NAME, KIND, 6)   \
+    LN6_KERNEL(NAME, KIND, 8)
+LN6_KERNELS(ln, 0)
+LN6_KERNELS(res, 1)
+LN6_KERNELS(drop, 2)
+
 // dw and db in one launch: out_w[c] = sum_k pw[k, c], out_b[c] = sum_k pb[k, c], in chunk order
 extern "C" __global__ void __launch_bounds__(256) column_sum2(const float* __restrict__ pw,
                                                              const float* __restrict__ pb, int chunks, int C,
@@ -583,6 +698,29 @@ extern "C" __global__ void __launch_bounds__(256) column_sum2(const float* __res
     for (int k = 0; k < chunks; k++) { sw += pw[(size_t)k * C + c]; sb += pb[(size_t)k * C + c]; }
     out_w[c] = sw;
     out_b[c] = sb;
+}
+
+// version 6's dw and db: out_w[c] = sum_k pw[k, c] (and out_b from pb) over G partial rows in order, with more
+// threads than column_sum2's one a column (G up to 256 rows, where version 3 has 64): block (32 columns, 8 groups),
+// group y adds rows y, y + 8, ... in order, then group 0 adds the 8 groups' sums in group order. Grid ceil(C / 32).
+extern "C" __global__ void __launch_bounds__(256) column_sum2_v6(const float* __restrict__ pw,
+                                                                const float* __restrict__ pb, int G, int C,
+                                                                float* __restrict__ out_w,
+                                                                float* __restrict__ out_b) {
+    __shared__ float Tw[8][32], Tb[8][32];
+    const int x = threadIdx.x & 31, y = threadIdx.x >> 5, c = blockIdx.x * 32 + x;
+    float sw = 0.f, sb = 0.f;
+    if (c < C)
+        for (int k = y; k < G; k += 8) { sw += pw[(size_t)k * C + c]; sb += pb[(size_t)k * C + c]; }
+    Tw[y][x] = sw;
+    Tb[y][x] = sb;
+    __syncthreads();
+    if (y == 0 && c < C) {
+        float tw = Tw[0][x], tb = Tb[0][x];
+        for (int k = 1; k < 8; k++) { tw += Tw[k][x]; tb += Tb[k][x]; }
+        out_w[c] = tw;
+        out_b[c] = tb;
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -634,6 +772,14 @@ LnRef layernorm_cpu(int kind, const float* x, const float* a, u64 seed, u64 stre
 
 struct Dev { float *x, *a, *w, *b, *dout, *out, *mean, *rstd, *dx, *da, *dw, *db, *pw, *pb; };
 
+// version 6's grid: at most 256 blocks (cuda_c.py's LN6_BLOCKS); on CPU threads 16, so that the small shapes'
+// warps take several rows each (R = 257, 577: the grid stride and its tail)
+#ifdef CPUSIM_SMALL
+static int ln6_blocks(int R) { return std::min((R + 7) / 8, 16); }
+#else
+static int ln6_blocks(int R) { return std::min((R + 7) / 8, 256); }
+#endif
+
 static int g_dwdb = 3;      // which dw, db partials version 3 runs (3, 4 or 5: the same sums; the main compares them)
 
 // one version's forward + backward; v1 has kind 0 only
@@ -643,7 +789,25 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
          int parts = 7) {                  // which kernels: 1 the forward, 2 dx, 4 the dw, db partials and their sum
     const int vec = (C & 3) == 0, grid = (R + 7) / 8;
     const dim3 pgrid((C + 255) / 256, chunks);
-    if (version == 1) {
+    if (version == 6) {     // (C % 4 == 0, C <= 1024; float32) version 3's forward, the fused backward
+        const int nv = ((C + 255) / 256) * 2, G = ln6_blocks(R);
+        auto fwd3 = kind == 0 ? layernorm_fwd_v3_ln : kind == 1 ? layernorm_fwd_v3_res : layernorm_fwd_v3_drop;
+        decltype(&layernorm_bwd_fused_v6_ln_nv2) fused[3][4] = {
+            {layernorm_bwd_fused_v6_ln_nv2, layernorm_bwd_fused_v6_ln_nv4, layernorm_bwd_fused_v6_ln_nv6,
+             layernorm_bwd_fused_v6_ln_nv8},
+            {layernorm_bwd_fused_v6_res_nv2, layernorm_bwd_fused_v6_res_nv4, layernorm_bwd_fused_v6_res_nv6,
+             layernorm_bwd_fused_v6_res_nv8},
+            {layernorm_bwd_fused_v6_drop_nv2, layernorm_bwd_fused_v6_drop_nv4, layernorm_bwd_fused_v6_drop_nv6,
+             layernorm_bwd_fused_v6_drop_nv8}};
+        auto bf = fused[kind][nv / 2 - 1];
+        if (parts & 1)
+            LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C, nv, d.out, d.mean,
+                   d.rstd, o16, kx, ka);
+        if (parts & 2)
+            LAUNCH(bf, G, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.w, d.mean, d.rstd, R, C, d.dx, d.da,
+                   d.pw, d.pb);
+        if (parts & 4) LAUNCH(column_sum2_v6, (C + 31) / 32, 256, d.pw, d.pb, G, C, d.dw, d.db);
+    } else if (version == 1) {
         if (parts & 1) LAUNCH(layernorm_fwd_v1, grid, 256, d.x, d.w, d.b, eps, R, C, d.out, d.mean, d.rstd);
         if (parts & 2) LAUNCH(layernorm_bwd_dx_v1, grid, 256, d.dout, d.x, d.w, d.mean, d.rstd, R, C, d.dx);
         if (parts & 4) {
@@ -709,17 +873,19 @@ int main() {
         float** cbufs[] = {&d.w, &d.b, &d.dw, &d.db};
         for (float** q : cbufs) cudaCheck(cudaMalloc(q, C * 4));
         cudaCheck(cudaMalloc(&d.mean, R * 4)); cudaCheck(cudaMalloc(&d.rstd, R * 4));
-        cudaCheck(cudaMalloc(&d.pw, (size_t)chunks * C * 4)); cudaCheck(cudaMalloc(&d.pb, (size_t)chunks * C * 4));
+        const size_t prow = std::max(chunks, ln6_blocks(R));                 // partial rows: v2-v3's or v6's
+        cudaCheck(cudaMalloc(&d.pw, prow * C * 4)); cudaCheck(cudaMalloc(&d.pb, prow * C * 4));
         cudaCheck(cudaMemcpy(d.x, x, n * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.a, a, n * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.dout, dout, n * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.w, w, C * 4, cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(d.b, b, C * 4, cudaMemcpyHostToDevice));
-        for (int version = 1; version <= 3; version++)
+        for (int version : {1, 2, 3, 6})
             for (int kind = 0; kind < (version == 1 ? 1 : 3); kind++) {
-                if (version == 3 && ((C & 3) || C > 1024)) continue;      // v3: the float4 path, C <= 1024
+                if (version >= 3 && ((C & 3) || C > 1024)) continue;      // v3, v6: the float4 path, C <= 1024
 #ifdef CPUSIM_SMALL
-                if (R > 64 && version < 3) continue;         // (the 257-row shape: for v3's partials against v2's)
+                if (R > 64 && version < 3) continue;         // (the 257-row shape: for v3's partials against v2's
+                                                             // and v6's grid stride, 2 and 5 rows a warp)
 #endif
                 printf("layernorm v%d kind %s R=%d C=%d\n", version, kind == 0 ? "ln" : kind == 1 ? "res" : "drop",
                        R, C);
@@ -735,6 +901,20 @@ int main() {
                 if (kind == 2) validate_result(d.da, ref.da.data(), "da", n, 1e-5f, 1e-4f);
                 validate_result(d.dw, ref.dw.data(), "dw", C, 1e-4f + 1e-6f * R, 1e-4f);
                 validate_result(d.db, ref.db.data(), "db", C, 1e-4f + 1e-6f * R, 1e-4f);
+                if (version == 6) {                  // v6's dx, da: version 2's code per row, so its bits
+                    std::vector<float> x4(n), a4(n), x2(n), a2(n);
+                    cudaCheck(cudaMemcpy(x4.data(), d.dx, n * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(a4.data(), d.da, n * 4, cudaMemcpyDeviceToHost));
+                    run(2, kind, d, seed, stream, thresh, dscale, eps, R, C, per, chunks);
+                    cudaCheck(cudaDeviceSynchronize());
+                    cudaCheck(cudaMemcpy(x2.data(), d.dx, n * 4, cudaMemcpyDeviceToHost));
+                    cudaCheck(cudaMemcpy(a2.data(), d.da, n * 4, cudaMemcpyDeviceToHost));
+                    size_t diff = 0;
+                    for (size_t e = 0; e < n; e++)
+                        diff += (BITS_F(x4[e]) != BITS_F(x2[e])) + (kind == 2 && BITS_F(a4[e]) != BITS_F(a2[e]));
+                    printf("  dx%s v6 = v2 bit for bit: %s\n", kind == 2 ? ", da" : "", diff ? "NO" : "yes");
+                    if (diff) exit(EXIT_FAILURE);
+                }
                 if (version == 3) {                  // v3's partials against v2's: the same sums in the same order
                     std::vector<float> w3(C), b3(C), w2(C), b2(C);
                     cudaCheck(cudaMemcpy(w3.data(), d.dw, C * 4, cudaMemcpyDeviceToHost));
@@ -795,7 +975,8 @@ int main() {
 #else
                 const bool mixed_checks = true;
 #endif
-                if (version >= 2 && mixed_checks) {     // the twins (mixed precision, rk 0 / 1): bits16 of what is kept
+                if (version >= 2 && version <= 3 && mixed_checks) {  // the twins (mixed precision, rk 0 / 1): bits16
+                                                                        // of what is kept (version 6: float32 only)
                     unsigned short *o16, *d16, *kx, *ka;
                     cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
                     cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
@@ -878,8 +1059,9 @@ int main() {
                     }
                     // forward reads x (a), writes out; backward reads dout, x (a) twice, writes dx (da)
                     double bytes = (kind == 0 ? 7.0 : kind == 1 ? 9.0 : 10.0) * n * 4;
-                    printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f ms, dx %.4f ms, dw db %.4f ms)\n",
-                           version, ms[0], bytes / ms[0] / 1e6, ms[1], ms[2], ms[3]);
+                    printf("  v%d forward + backward %.4f ms, %.0f GB/s (forward %.4f ms, %s %.4f ms, %s %.4f ms)\n",
+                           version, ms[0], bytes / ms[0] / 1e6, ms[1], version == 6 ? "dx + partials" : "dx", ms[2],
+                           version == 6 ? "their column sum" : "dw db", ms[3]);
                     if (version == 3) {                  // the partials' versions 4 and 5 (+ the column sum)
                         float m45[2];
                         for (int dv = 4; dv <= 5; dv++) {
