@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything refbert does on a GPU, in one go, for a lent H100 / H200 (CUDA 13, cupy-cuda13x, numba-cuda, PyTorch,
 # transformers and nvcc installed there; no network): the whole report in one run (421 s on the H200 at commit
-# 2f0feb7, 492 s on the H100 at 719a3b9, each with steps cut short by the limits of then: a whole run at the limits
-# below is not yet timed; over issue 13's 6 minutes). Run from anywhere:
+# 2f0feb7, 492 s on the H100 at 719a3b9, each with steps cut short by the limits of then; at the limits below, 442 s
+# on the H200 at b87c638, no step cut short: over issue 13's 6 minutes). Run from anywhere:
 #
 #     OUT=/some/dir bash benchmarks/gpu_all.sh        (OUT defaults to ./gpu_out; on the device machine: OUT=$OUT)
 #

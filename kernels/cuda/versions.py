@@ -48,10 +48,12 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 # 0.00882 / 0.0135 against 0.01 / 0.0156 ms) and on the H200 (the device alone: 0.00782 / 0.0104 against 0.00909 /
 # 0.0144), the backward the same kernels; the plain residual's C2 stays first: its C3 forward was called in 0.0705
 # ms against C2's 0.0251 on the H100, and the H200 had it the faster (0.00952 against 0.0111 device ms))
-# The layernorms' C4 (C3's forward, dx and the dw, db partials in one backward pass: layernorm.cu v6) after the
-# other CUDA C versions until a GPU has timed it (the bench's measured order runs it where it is the faster)
-ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C3", "C2", "C1", "C4", "2", "1"],
-         "residual_layernorm": ["C2", "C3", "C4", "2", "1"], "dropout_residual_layernorm": ["C3", "C2", "C4", "2", "1"],
+# The layernorms' C4 (C3's forward, dx and the dw, db partials in one backward pass: layernorm.cu v6) first: on
+# the H200 (2026-11-28, benchmarks/results/cuda-nvidia-h200/2026-11-28-d9453d2, device ms at (2048, 768)) its
+# backward took 0.0185 / 0.021 / 0.0218 (ln / res / drop) against C3's 0.0238 / 0.0295 / 0.0332 (and PyTorch's
+# 0.019 / 0.0192 / 0.0232), its forward C3's; the bench's measured order had picked it for the step already
+ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C4", "C3", "C2", "C1", "2", "1"],
+         "residual_layernorm": ["C4", "C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C4", "C3", "C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
          "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
