@@ -374,7 +374,8 @@ def test_sim_versions_pinned_measured_and_built_in(tmp_path):
     ran_ = set(ast.literal_eval(next(line for line in out.splitlines() if line.startswith("RAN "))[4:]))
     assert ran_ == {("layernorm", "float32", "1"), ("dropout", "float32", "1"), ("gelu", "float32", "1"),
                     ("attention", "float32", "2")}, ran_            # pinned, pinned, measured, pinned
-    assert "layernorm                   order C4 > C3 > C2 > C1 > 2 > 1; runs float32: 1; pinned every dtype=1" in out, out
+    assert ("layernorm                   order C4 > C3 > C2 > C1 > 2 > 1; runs float32: 1; pinned every dtype=1"
+            in out), out
     assert "ERR pin: expected an op among" in out and "ERR pin: layernorm has no version 'C9'" in out, out
 
 

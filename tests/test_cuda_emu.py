@@ -559,7 +559,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     assert not any(r["impl"] == "FALLBACK" for r in data["rows"]), data["rows"]
     kernels = {r["kernel"] for r in data["launch"]}
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v3_drop",
-            "layernorm_bwd_fused_v6_drop_nv2", "column_sum2_v6", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf", "dropout_v1", "colsum_partial_v1",
+            "layernorm_bwd_fused_v6_drop_nv2", "column_sum2_v6", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf",
+            "dropout_v1", "colsum_partial_v1",
             "attn_fwd_v5_f32_hs64", "attn_bwd_fused_v6_f32_hs64"} <= kernels, sorted(kernels)
     optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
     assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
