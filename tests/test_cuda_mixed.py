@@ -674,7 +674,8 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
     registers) by default and version 2 under REFBERT_MIXED_LN=2: out, its twin, what the forward keeps in 16 bits
     for the backward and the backward's dx, da, dw, db the same bits either way (the same sums in the same order;
     the emulator's g++ contracts nothing), in bf16 and fp16, with what each run meant to run asserted; an unknown
-    value is an error naming the variable."""
+    value is an error naming the variable. And the backward's version 6 (one pass, the default) against version 2
+    (REFBERT_MIXED_LN_BWD=2) on the same cache: dx, da and the twin the same bits, dw, db within rounding."""
     out = _child("""
         import numpy as np
         from refbert import ops
@@ -710,12 +711,61 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
             print("UNKNOWN RAN")
         except ValueError as e:
             print("ERR", e)
+        M.MIXED_LN = "3"
+        # the backward: version 6 (the default, one pass) against version 2's two kernels (REFBERT_MIXED_LN_BWD=2)
+        # on one forward's cache, x and a read from their 16-bit storage, 40 rows over a grid of 2 blocks (each
+        # warp 2-3 rows): dx, da and the twin the same bits; dw, db the same terms in another order, within twice
+        # a float32 sum's rounding bound, 2 R 2^-24 sum_rows |term| (|dout xhat| <= |dout| sqrt(C), sqrt(64) = 8)
+        from refbert_kernels.cuda import cuda_c as K
+        K.LN6_BLOCKS = 2
+        for compute in ("bfloat16", "float16"):
+            for kind in ("ln", "res", "drop"):
+                if kind == "ln":
+                    o, c = M.layernorm_forward_mixed(x, w, b, compute=compute)
+                    bwd = lambda: M.layernorm_backward_mixed(d, c)
+                elif kind == "res":
+                    o, c = M.residual_layernorm_forward_mixed(x, a, w, b, compute=compute)
+                    bwd = lambda: M.residual_layernorm_backward_mixed(d, c)
+                else:
+                    o, c = M.dropout_residual_layernorm_forward_mixed(x, a, w, b, 1e-12, 0.1, DropoutRNG(3), True,
+                                                                      compute)
+                    bwd = lambda: M.dropout_residual_layernorm_backward_mixed(d, c)
+                g = {}
+                for v in ("6", "2"):
+                    M.MIXED_LN_BWD = v
+                    E.COUNTS.reset()
+                    grads = bwd()
+                    fused = any(n.startswith(f"layernorm_bwd_fused_v6_{kind}") for n in E.COUNTS.launches)
+                    two = f"layernorm_bwd_dx_v2_{kind}" in E.COUNTS.launches
+                    print(compute, kind, "bwd", v, "ran", fused == (v == "6") and two == (v == "2"))
+                    tw = M.twin_of(grads[-3], compute)
+                    g[v] = [t.get() for t in grads] + ([] if tw is None else [tw.get()])
+                n = len(grads)                            # (dx or ds, ds or da; dw, db last; then da's twin)
+                bits = all(np.array_equal(p.view(np.uint8), q.view(np.uint8))
+                           for p, q in zip(g["6"][:n - 2] + g["6"][n:], g["2"][:n - 2] + g["2"][n:]))
+                dh = np.abs(d.get().astype(np.float64)).sum(0)
+                close = all(np.all(np.abs(p.astype(np.float64) - q) <= 2 * 40 * 2.0 ** -24 * m)
+                            for p, q, m in zip(g["6"][n - 2:n], g["2"][n - 2:n], (8 * dh, dh)))
+                print(compute, kind, "bwd v6 = v2:", bits, close, "twin", len(g["6"]) > n)
+        M.MIXED_LN_BWD = "7"
+        try:
+            M.layernorm_backward_mixed(d, c)
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+        M.MIXED_LN_BWD = "6"
+        K.LN6_BLOCKS = 256
     """, "emu")
     for compute in ("bfloat16", "float16"):
         for kind in ("res", "drop"):
             assert f"{compute} {kind} 3 ran True kept 2" in out and f"{compute} {kind} 2 ran True kept 2" in out, out
             assert f"{compute} {kind} same bits: True" in out, out
     assert "ERR layernorm: REFBERT_MIXED_LN expected 2 or 3, got '4'" in out, out
+    for compute in ("bfloat16", "float16"):
+        for kind in ("ln", "res", "drop"):
+            assert f"{compute} {kind} bwd 6 ran True" in out and f"{compute} {kind} bwd 2 ran True" in out, out
+            assert f"{compute} {kind} bwd v6 = v2: True True twin {kind == 'drop'}" in out, out
+    assert "ERR layernorm: REFBERT_MIXED_LN_BWD expected one of 2, 6, got '7'" in out, out
 
 
 _TWINS = """

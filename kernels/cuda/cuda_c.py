@@ -675,9 +675,9 @@ LN6_BLOCKS = 256
 
 def _ln2_backward(dout, cache, o16=None, fused=False):
     """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx. The cache's x2,
-    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so. fused (C4): layernorm.cu
-    version 6, dx (da) and the dw, db partials in one kernel, then column_sum2_v6, where it applies (float32, the
-    float4 path, C <= 1024); elsewhere version 2's kernels, as without it."""
+    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so. fused (C4, and mixed precision's
+    default): layernorm.cu version 6, dx (da, the twin) and the dw, db partials in one kernel, then column_sum2_v6,
+    where it applies (the float4 path, C <= 1024); elsewhere version 2's kernels, as without it."""
     kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
     C.dout("layernorm", dout, shape, _f32(x2))
     xp = C.xp_of(x2)
@@ -692,11 +692,13 @@ def _ln2_backward(dout, cache, o16=None, fused=False):
     da2 = dx2 if da is None else da.reshape(R, Cc)
     vec = Cc % 4 == 0 and _aligned(d2, x2, a2, w, dx2, da2)
     (x32, x16), (a32, a16) = _in16(x2, xp), _in16(x2 if a2 is None else a2, xp)
-    if fused and vec and Cc <= 1024 and rk < 0 and o16 is None and x2.dtype == F32 and (a2 is None or a2.dtype == F32):
+    if fused and vec and Cc <= 1024:
         G = min(-(-R // 8), LN6_BLOCKS)
         pw, pb = xp.empty((G, Cc), np.float32), xp.empty((G, Cc), np.float32)
-        kernel("layernorm.cu", f"layernorm_bwd_fused_v6_{kind}_nv{2 * -(-Cc // 256)}", xp)(
-            (G,), (256,), (d2, x32, a32, seed, stream, thr, _f(scale), w, mean, rstd, _i(R), _i(Cc), dx2, da2, pw, pb))
+        nv = 2 if Cc <= 256 else 6 if Cc <= 768 else 8                # (the kernels' float4 accumulators a lane)
+        kernel("layernorm.cu", f"layernorm_bwd_fused_v6_{kind}_nv{nv}", xp)(
+            (G,), (256,), (d2, x32, a32, seed, stream, thr, _f(scale), _i(rk), w, mean, rstd, _i(R), _i(Cc), dx2, da2,
+                           _twin16(o16, dx2, xp), x16, a16, pw, pb))
         dw, db = xp.empty(Cc, np.float32), xp.empty(Cc, np.float32)
         kernel("layernorm.cu", "column_sum2_v6", xp)((-(-Cc // 32),), (256,), (pw, pb, _i(G), _i(Cc), dw, db))
         return dx, da, dw, db

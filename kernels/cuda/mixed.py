@@ -1050,11 +1050,23 @@ def _fused_cache(op, cache):
     return cache
 
 
+# which layernorm.cu backward the mixed layernorms run: version 6 (dx, da and the dw, db partials in one pass over
+# dout, x, a; dx, da version 2's bits, dw, db summed in another order) unless REFBERT_MIXED_LN_BWD=2 (version 2's
+# dx kernel and version 3's partials). In float32 on the H200 (2026-11-28, d9453d2) version 6 took 0.0185 / 0.021 /
+# 0.0218 device ms at (2048, 768) against 0.0238 / 0.0295 / 0.0332; the mixed bodies not yet timed in a step (the
+# bench's mixed A/B row "layernorm backward v2")
+MIXED_LN_BWD = os.environ.get("REFBERT_MIXED_LN_BWD", "6")
+
+
+def _ln_bwd_fused():
+    return C.variant("layernorm", "REFBERT_MIXED_LN_BWD", MIXED_LN_BWD, ("2", "6")) == "6"
+
+
 def layernorm_backward_mixed(dout, cache):
     how, inner, compute = _fused_cache("layernorm", cache)
     if how == "rule":
         return _rule("layernorm_backward", compute)(dout, inner)
-    dx, _, dw, db = _ln2_backward(_dev(dout), inner)
+    dx, _, dw, db = _ln2_backward(_dev(dout), inner, fused=_ln_bwd_fused())
     return mark(dx, compute), dw, db
 
 
@@ -1062,7 +1074,7 @@ def residual_layernorm_backward_mixed(dout, cache):
     how, inner, compute = _fused_cache("residual_layernorm", cache)
     if how == "rule":
         return _rule("residual_layernorm_backward", compute)(dout, inner)
-    ds, _, dw, db = _ln2_backward(_dev(dout), inner)
+    ds, _, dw, db = _ln2_backward(_dev(dout), inner, fused=_ln_bwd_fused())
     ds = mark(ds, compute)
     return ds, ds, dw, db                            # the sum copies ds to both inputs: one array, as the oracle
 
@@ -1073,7 +1085,7 @@ def dropout_residual_layernorm_backward_mixed(dout, cache):
         return _rule("dropout_residual_layernorm_backward", compute)(dout, inner)
     dout = _dev(dout)
     o16 = _new16(dout, compute)                      # da's twin (kind drop), else ds's: da feeds a linear
-    ds, da, dw, db = _ln2_backward(dout, inner, o16=o16)
+    ds, da, dw, db = _ln2_backward(dout, inner, o16=o16, fused=_ln_bwd_fused())
     if da is None:
         return mark(ds, compute), twin(mark(ds.copy(), compute), o16, compute), dw, db
     return mark(ds, compute), twin(mark(da, compute), o16, compute), dw, db

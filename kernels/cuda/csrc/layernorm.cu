@@ -44,9 +44,9 @@ Versions:
      into one partial row a block, then column_sum2_v6 (32 columns x 8 groups a block) over those rows. Versions
      2-3 read dout, x, a a third time for the partials (on the H200 step profile of 2026-11-28 the partials kernel
      took longer than the dx kernel). dw, db: version 3's terms in another order, so within float32 rounding of
-     version 3's, not its bits. Float32 only (the mixed step's 16-bit storage and twins keep version 3's backward),
-     the float4 path and C <= 1024 (NV = ceil(C / 128) rounded up to even float4 accumulators a lane, a kernel per
-     NV); otherwise the launchers run version 2's backward
+     version 3's, not its bits. Mixed precision too (rk a run-time argument; x, a read from their 16-bit storage or
+     not; the twins). The float4 path and C <= 1024 (NV float4 accumulators a lane, NV = 2, 6 or 8: C <= 128 NV,
+     a kernel per NV); otherwise the launchers run version 2's backward
   mixed precision (rk >= 0): every version reads and writes on the compute grid; the forward may keep x and a in
      16 bits (kx16, ka16: common.cuh keep16) and the backward read them so (x16, a16: IN16), the same values
 
@@ -601,15 +601,14 @@ LN3_KERNEL(drop, 2)
 // of version 3's chunks of consecutive rows, so within float32 rounding of version 3's (the main compares both with
 // the double reference, and dx bit for bit with version 2's). Block 256; grid G <= ceil(R / 8) (the launcher:
 // at most 256 blocks).
-template <int KIND, int NV>
-__device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, const float* __restrict__ x,
-                                                const float* __restrict__ a, u64 seed, u64 stream, u64 thresh,
-                                                float dscale, const float* __restrict__ w,
-                                                const float* __restrict__ mean, const float* __restrict__ rstd, int R,
-                                                int C, float* __restrict__ dx, float* __restrict__ da,
-                                                float* __restrict__ pw, float* __restrict__ pb, float4* Sw,
-                                                float4* Sb) {
-    constexpr int rk = -1;                                          // (float32 only: version 2's code, rk < 0)
+template <int KIND, int IN16, int NV>
+__device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, LN2_ARGS,
+                                                const float* __restrict__ w, const float* __restrict__ mean,
+                                                const float* __restrict__ rstd, int R, int C, float* __restrict__ dx,
+                                                float* __restrict__ da, unsigned short* __restrict__ o16,
+                                                const unsigned short* __restrict__ x16,
+                                                const unsigned short* __restrict__ a16, float* __restrict__ pw,
+                                                float* __restrict__ pb, float4* Sw, float4* Sb) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float4 sw[NV], sb[NV];
 #pragma unroll
@@ -622,24 +621,28 @@ __device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, 
         for (int i = 0; i < NV; i++) {                              // version 2's pass 1: the same order of adds
             const int c = lane * 4 + 128 * i;
             if (c < C)
-                ln_sums4(s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk), rnd4(ld4(dout + row + c), rk),
-                         rnd4(ld4(w + c), rk), m, rs, c1, c2);
+                ln_sums4(s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16),
+                         rnd4(ld4(dout + row + c), rk), rnd4(ld4(w + c), rk), m, rs, c1, c2);
         }
         c1 = warp_sum(c1) / C;
         c2 = warp_sum(c2) / C;
+        unsigned short* const t16 = rk >= 0 && o16 ? o16 + row : nullptr;     // the twin's row (or none)
 #pragma unroll
         for (int i = 0; i < NV; i++) {                              // version 2's pass 2, and the partials' terms
             const int c = lane * 4 + 128 * i;
             if (c < C) {
-                const float4 v = s4<KIND>(x, a, row + c, seed, stream, thresh, dscale, rk);
+                const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
                 const float4 g = rnd4(ld4(dout + row + c), rk);
                 const float4 d = ln_dx4(v, g, rnd4(ld4(w + c), rk), m, rs, c1, c2);
-                st4(dx + row + c, d);
+                float4 t = rnd4(d, rk);                             // dx; then the twin's values
+                st4(dx + row + c, t);
                 if (KIND == 2) {
                     const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                    st4(da + row + c, make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
-                                                  __fmul_rn(d.w, z.w)));
+                    t = rnd4(make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
+                                         __fmul_rn(d.w, z.w)), rk);
+                    st4(da + row + c, t);
                 }
+                put16x4(t16, c, t, rk);
                 dwdb_add4(sw[i], sb[i], g, v, m, rs);
             }
         }
@@ -670,20 +673,26 @@ __device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, 
 }
 
 // a kernel per (kind, NV): each takes the registers its own NV needs (one kernel with a switch over NV takes the
-// largest case's); layernorm_bwd_fused_v6_<kind>_nv<NV>, NV in 2, 4, 6, 8; two blocks an SM asked of ptxas (at
-// most 128 registers) where NV <= 6
+// largest case's); layernorm_bwd_fused_v6_<kind>_nv<NV>, NV in 2 (C <= 256), 6 (C <= 768: BERT-base) and 8 (C <=
+// 1024: BERT-large; a kernel for NV 4 too would add compile time for no BERT size); two blocks an SM asked of
+// ptxas (at most 128 registers) where NV <= 6. Two bodies a kernel (x, a read as float32 or as their 16-bit
+// storage), rk a run-time argument (mixed precision: every value on the compute grid; version 2's dx kernel has a
+// body per rk, five in all: here that would double the file's compile time for a memory-bound kernel)
 #define LN6_KERNEL(NAME, KIND, N)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, N == 8 ? 1 : 2) layernorm_bwd_fused_v6_##NAME##_nv##N(     \
-        const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ a, u64 seed,      \
-        u64 stream, u64 thresh, float dscale, const float* __restrict__ w, const float* __restrict__ mean,       \
+        const float* __restrict__ dout, LN2_ARGS, const float* __restrict__ w, const float* __restrict__ mean,  \
         const float* __restrict__ rstd, int R, int C, float* __restrict__ dx, float* __restrict__ da,           \
-        float* __restrict__ pw, float* __restrict__ pb) {                                                       \
+        unsigned short* __restrict__ o16, const unsigned short* __restrict__ x16,                               \
+        const unsigned short* __restrict__ a16, float* __restrict__ pw, float* __restrict__ pb) {               \
         __shared__ float4 Sw[256], Sb[256];                        /* the block's partial row (C <= 1024) */     \
-        ln_bwd_fused_v6<KIND, N>(dout, x, a, seed, stream, thresh, dscale, w, mean, rstd, R, C, dx, da, pw, pb,  \
-                                 Sw, Sb);                                                                       \
+        if (rk >= 0 && x16)                                                                                     \
+            ln_bwd_fused_v6<KIND, 1, N>(dout, x, a, seed, stream, thresh, dscale, rk, w, mean, rstd, R, C, dx, da, \
+                                        o16, x16, a16, pw, pb, Sw, Sb);                                         \
+        else                                                                                                    \
+            ln_bwd_fused_v6<KIND, 0, N>(dout, x, a, seed, stream, thresh, dscale, rk, w, mean, rstd, R, C, dx, da, \
+                                        o16, x16, a16, pw, pb, Sw, Sb);                                         \
     }
-#define LN6_KERNELS(NAME, KIND) LN6_KERNEL(NAME, KIND, 2) LN6_KERNEL(NAME, KIND, 4) LN6_KERNEL(NAME, KIND, 6)   \
-    LN6_KERNEL(NAME, KIND, 8)
+#define LN6_KERNELS(NAME, KIND) LN6_KERNEL(NAME, KIND, 2) LN6_KERNEL(NAME, KIND, 6) LN6_KERNEL(NAME, KIND, 8)
 LN6_KERNELS(ln, 0)
 LN6_KERNELS(res, 1)
 LN6_KERNELS(drop, 2)
@@ -789,23 +798,20 @@ void run(int version, int kind, const Dev& d, u64 seed, u64 stream, u64 thresh, 
          int parts = 7) {                  // which kernels: 1 the forward, 2 dx, 4 the dw, db partials and their sum
     const int vec = (C & 3) == 0, grid = (R + 7) / 8;
     const dim3 pgrid((C + 255) / 256, chunks);
-    if (version == 6) {     // (C % 4 == 0, C <= 1024; float32) version 3's forward, the fused backward
-        const int nv = ((C + 255) / 256) * 2, G = ln6_blocks(R);
+    if (version == 6) {     // (C % 4 == 0, C <= 1024) version 3's forward, the fused backward
+        const int nv = ((C + 255) / 256) * 2, G = ln6_blocks(R);              // (nv: version 3's forward's)
+        decltype(&layernorm_bwd_fused_v6_ln_nv2) fused[3][3] = {
+            {layernorm_bwd_fused_v6_ln_nv2, layernorm_bwd_fused_v6_ln_nv6, layernorm_bwd_fused_v6_ln_nv8},
+            {layernorm_bwd_fused_v6_res_nv2, layernorm_bwd_fused_v6_res_nv6, layernorm_bwd_fused_v6_res_nv8},
+            {layernorm_bwd_fused_v6_drop_nv2, layernorm_bwd_fused_v6_drop_nv6, layernorm_bwd_fused_v6_drop_nv8}};
+        auto bf = fused[kind][C <= 256 ? 0 : C <= 768 ? 1 : 2];             // NV 2, 6 or 8 (cuda_c.py's rule)
         auto fwd3 = kind == 0 ? layernorm_fwd_v3_ln : kind == 1 ? layernorm_fwd_v3_res : layernorm_fwd_v3_drop;
-        decltype(&layernorm_bwd_fused_v6_ln_nv2) fused[3][4] = {
-            {layernorm_bwd_fused_v6_ln_nv2, layernorm_bwd_fused_v6_ln_nv4, layernorm_bwd_fused_v6_ln_nv6,
-             layernorm_bwd_fused_v6_ln_nv8},
-            {layernorm_bwd_fused_v6_res_nv2, layernorm_bwd_fused_v6_res_nv4, layernorm_bwd_fused_v6_res_nv6,
-             layernorm_bwd_fused_v6_res_nv8},
-            {layernorm_bwd_fused_v6_drop_nv2, layernorm_bwd_fused_v6_drop_nv4, layernorm_bwd_fused_v6_drop_nv6,
-             layernorm_bwd_fused_v6_drop_nv8}};
-        auto bf = fused[kind][nv / 2 - 1];
         if (parts & 1)
             LAUNCH(fwd3, grid, 256, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.b, eps, R, C, nv, d.out, d.mean,
                    d.rstd, o16, kx, ka);
         if (parts & 2)
-            LAUNCH(bf, G, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, d.w, d.mean, d.rstd, R, C, d.dx, d.da,
-                   d.pw, d.pb);
+            LAUNCH(bf, G, 256, d.dout, d.x, d.a, seed, stream, thresh, dscale, rk, d.w, d.mean, d.rstd, R, C, d.dx,
+                   d.da, d16, (const unsigned short*)kx, (const unsigned short*)ka, d.pw, d.pb);
         if (parts & 4) LAUNCH(column_sum2_v6, (C + 31) / 32, 256, d.pw, d.pb, G, C, d.dw, d.db);
     } else if (version == 1) {
         if (parts & 1) LAUNCH(layernorm_fwd_v1, grid, 256, d.x, d.w, d.b, eps, R, C, d.out, d.mean, d.rstd);
@@ -975,8 +981,7 @@ int main() {
 #else
                 const bool mixed_checks = true;
 #endif
-                if (version >= 2 && version <= 3 && mixed_checks) {  // the twins (mixed precision, rk 0 / 1): bits16
-                                                                        // of what is kept (version 6: float32 only)
+                if (version >= 2 && mixed_checks) {     // the twins (mixed precision, rk 0 / 1): bits16 of what is kept
                     unsigned short *o16, *d16, *kx, *ka;
                     cudaCheck(cudaMalloc(&o16, n * 2)); cudaCheck(cudaMalloc(&d16, n * 2));
                     cudaCheck(cudaMalloc(&kx, n * 2)); cudaCheck(cudaMalloc(&ka, n * 2));
