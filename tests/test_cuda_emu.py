@@ -537,13 +537,14 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                                                                               ", attention S3 + CUDA graph",
                                                                               ", attention S4 + CUDA graph",
                                                                               ", layernorm forward v2 + CUDA graph",
-                                                                              ", layernorm backward v2 + CUDA graph")
+                                                                              ", layernorm backward v6 + CUDA graph")
                                                                              if p == "bf16" else ())], mixed
     # (the layernorm A/B row ran version 2's forwards alone: the default, version 3, did not run in it)
     ab = next(r for r in mixed if r["impl"].endswith("layernorm forward v2 + CUDA graph"))
     assert ab["layernorm_v2_ran"] and "layernorm_fwd_v2_drop" in ab["note"] and "v3" not in ab["note"], ab
-    ab = next(r for r in mixed if r["impl"].endswith("layernorm backward v2 + CUDA graph"))   # (v2's, not v6's)
-    assert ab["layernorm_bwd_v2_ran"] and "layernorm_bwd_dx_v2_drop" in ab["note"] and "fused" not in ab["note"], ab
+    ab = next(r for r in mixed if r["impl"].endswith("layernorm backward v6 + CUDA graph"))   # (v6's, not v2's)
+    assert ab["layernorm_bwd_v6_ran"] and "layernorm_bwd_fused_v6_drop_nv2" in ab["note"], ab
+    assert "_v2_" not in ab["note"], ab
     # (the A/B rows' attention ran as asked: the tiny config's head size is 64, as base's)
     assert all(r["note"].startswith(f"attention {a} ran;") for r in mixed for a in ("S3", "S4")
                if r["impl"].endswith(f"attention {a} + CUDA graph")), mixed

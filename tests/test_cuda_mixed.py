@@ -674,8 +674,8 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
     registers) by default and version 2 under REFBERT_MIXED_LN=2: out, its twin, what the forward keeps in 16 bits
     for the backward and the backward's dx, da, dw, db the same bits either way (the same sums in the same order;
     the emulator's g++ contracts nothing), in bf16 and fp16, with what each run meant to run asserted; an unknown
-    value is an error naming the variable. And the backward's version 6 (one pass, the default) against version 2
-    (REFBERT_MIXED_LN_BWD=2) on the same cache: dx, da and the twin the same bits, dw, db within rounding."""
+    value is an error naming the variable. And the backward's version 6 (one pass, REFBERT_MIXED_LN_BWD=6) against
+    version 2 (the default) on the same cache: dx, da and the twin the same bits, dw, db within rounding."""
     out = _child("""
         import numpy as np
         from refbert import ops
@@ -712,7 +712,7 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
         except ValueError as e:
             print("ERR", e)
         M.MIXED_LN = "3"
-        # the backward: version 6 (the default, one pass) against version 2's two kernels (REFBERT_MIXED_LN_BWD=2)
+        # the backward: version 6 (REFBERT_MIXED_LN_BWD=6, one pass) against version 2's kernels (the default)
         # on one forward's cache, x and a read from their 16-bit storage, 40 rows over a grid of 2 blocks (each
         # warp 2-3 rows): dx, da and the twin the same bits; dw, db the same terms in another order, within twice
         # a float32 sum's rounding bound, 2 R 2^-24 sum_rows |term| (|dout xhat| <= |dout| sqrt(C), sqrt(64) = 8)
@@ -753,7 +753,7 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
             print("UNKNOWN RAN")
         except ValueError as e:
             print("ERR", e)
-        M.MIXED_LN_BWD = "6"
+        M.MIXED_LN_BWD = "2"
         K.LN6_BLOCKS = 256
     """, "emu")
     for compute in ("bfloat16", "float16"):

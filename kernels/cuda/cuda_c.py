@@ -675,9 +675,9 @@ LN6_BLOCKS = 256
 
 def _ln2_backward(dout, cache, o16=None, fused=False):
     """(dx, da or None, dw, db) of version C2. o16 (rk >= 0): the twin of da (kind drop), else of dx. The cache's x2,
-    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so. fused (C4, and mixed precision's
-    default): layernorm.cu version 6, dx (da, the twin) and the dw, db partials in one kernel, then column_sum2_v6,
-    where it applies (the float4 path, C <= 1024); elsewhere version 2's kernels, as without it."""
+    a2 may be 16-bit storage (uint16, mixed precision): the kernels read them so. fused (C4; mixed precision under
+    REFBERT_MIXED_LN_BWD=6): layernorm.cu version 6, dx (da, the twin) and the dw, db partials in one kernel, then
+    column_sum2_v6, where it applies (the float4 path, C <= 1024); elsewhere version 2's kernels, as without it."""
     kind, x2, a2, drop, w, mean, rstd, shape, rk = cache
     C.dout("layernorm", dout, shape, _f32(x2))
     xp = C.xp_of(x2)

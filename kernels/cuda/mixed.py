@@ -1050,12 +1050,15 @@ def _fused_cache(op, cache):
     return cache
 
 
-# which layernorm.cu backward the mixed layernorms run: version 6 (dx, da and the dw, db partials in one pass over
-# dout, x, a; dx, da version 2's bits, dw, db summed in another order) unless REFBERT_MIXED_LN_BWD=2 (version 2's
-# dx kernel and version 3's partials). In float32 on the H200 (2026-11-28, d9453d2) version 6 took 0.0185 / 0.021 /
-# 0.0218 device ms at (2048, 768) against 0.0238 / 0.0295 / 0.0332; the mixed bodies not yet timed in a step (the
-# bench's mixed A/B row "layernorm backward v2")
-MIXED_LN_BWD = os.environ.get("REFBERT_MIXED_LN_BWD", "6")
+# which layernorm.cu backward the mixed layernorms run: version 2's dx kernel and version 3's dw, db partials unless
+# REFBERT_MIXED_LN_BWD=6 (dx, da and the partials in one pass over dout, x, a; dx, da version 2's bits, dw, db
+# summed in another order: the float32 C4's backward, whose mixed bodies take rk at run time). Version 6 is the
+# faster in float32 (H200, 2026-11-28, d9453d2: 0.0185 / 0.021 / 0.0218 device ms at (2048, 768) against 0.0238 /
+# 0.0295 / 0.0332) but not in the mixed bodies (6d0eeea: the dropout kind's bf16 backward 0.0233 + 0.0040 ms
+# against 0.0123 + 0.0117, its fp16 0.0291 + 0.0040 against 0.0131 + 0.0132; the bf16-mixed graph step at B=32
+# T=128 17.85 ms with version 6, 17.06 ms with version 2): most likely the run-time rounding (version 2 has a body
+# per rk). The bench's mixed A/B row "layernorm backward v6" times it
+MIXED_LN_BWD = os.environ.get("REFBERT_MIXED_LN_BWD", "2")
 
 
 def _ln_bwd_fused():

@@ -470,7 +470,7 @@ VARIANTS = (("cuda_c", "ATTN_BWD16", "6", "REFBERT_ATTN_BWD16", "attention C5's 
             ("cuda_c", "F32_BWD", "6", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
             ("mixed", "ATTENTION", "S2", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
             ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"),
-            ("mixed", "MIXED_LN_BWD", "6", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"))
+            ("mixed", "MIXED_LN_BWD", "2", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"))
 
 
 @contextlib.contextmanager
