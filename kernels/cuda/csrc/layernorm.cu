@@ -322,7 +322,7 @@ __device__ __forceinline__ float ln_dx1(float wd, float s, float m, float rs, fl
     return __fmul_rn(wd - (__fmul_rn(__fmul_rn(s - m, rs), c1) + c2), rs);
 }
 
-// the float4 path's two pieces, shared by version 2's dx kernel and version 6's fused one (the same roundings):
+// the float4 path's pieces, shared by version 2's dx kernel and version 6's fused one (the same roundings):
 // the row sums' terms of four columns (c1 += wdy xhat, c2 += wdy), and dx of four columns from c1, c2
 __device__ __forceinline__ void ln_sums4(float4 v, float4 g, float4 ww, float m, float rs, float& c1, float& c2) {
     const float w0 = __fmul_rn(g.x, ww.x), w1 = __fmul_rn(g.y, ww.y), w2 = __fmul_rn(g.z, ww.z),
@@ -336,6 +336,23 @@ __device__ __forceinline__ float4 ln_dx4(float4 v, float4 g, float4 ww, float m,
                        ln_dx1(__fmul_rn(g.y, ww.y), v.y, m, rs, c1, c2),
                        ln_dx1(__fmul_rn(g.z, ww.z), v.z, m, rs, c1, c2),
                        ln_dx1(__fmul_rn(g.w, ww.w), v.w, m, rs, c1, c2));
+}
+
+// the float4 path's stores of four columns, shared likewise: dx = R(d); da = R(d keep dscale) (kind drop); the twin
+// (t16, the row's, or none) of the last of them
+template <int KIND>
+__device__ __forceinline__ void ln_store4(float4 d, size_t e, int c, u64 seed, u64 stream, u64 thresh, float dscale,
+                                          int rk, float* __restrict__ dx, float* __restrict__ da,
+                                          unsigned short* __restrict__ t16) {
+    float4 t = rnd4(d, rk);                                         // dx; then the twin's values
+    st4(dx + e, t);
+    if (KIND == 2) {
+        const float4 z = keep4(e, seed, stream, thresh, dscale);
+        t = rnd4(make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z), __fmul_rn(d.w, z.w)),
+                 rk);
+        st4(da + e, t);
+    }
+    put16x4(t16, c, t, rk);
 }
 
 template <int KIND, int IN16>
@@ -370,15 +387,7 @@ __device__ __forceinline__ void ln_bwd_dx_v2(const float* __restrict__ dout, LN2
         for (int c = lane * 4; c < C; c += 128) {
             const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
             const float4 d = ln_dx4(v, rnd4(ld4(dout + row + c), rk), rnd4(ld4(w + c), rk), m, rs, c1, c2);
-            float4 t = rnd4(d, rk);                                 // dx; then the twin's values
-            st4(dx + row + c, t);
-            if (KIND == 2) {
-                const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                t = rnd4(make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
-                                     __fmul_rn(d.w, z.w)), rk);
-                st4(da + row + c, t);
-            }
-            put16x4(t16, c, t, rk);
+            ln_store4<KIND>(d, row + c, c, seed, stream, thresh, dscale, rk, dx, da, t16);
         }
     } else {
         for (int c = lane; c < C; c += 32) {
@@ -637,16 +646,8 @@ __device__ __forceinline__ void ln_bwd_fused_v6(const float* __restrict__ dout, 
             if (c < C) {
                 const float4 v = s4<KIND, IN16>(x, a, row + c, seed, stream, thresh, dscale, rk, x16, a16);
                 const float4 g = rnd4(ld4(dout + row + c), rk);
-                const float4 d = ln_dx4(v, g, rnd4(ld4(w + c), rk), m, rs, c1, c2);
-                float4 t = rnd4(d, rk);                             // dx; then the twin's values
-                st4(dx + row + c, t);
-                if (KIND == 2) {
-                    const float4 z = keep4(row + c, seed, stream, thresh, dscale);
-                    t = rnd4(make_float4(__fmul_rn(d.x, z.x), __fmul_rn(d.y, z.y), __fmul_rn(d.z, z.z),
-                                         __fmul_rn(d.w, z.w)), rk);
-                    st4(da + row + c, t);
-                }
-                put16x4(t16, c, t, rk);
+                ln_store4<KIND>(ln_dx4(v, g, rnd4(ld4(w + c), rk), m, rs, c1, c2), row + c, c, seed, stream, thresh,
+                                dscale, rk, dx, da, t16);
                 dwdb_add4(sw[i], sb[i], g, v, m, rs);
             }
         }
