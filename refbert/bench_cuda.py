@@ -1169,38 +1169,38 @@ def _kernels_of_step(ours, x):
     return {name for name, *_ in _recorded(step)}
 
 
-def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
-    """An A/B row of the mixed section: the step's CUDA graph with the residual layernorms' forward as
-    layernorm.cu's version 2 (REFBERT_MIXED_LN=2) in place of the default version 3 (the same bits). Its note says
-    which forward kernels one eager step of it launched."""
+def _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, var, value, what, prefix,
+                           is_variant):
+    """An A/B row of the mixed section: the step's CUDA graph with the kernel variant var=value, its label
+    "layernorm {what} v{value}"; the note names the kernels starting with `prefix` one eager step of it launched,
+    and row[ran key] says whether every one of them is the variant's (is_variant(name))."""
     from refbert_kernels.cuda import versions as VV
-    with VV.kernel_variant("REFBERT_MIXED_LN", "2"):
+    with VV.kernel_variant(var, value):
         names = _kernels_of_step(ours, x)
-        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm forward v2", floor,
-                        peer_ms, "vs_hf")
-    fwd = sorted(n for n in names if n.startswith("layernorm_fwd_v"))
-    row["layernorm_v2_ran"] = ran = bool(fwd) and all(n.startswith("layernorm_fwd_v2_") for n in fwd)
-    row["note"] = (f"layernorm forwards {', '.join(fwd)}" if ran else
-                   f"layernorm forward v2 did NOT run alone: {', '.join(fwd) or 'none'}") + \
+        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm {what} v{value}",
+                        floor, peer_ms, "vs_hf")
+    got = sorted(n for n in names if n.startswith(prefix))
+    key = "layernorm_v2_ran" if what == "forward" else f"layernorm_bwd_v{value}_ran"
+    row[key] = ran = bool(got) and all(is_variant(n) for n in got)
+    row["note"] = (f"layernorm {what}s {', '.join(got)}" if ran else
+                   f"layernorm {what} v{value} did NOT run alone: {', '.join(got) or 'none'}") + \
         ("; " + row["note"] if row.get("note") else "")
     return row
+
+
+def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
+    """The residual layernorms' forward as layernorm.cu's version 2 (REFBERT_MIXED_LN=2) in place of the default
+    version 3 (the same bits): _layernorm_variant_row."""
+    return _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN", "2",
+                                  "forward", "layernorm_fwd_v", lambda n: n.startswith("layernorm_fwd_v2_"))
 
 
 def layernorm_bwd_v6_row(timer, args, ours, x, base, precision, floor, peer_ms):
-    """An A/B row of the mixed section: the step's CUDA graph with the layernorms' backward as layernorm.cu's
-    version 6 (dx and the dw, db partials in one pass: REFBERT_MIXED_LN_BWD=6) in place of the default, version 2's
-    dx kernel and version 3's partials. Its note says which backward kernels one eager step of it launched."""
-    from refbert_kernels.cuda import versions as VV
-    with VV.kernel_variant("REFBERT_MIXED_LN_BWD", "6"):
-        names = _kernels_of_step(ours, x)
-        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm backward v6", floor,
-                        peer_ms, "vs_hf")
-    bwd = sorted(n for n in names if n.startswith("layernorm_bwd_"))
-    row["layernorm_bwd_v6_ran"] = ran = bool(bwd) and all("fused_v6" in n for n in bwd)
-    row["note"] = (f"layernorm backwards {', '.join(bwd)}" if ran else
-                   f"layernorm backward v6 did NOT run alone: {', '.join(bwd) or 'none'}") + \
-        ("; " + row["note"] if row.get("note") else "")
-    return row
+    """The layernorms' backward as layernorm.cu's version 6 (dx and the dw, db partials in one pass:
+    REFBERT_MIXED_LN_BWD=6) in place of the default, version 2's dx kernel and version 3's partials:
+    _layernorm_variant_row."""
+    return _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN_BWD", "6",
+                                  "backward", "layernorm_bwd_", lambda n: "fused_v6" in n)
 
 
 def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_ms):

@@ -209,7 +209,6 @@ def test_emu_every_cuda_c_version_matches_oracle():
         # each warp takes 2-3 of the 37 rows (the grid stride and its tail): dx, da C2's bits (version 2's code per
         # row); dw, db the same terms in another order, so within twice the float32 rounding bound of a sum of R
         # terms of C2's: 2 R 2^-24 sum_rows |term| (the terms bounded by |g| sqrt(C), per column)
-        from refbert_kernels.cuda.dropout import DropoutRNG as DR
         xh, ah, gh = (r.standard_normal((37, 52)).astype(np.float32) for _ in range(3))
         wh, bh = r.standard_normal(52).astype(np.float32), r.standard_normal(52).astype(np.float32)
         x, a, g, w, b = (E.cupy.asarray(t) for t in (xh, ah, gh, wh, bh))
@@ -219,7 +218,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
             fwd = getattr(K, op + "_forward_c3")
             got, ref = {}, {}
             for key, bwd in (("C4", getattr(K, op + "_backward_c4")), ("C2", getattr(K, op + "_backward_c2"))):
-                kw = dict(rng=DR(3)) if op.startswith("dropout") else {}
+                kw = dict(rng=DropoutRNG(3)) if op.startswith("dropout") else {}
                 out, cache = fwd(*args, **kw)
                 E.COUNTS.reset()
                 (got if key == "C4" else ref)["g"] = [t.get() for t in bwd(g, cache)]
