@@ -41,7 +41,8 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          gradient paths added by the model). The mixed section likewise times bf16-mixed's graph without twins,
          and with the attention as S3's and S4's flash kernels (REFBERT_MIXED_ATTENTION's choices) instead of S2,
          and with the residual layernorms' forward as layernorm.cu's version 2 (REFBERT_MIXED_LN=2) instead of 3,
-         and with the layernorms' backward as version 6's one pass (REFBERT_MIXED_LN_BWD=6) instead of 2's kernels.
+         and with the layernorms' backward as version 6's one pass (REFBERT_MIXED_LN_BWD=6) instead of 2's kernels,
+         and with the bias + GELU backward as gelu.cu's version 2 (REFBERT_MIXED_GELU_BWD=2) instead of 1.
 optim    the optimizer's step on the model's parameters (base: 110M in ~200 tensors, float32): clip_grad_norm to 1
          and AdamW.step, as pretrain runs them, by refbert's multi-tensor kernels (csrc/optim.cu, through
          refbert.optim) and by its per-array code (REFBERT_FUSED_OPTIM=0: the spec's ~15 launches a tensor) on the
@@ -1144,6 +1145,10 @@ def run_mixed(args, timer):
                                            hf_ms)
                 rows.append(row)
                 failed |= "ms" not in row or not row["layernorm_bwd_v6_ran"]
+                row = bias_gelu_bwd_v2_row(timer, args, ours, dict(x, mlm_decode="all"), base, precision, floor,
+                                           hf_ms)
+                rows.append(row)
+                failed |= "ms" not in row or not row["bias_gelu_bwd_v2_ran"]
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
@@ -1169,38 +1174,45 @@ def _kernels_of_step(ours, x):
     return {name for name, *_ in _recorded(step)}
 
 
-def _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, var, value, what, prefix,
-                           is_variant):
-    """An A/B row of the mixed section: the step's CUDA graph with the kernel variant var=value, its label
-    "layernorm {what} v{value}"; the note names the kernels starting with `prefix` one eager step of it launched,
-    and row[ran key] says whether every one of them is the variant's (is_variant(name))."""
+def _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, var, value, label, key, prefix, is_variant):
+    """An A/B row of the mixed section: the step's CUDA graph with the kernel variant var=value, its label `label`
+    (e.g. "layernorm forward v2"); the note names the kernels starting with `prefix` one eager step of it launched,
+    and row[key] says whether every one of them is the variant's (is_variant(name))."""
     from refbert_kernels.cuda import versions as VV
     with VV.kernel_variant(var, value):
         names = _kernels_of_step(ours, x)
-        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), layernorm {what} v{value}",
-                        floor, peer_ms, "vs_hf")
+        row = graph_row(timer, args, ours, x, base, f"refbert cuda {precision} (all), {label}", floor, peer_ms,
+                        "vs_hf")
     got = sorted(n for n in names if n.startswith(prefix))
-    key = "layernorm_v2_ran" if what == "forward" else f"layernorm_bwd_v{value}_ran"
     row[key] = ran = bool(got) and all(is_variant(n) for n in got)
-    row["note"] = (f"layernorm {what}s {', '.join(got)}" if ran else
-                   f"layernorm {what} v{value} did NOT run alone: {', '.join(got) or 'none'}") + \
+    row["note"] = (f"{label.rsplit(' ', 1)[0]}s {', '.join(got)}" if ran else
+                   f"{label} did NOT run alone: {', '.join(got) or 'none'}") + \
         ("; " + row["note"] if row.get("note") else "")
     return row
 
 
 def layernorm_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
     """The residual layernorms' forward as layernorm.cu's version 2 (REFBERT_MIXED_LN=2) in place of the default
-    version 3 (the same bits): _layernorm_variant_row."""
-    return _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN", "2",
-                                  "forward", "layernorm_fwd_v", lambda n: n.startswith("layernorm_fwd_v2_"))
+    version 3 (the same bits): _variant_row."""
+    return _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN", "2",
+                        "layernorm forward v2", "layernorm_v2_ran", "layernorm_fwd_v",
+                        lambda n: n.startswith("layernorm_fwd_v2_"))
 
 
 def layernorm_bwd_v6_row(timer, args, ours, x, base, precision, floor, peer_ms):
     """The layernorms' backward as layernorm.cu's version 6 (dx and the dw, db partials in one pass:
     REFBERT_MIXED_LN_BWD=6) in place of the default, version 2's dx kernel and version 3's partials:
-    _layernorm_variant_row."""
-    return _layernorm_variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN_BWD", "6",
-                                  "backward", "layernorm_bwd_", lambda n: "fused_v6" in n)
+    _variant_row."""
+    return _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_LN_BWD", "6",
+                        "layernorm backward v6", "layernorm_bwd_v6_ran", "layernorm_bwd_", lambda n: "fused_v6" in n)
+
+
+def bias_gelu_bwd_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
+    """The bias + GELU backward as gelu.cu's version 2 (a thread per (chunk, 4 columns), 4 rows of loads at a time:
+    REFBERT_MIXED_GELU_BWD=2) in place of the default version 1 (the same bits): _variant_row."""
+    return _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_GELU_BWD", "2",
+                        "bias_gelu backward v2", "bias_gelu_bwd_v2_ran", "bias_gelu_bwd_",
+                        lambda n: n.startswith("bias_gelu_bwd_v2_"))
 
 
 def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_ms):

@@ -217,6 +217,18 @@ def test_cpusim_catches_layernorm_partials_added_out_of_row_order(tmp_path, dept
         assert "dw, db partials v4 = v3 bit for bit (rk -1): yes" in run.stdout, run.stdout[-3000:]
 
 
+def test_cpusim_catches_gelu_backward_v2_rows_added_out_of_order(tmp_path):
+    """gelu.cu's bias + GELU backward version 2 loads 4 rows before their arithmetic and must add each column's
+    terms in row order to keep version 1's bits (dx, the db partials). With a group's 4 rows taken last to first,
+    the main's comparison with version 1 must say WRONG and exit 1 (the (389, 8) shape: chunks of 7 rows, one
+    group of 4), or it proves nothing about the order."""
+    exe = _mutant(tmp_path, "gelu.cu", "        for (int u = 0; u < 4; u++)\n            bias_gelu_step2",
+                  "        for (int u = 3; u >= 0; u--)\n            bias_gelu_step2", "gelu.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "backward v2 (rk -1, 0, 1; x kept in 16 bits or not): WRONG" in run.stdout, \
+        run.stdout[-3000:]
+
+
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of

@@ -238,7 +238,10 @@ def test_emu_every_cuda_c_version_matches_oracle():
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 25, out
+    assert out.count("OK ") == 26, out
+    # bias_gelu C2: version 2's kernels where I % 4 == 0, version 1's where not (the specs' shapes hold both)
+    line = next(x for x in out.splitlines() if x.startswith("OK bias_gelu C2 "))
+    assert "bias_gelu_bwd_v2_erf" in line and "bias_gelu_bwd_v2_tanh" in line, line
     assert "layernorm C4 dx = C2 bit for bit, dw db within rounding" in out, out
     for kind, op in (("ln", "layernorm"), ("res", "residual_layernorm"), ("drop", "dropout_residual_layernorm")):
         line = next(x for x in out.splitlines() if x.startswith(f"OK {op} C4 "))    # the fused kernels ran (C = 52,
@@ -536,7 +539,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                                                                               ", attention S3 + CUDA graph",
                                                                               ", attention S4 + CUDA graph",
                                                                               ", layernorm forward v2 + CUDA graph",
-                                                                              ", layernorm backward v6 + CUDA graph")
+                                                                              ", layernorm backward v6 + CUDA graph",
+                                                                              ", bias_gelu backward v2 + CUDA graph")
                                                                              if p == "bf16" else ())], mixed
     # (the layernorm A/B row ran version 2's forwards alone: the default, version 3, did not run in it)
     ab = next(r for r in mixed if r["impl"].endswith("layernorm forward v2 + CUDA graph"))
@@ -544,6 +548,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     ab = next(r for r in mixed if r["impl"].endswith("layernorm backward v6 + CUDA graph"))   # (v6's, not v2's)
     assert ab["layernorm_bwd_v6_ran"] and "layernorm_bwd_fused_v6_drop_nv2" in ab["note"], ab
     assert "_v2_" not in ab["note"], ab
+    ab = next(r for r in mixed if r["impl"].endswith("bias_gelu backward v2 + CUDA graph"))  # (v2's, not v1's)
+    assert ab["bias_gelu_bwd_v2_ran"] and "bias_gelu_bwd_v2_erf" in ab["note"] and "_v1_" not in ab["note"], ab
     # (the A/B rows' attention ran as asked: the tiny config's head size is 64, as base's)
     assert all(r["note"].startswith(f"attention {a} ran;") for r in mixed for a in ("S3", "S4")
                if r["impl"].endswith(f"attention {a} + CUDA graph")), mixed

@@ -768,6 +768,59 @@ def test_mixed_layernorm_forward_version_3_is_version_2s_bits():
     assert "ERR layernorm: REFBERT_MIXED_LN_BWD expected one of 2, 6, got '7'" in out, out
 
 
+def test_mixed_bias_gelu_backward_version_2_is_version_1s_bits():
+    """The mixed bias + GELU backward runs gelu.cu's version 1 by default and version 2 (a thread per (chunk, 4
+    columns), 4 rows of loads at a time) under REFBERT_MIXED_GELU_BWD=2: dx, its twin and db the same bits either
+    way (each column's rows added in row order by both; the emulator's g++ contracts nothing), with x read as
+    float32 (twins off) and from the 16-bit storage the forward kept (twins on), in bf16 and fp16, erf and tanh; 389
+    rows make chunks of 7 (4 rows at a time, then 3 alone). Where I % 4 != 0 version 2 hands the call to version 1's
+    kernel (the same bits); what ran is asserted, and an unknown value is an error naming the variable."""
+    out = _child("""
+        import os
+        import numpy as np
+        from refbert import ops
+        from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
+        r = np.random.default_rng(9)
+        for I in (16, 6):
+            for compute in ("bfloat16", "float16"):
+                R_ = lambda t: ops.round_compute(np.asarray(t, np.float32), compute)
+                x, d = (B.to_device(R_(2 * r.standard_normal((389, I)))) for _ in range(2))
+                b = B.to_device(r.standard_normal(I).astype(np.float32))
+                for twins in ("0", "1"):
+                    os.environ["REFBERT_MIXED_TWINS"] = twins
+                    for approximate in ("none", "tanh"):
+                        o, c = M.bias_gelu_forward_mixed(x, b, approximate, compute)
+                        got = {}
+                        for v in ("1", "2"):
+                            M.MIXED_GELU_BWD = v
+                            E.COUNTS.reset()
+                            dx, db = M.bias_gelu_backward_mixed(d, c)
+                            names = [n for n in E.COUNTS.launches if n.startswith("bias_gelu_bwd_")]
+                            tw = M.twin_of(dx, compute)
+                            got[v] = [t.get().view(np.uint8) for t in (dx, db) + (() if tw is None else (tw,))]
+                            print(I, compute, twins, approximate, v, "ran", names)
+                        print(I, compute, twins, approximate, "same bits:", len(got["1"]) == len(got["2"]) and
+                              all(np.array_equal(p, q) for p, q in zip(got["1"], got["2"])), "twin", len(got["1"]) == 3)
+        M.MIXED_GELU_BWD = "3"
+        try:
+            M.bias_gelu_backward_mixed(d, c)
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+        M.MIXED_GELU_BWD = "1"
+    """, "emu")
+    for I in (16, 6):
+        for compute in ("bfloat16", "float16"):
+            for twins in ("0", "1"):
+                for approximate in ("none", "tanh"):
+                    name = "erf" if approximate == "none" else "tanh"
+                    head = f"{I} {compute} {twins} {approximate}"
+                    assert f"{head} 1 ran ['bias_gelu_bwd_v1_{name}']" in out, out
+                    assert f"{head} 2 ran ['bias_gelu_bwd_v{2 if I % 4 == 0 else 1}_{name}']" in out, out
+                    assert f"{head} same bits: True twin {twins == '1'}" in out, out
+    assert "ERR bias_gelu: REFBERT_MIXED_GELU_BWD expected one of 1, 2, got '3'" in out, out
+
+
 _TWINS = """
     import os
     import numpy as np

@@ -104,11 +104,13 @@ def test_cu_compiles():
     # kernels (csrc/mixed.cu) and the 16-bit flash kernels of C5 (attention_forward.cu v4, v5,
     # attention_backward.cu v5; v6's dq pass): none spills, and none needs a stack frame (a local array indexed at
     # run time)
+    # (gelu.cu's bias + GELU backward version 2 holds 8 float4 loads a thread in blocks of 64 threads and asks for 8
+    # blocks an SM, __launch_bounds__(64, 8): up to 65536 / 512 = 128 registers)
     checked = set()
     for k, (regs, stack, _, _) in report.items():
         if re.match(r"(layernorm_\w*_v2_|gelu_|bias_gelu_|dropout_v1|ce_|colsum_|colsum16_|emb_bwd_|column_sum2|"
                     r"adamw_v1|scale_v1|grad_stats_)", k):
-            assert stack == 0 and regs <= 64, (k, report[k])
+            assert stack == 0 and regs <= (128 if k.startswith("bias_gelu_bwd_v2_") else 64), (k, report[k])
             checked.add(k)
         if re.match(r"(attn_.*v[346]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
                     r"D_v1|attn_rows_|s[34]_|attn_fwd_v[45]_|attn_bwd_d\w*_v[45]_|attn_bwd_dq_v6_)", k):  # no stack
@@ -121,7 +123,7 @@ def test_cu_compiles():
             "attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_bf16_hs64", "attn_bwd_dkdv_v4_f16_hs64",
             "attn_fwd_v5_f32_hs64", "attn_bwd_dq_v6_f16_hs64", "colsum16_partial_v1", "adamw_v1_f32", "adamw_v1_f64",
             "grad_stats_partial_v1_f32", "grad_stats_final_v1", "scale_v1_f64", "layernorm_bwd_fused_v6_drop_nv6",
-            "column_sum2_v6"} <= checked, checked
+            "column_sum2_v6", "bias_gelu_bwd_v2_erf"} <= checked, checked
 
 
 def _nvrtc_include():

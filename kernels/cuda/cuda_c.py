@@ -30,6 +30,9 @@ raised by the same checks before any launch; the same dropout elements).
                                           v3 (the forward's row in registers: one pass), C4
     dropout                      C1       dropout.cu v1 (a thread per Philox block, float4)    f32
     gelu, bias_gelu              C1       gelu.cu v1 (fused db partials + colsum_final)        f32
+    bias_gelu                    C2       C1's forward; gelu.cu v2's backward (a thread per    f32
+                                          (chunk, 4 columns), 4 rows of loads at a time: C1's
+                                          bits)
     cross_entropy                C1, C2   cross_entropy.cu v1 (kept rows found on the device,  f32
                                           the loss and its count stay there), v2 (rows split
                                           across blocks when few)
@@ -943,7 +946,10 @@ def bias_gelu_forward_c1(x, b, approximate="none"):
     return _gelu_run(x, b, approximate)
 
 
-def bias_gelu_backward_c1(dout, cache, o16=None):
+def bias_gelu_backward_c1(dout, cache, o16=None, version=1):
+    """dx, db (gelu.cu's bias + GELU backward, then colsum_final_v1 over the chunks' partials). version 2: a thread
+    per (chunk, 4 columns) (float4, rows 4 at a time; version 1's bits) where I % 4 == 0 and every pointer is
+    aligned, else version 1's kernel (the same bits: nothing slower than C1 runs)."""
     G = C.sibling("gelu")
     if not isinstance(cache, GeluCacheC):
         return G.bias_gelu_backward_v2(dout, cache)
@@ -958,11 +964,19 @@ def bias_gelu_backward_c1(dout, cache, o16=None):
     parts = xp.empty((chunks, I), np.float32)
     db = xp.empty(I, np.float32)
     x32, x16 = _in16(x2, xp)
-    kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(
-        ((I + 255) // 256, chunks), (256,), (xp.ascontiguousarray(dout).reshape(R, I), x32, b, _i(R), _i(I), _i(per),
-                                             _i(rk), dx.reshape(R, I), parts, _twin16(o16, dx, xp), x16))
+    d2, t16 = xp.ascontiguousarray(dout).reshape(R, I), _twin16(o16, dx, xp)
+    args = (d2, x32, b, _i(R), _i(I), _i(per), _i(rk), dx.reshape(R, I), parts, t16, x16)
+    if version == 2 and I % 4 == 0 and _aligned(d2, x32, b, dx, parts) and x16.data.ptr % 8 == t16.data.ptr % 8 == 0:
+        kernel("gelu.cu", f"bias_gelu_bwd_v2_{_gelu_name(approximate)}", xp)(((I // 4 + 63) // 64, chunks), (64,), args)
+    else:
+        kernel("gelu.cu", f"bias_gelu_bwd_v1_{_gelu_name(approximate)}", xp)(((I + 255) // 256, chunks), (256,), args)
     kernel("gelu.cu", "colsum_final_v1", xp)(((I + 255) // 256,), (256,), (parts, _i(chunks), _i(I), db))
     return dx, db
+
+
+def bias_gelu_backward_c2(dout, cache, o16=None):
+    """C2: bias_gelu_backward_c1 with gelu.cu version 2's kernel (C1's bits)."""
+    return bias_gelu_backward_c1(dout, cache, o16, version=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -824,7 +824,6 @@ def attention_backward_s3(dout, cache):
     dout = _dev(dout)
     C.dout("attention", dout, (B, T, H * hs), F32)
     dout = xp.ascontiguousarray(dout)
-    rows = B * H * T
     kp = np.float32(1.0 - p)
     D = _D(dout, out, shape, kp, compute, xp)
     d16 = _storage16(dout, compute)
@@ -1101,11 +1100,19 @@ def gelu_backward_mixed(dout, cache):
     return mark(gelu_backward_c1(_dev(dout), inner), compute)
 
 
+# which gelu.cu backward the mixed bias + GELU runs: version 1 unless REFBERT_MIXED_GELU_BWD=2 (a thread per (chunk,
+# 4 columns), 4 rows of loads at a time: version 1's bits, the twin and the 16-bit x included; the float32 C2's
+# kernel). Written 2026-11-28 from the SASS, not yet timed on a GPU (version 1's was 5.5% of the bf16-mixed graph
+# step's GPU time on the H200): the bench's mixed A/B row "bias_gelu backward v2" times it
+MIXED_GELU_BWD = os.environ.get("REFBERT_MIXED_GELU_BWD", "1")
+
+
 def bias_gelu_backward_mixed(dout, cache):
     how, inner, compute = _fused_cache("bias_gelu", cache)
     if how == "rule":
         return _rule("bias_gelu_backward", compute)(dout, inner)
     dout = _dev(dout)
     o16 = _new16(dout, compute)
-    dx, db = bias_gelu_backward_c1(dout, inner, o16=o16)
+    version = int(C.variant("bias_gelu", "REFBERT_MIXED_GELU_BWD", MIXED_GELU_BWD, ("1", "2")))
+    dx, db = bias_gelu_backward_c1(dout, inner, o16=o16, version=version)
     return twin(mark(dx, compute), o16, compute), db

@@ -54,9 +54,13 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 # 0.019 / 0.0192 / 0.0232), its forward C3's; the bench's measured order had picked it for the step already (the
 # plain residual's C4 forward, C3's, was called there in 0.0192 ms against C2's 0.0186, 0.00917 against 0.0112 on the
 # device; the H100's slow call of C3's forward, above, not checked again: the step runs no plain residual)
+# bias_gelu's C2 (gelu.cu v2's backward, C1's bits) after C1 until a GPU times it: written 2026-11-28 from the SASS
+# (65 instructions an element in its loop against C1's 82, four independent elements a thread, the next row's loads
+# issued during this row's arithmetic) against C1's 0.0426 ms and PyTorch's 0.0356 at (2048, 3072) on the H200; the
+# bench's measured order picks it for the step where it is the faster
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C4", "C3", "C2", "C1", "2", "1"],
          "residual_layernorm": ["C4", "C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C4", "C3", "C2", "2", "1"],
-         "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "2", "1"],
+         "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "C2", "2", "1"],
          "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
@@ -242,6 +246,8 @@ def _build():
              ("gelu", "C1", K.gelu_forward_c1, K.gelu_backward_c1, f32, "elementwise, float4 (gelu.cu v1)"),
              ("bias_gelu", "C1", K.bias_gelu_forward_c1, K.bias_gelu_backward_c1, f32, "fused backward with db "
               "partials, then a fixed-order column sum (gelu.cu v1)"),
+             ("bias_gelu", "C2", K.bias_gelu_forward_c1, K.bias_gelu_backward_c2, f32, "C1 with the backward a "
+              "thread per (chunk, 4 columns), 4 rows of loads at a time: C1's bits (gelu.cu v2)"),
              ("attention", "C1", K.attention_forward, K.attention_backward, f16, "scalar flash forward and backward "
               "(fp16 hs 64: tensor-core forward); attention_*.cu"),
              ("attention", "C2", K.attention_forward_c2, K.attention_backward_c2, ("float16",),
@@ -472,7 +478,8 @@ VARIANTS = (("cuda_c", "ATTN_BWD16", "6", "REFBERT_ATTN_BWD16", "attention C5's 
             ("cuda_c", "F32_BWD", "6", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
             ("mixed", "ATTENTION", "S2", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
             ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"),
-            ("mixed", "MIXED_LN_BWD", "2", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"))
+            ("mixed", "MIXED_LN_BWD", "2", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"),
+            ("mixed", "MIXED_GELU_BWD", "1", "REFBERT_MIXED_GELU_BWD", "the mixed bias + GELU backward"))
 
 
 @contextlib.contextmanager
