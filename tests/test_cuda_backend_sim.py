@@ -489,7 +489,15 @@ def test_bench_cuda_order_ranks_by_device_time(tmp_path):
 def test_describe_names_kernel_variants_off_their_default():
     """describe() names each kernel variant an environment variable chose away from its default (REFBERT_ATTN_BWD16
     and the like: A/B runs must say what ran), and none at the defaults."""
-    from refbert_kernels.cuda import cuda_c as K, versions as VV
+    import importlib
+    import os
+    from refbert_kernels.cuda import _common as C, cuda_c as K, versions as VV
+    # every variant's default written once (_common.VARIANT_DEFAULTS), each variable with one home, and the modules'
+    # attributes at import those defaults where the environment sets nothing
+    assert sorted(var for *_, var, _ in VV.VARIANTS) == sorted(C.VARIANT_DEFAULTS), VV.VARIANTS
+    for mod, attr, default, var, _ in VV.VARIANTS:
+        got = getattr(importlib.import_module(f"refbert_kernels.cuda.{mod}"), attr)
+        assert default == C.VARIANT_DEFAULTS[var] and (var in os.environ or got == default), (mod, attr, got)
     was = K.ATTN_BWD16, K.LN_DWDB
     try:
         K.ATTN_BWD16, K.LN_DWDB = "6", "3"

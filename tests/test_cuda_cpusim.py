@@ -229,6 +229,18 @@ def test_cpusim_catches_gelu_backward_v2_rows_added_out_of_order(tmp_path):
         run.stdout[-3000:]
 
 
+def test_cpusim_catches_f32_backward_v7_dropping_the_carried_sum(tmp_path):
+    """attention_f32.cu's backward version 7 runs version 6 over groups of key tiles and carries dq's running sum
+    from group to group in dq itself. With each group starting its sum afresh (the carried sum dropped), the main's
+    comparison with version 6 must say NO and exit 1 (groups of 1 and 2 key tiles at T = 70 and 136), or it proves
+    nothing about the carry."""
+    exe = _mutant(tmp_path, "attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",
+                  "float4 s = first ? ld4(p) : make_float4(0.f, 0.f, 0.f, 0.f);", "attention_f32.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): NO" in run.stdout, \
+        run.stdout[-3000:]
+
+
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of

@@ -167,7 +167,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
         finally:
             K.C4_PARTS_MAX = None
         said = [str(w.message) for w in said if "REFBERT_C4_PARTS_MB" in str(w.message)]
-        assert len(said) == 1 and "version 3's dq kernel" in said[0], said
+        assert len(said) == 1 and "version 3's dq kernel" in said[0] and "one key tile over it" in said[0], said
         assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches and "attn_bwd_dkdv_v6_f32_hs64" in E.COUNTS.launches \
             and not any(n.startswith("attn_bwd_fused") for n in E.COUNTS.launches), E.COUNTS.launches
         for got in got_d:
@@ -205,6 +205,38 @@ def test_emu_every_cuda_c_version_matches_oracle():
             print("ERR", e)
         K.F32_BWD = "6"
         print("C4 backward v6 = v4 bit for bit")
+        # C4 with room for 1 or 2 key tiles' dq partials (of 3) runs version 7, version 6 a group at a time with
+        # dq's sum carried over: version 6's bits, its own kernels alone, nothing said; with REFBERT_F32_BWD=4
+        # (version 4 has no groups) version 3's dq kernel runs, said
+        tile = 2 * 2 * 132 * 64 * 4                                   # (B H T 64 floats: one key tile's partials)
+        for G in (1, 2):
+            E.COUNTS.reset()
+            K.C4_PARTS_MAX = G * tile + tile // 2
+            try:
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    got7 = K.attention_backward_c4(dout, cache)
+            finally:
+                K.C4_PARTS_MAX = None
+            assert not [w for w in said if "REFBERT_C4_PARTS_MB" in str(w.message)], [str(w.message) for w in said]
+            assert E.COUNTS.launches.get("attn_bwd_fused_v7_f32_hs64") == -(-3 // G) and \
+                E.COUNTS.launches.get("attn_bwd_dqsum_v7_f32") == -(-3 // G) and \
+                not any(n.startswith(("attn_bwd_fused_v6", "attn_bwd_dq_v3", "attn_bwd_dqsum_v4"))
+                        for n in E.COUNTS.launches), (G, E.COUNTS.launches)
+            for a, b in zip(both["6"], got7):
+                assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32)), G
+        E.COUNTS.reset()
+        K.C4_PARTS_MAX, K.F32_BWD = tile, "4"
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                K.attention_backward_c4(dout, cache)
+        finally:
+            K.C4_PARTS_MAX, K.F32_BWD = None, "6"
+        said = [str(w.message) for w in said if "REFBERT_C4_PARTS_MB" in str(w.message)]
+        assert len(said) == 1 and "version 4 has no groups" in said[0], said
+        assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches, E.COUNTS.launches
+        print("C4 in groups (version 7) = version 6 bit for bit")
         # the layernorms' C4 (layernorm.cu v6: dx and the dw, db partials in one pass) over a grid of 2 blocks, so
         # each warp takes 2-3 of the 37 rows (the grid stride and its tail): dx, da C2's bits (version 2's code per
         # row); dw, db the same terms in another order, so within twice the float32 rounding bound of a sum of R
@@ -253,6 +285,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
     assert "C6 forward = C3 forward bit for bit" in out, out
     assert "C4 over its limit = C3 bit for bit, said once" in out, out
     assert "C4 backward v6 = v4 bit for bit" in out, out
+    assert "C4 in groups (version 7) = version 6 bit for bit" in out, out
     assert "ERR attention C4: REFBERT_F32_BWD expected one of 4, 6, got '5'" in out, out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v6_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out

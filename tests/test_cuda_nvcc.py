@@ -100,8 +100,8 @@ def test_cu_compiles():
     assert all(report[f"attn_bwd_{p}_v6_{t}_hs64"][0] <= 168 for p in ("dkdv", "dq") for t in ("f16", "bf16")), \
         {k: v for k, v in report.items() if "_v6_" in k}
     # the kernels of the step: layernorm v2 / v3 / v6, gelu, dropout, cross-entropy, column sums, embedding, the
-    # optimizer's (csrc/optim.cu); the fp32 attention (C6 / C4: v5 / v3 forward, v6 / v4 backward), the mixed path's
-    # kernels (csrc/mixed.cu) and the 16-bit flash kernels of C5 (attention_forward.cu v4, v5,
+    # optimizer's (csrc/optim.cu); the fp32 attention (C6 / C4: v5 / v3 forward, v6 / v4 / v7 backward), the mixed
+    # path's kernels (csrc/mixed.cu) and the 16-bit flash kernels of C5 (attention_forward.cu v4, v5,
     # attention_backward.cu v5; v6's dq pass): none spills, and none needs a stack frame (a local array indexed at
     # run time)
     # (gelu.cu's bias + GELU backward version 2 holds 8 float4 loads a thread in blocks of 64 threads and asks for 8
@@ -112,7 +112,7 @@ def test_cu_compiles():
                     r"adamw_v1|scale_v1|grad_stats_)", k):
             assert stack == 0 and regs <= (128 if k.startswith("bias_gelu_bwd_v2_") else 64), (k, report[k])
             checked.add(k)
-        if re.match(r"(attn_.*v[346]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
+        if re.match(r"(attn_.*v[3467]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
                     r"D_v1|attn_rows_|s[34]_|attn_fwd_v[45]_|attn_bwd_d\w*_v[45]_|attn_bwd_dq_v6_)", k):  # no stack
             assert stack == 0, (k, report[k])
             checked.add(k)
@@ -123,7 +123,8 @@ def test_cu_compiles():
             "attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_bf16_hs64", "attn_bwd_dkdv_v4_f16_hs64",
             "attn_fwd_v5_f32_hs64", "attn_bwd_dq_v6_f16_hs64", "colsum16_partial_v1", "adamw_v1_f32", "adamw_v1_f64",
             "grad_stats_partial_v1_f32", "grad_stats_final_v1", "scale_v1_f64", "layernorm_bwd_fused_v6_drop_nv6",
-            "column_sum2_v6", "bias_gelu_bwd_v2_erf"} <= checked, checked
+            "column_sum2_v6", "bias_gelu_bwd_v2_erf", "attn_bwd_fused_v7_f32_hs64",
+            "attn_bwd_dqsum_v7_f32"} <= checked, checked
 
 
 def _nvrtc_include():

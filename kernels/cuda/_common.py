@@ -352,6 +352,19 @@ def column_sum_kernel(kind_in, kind_out):
     return k
 
 
+# The kernel variants an environment variable picks inside a version (A/B runs): each variable's default, written
+# here once. The modules read their value at import by variant_env (cuda_c.ATTN_BWD16, mixed.MIXED_LN, ...);
+# versions.VARIANTS says which module attribute holds each, and what it chooses.
+VARIANT_DEFAULTS = {"REFBERT_ATTN_BWD16": "6", "REFBERT_LN_DWDB": "3", "REFBERT_F32_BWD": "6",
+                    "REFBERT_MIXED_ATTENTION": "S2", "REFBERT_MIXED_LN": "3", "REFBERT_MIXED_LN_BWD": "2",
+                    "REFBERT_MIXED_GELU_BWD": "1"}
+
+
+def variant_env(var):
+    """Kernel variant `var`'s value at import: the environment's, else its default (VARIANT_DEFAULTS)."""
+    return os.environ.get(var, VARIANT_DEFAULTS[var])
+
+
 def variant(who, var, value, allowed):
     """value, a kernel variant an environment variable `var` chose (REFBERT_ATTN_BWD16 and the like), or a
     ValueError naming the variable, what it takes and what came; who: the op and version that reads it."""

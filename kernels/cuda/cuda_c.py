@@ -18,7 +18,8 @@ raised by the same checks before any launch; the same dropout elements).
                                  C3       attention_f32.cu v3 (register-tiled fp32 flash,      f32, hs = 64
                                           forward and backward, dynamic shared memory)
                                  C4       C3's forward; attention_f32.cu v4 backward (dk, dv,  f32, hs = 64
-                                          dq in one pass: dq partials summed in key order)
+                                          dq in one pass: dq partials summed in key order;
+                                          v7: in groups of key tiles where they do not fit)
                                  C6       attention_f32.cu v5 forward (C3's bits: cp.async,    f32, hs = 64
                                           K / V double-buffered, the mask staged), C4's backward
     softmax                      C2       softmax.cu v2 (a warp per row, float4)               f32
@@ -305,7 +306,7 @@ def attention_backward_c2(dout, cache):
 # differ from run to run), attention_backward.cu. On the H100 (2026-11-28, the bench at B=8 H=12 hs=64, device ms
 # of the backward): T=128 v5 0.066, v6 0.070, v7 0.054; T=512 0.293, 0.231, 0.225; T=2048 2.89, 2.16, 2.11. Version
 # 6 is the fastest of the bitwise-reproducible ones where the time is (T >= 512), and within 3% of version 7 there
-ATTN_BWD16 = os.environ.get("REFBERT_ATTN_BWD16", "6")
+ATTN_BWD16 = C.variant_env("REFBERT_ATTN_BWD16")
 ATTN_BWD16S = ("5", "6", "7")
 
 
@@ -411,8 +412,10 @@ def attention_backward_c4(dout, cache):
     """C4's backward: attention_f32.cu version 4, one pass over the scores (5 tile products a tile pair): each key
     tile's block writes dk, dv and its share of dq for every query tile into partials (nkt, B H, T, 64) float32,
     which a second kernel sums in key-tile order (no atomics: the same bits every run). The partials take
-    B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048): above 1 GiB (REFBERT_C4_PARTS_MB, or
-    C4_PARTS_MAX in bytes) this call runs version 3's dq kernel instead, saying so once per shape. The kernels are
+    B H T^2 floats (100 MB at B=8 H=12 T=512, 805 MB at B=4 H=12 T=2048, 1.6 GB at B=8): above 1 GiB
+    (REFBERT_C4_PARTS_MB, or C4_PARTS_MAX in bytes) the call runs version 7, version 6 a group of key tiles at a
+    time with dq's sum carried over in dq (the same bits; as many tiles a group as fit), or, where not even one key
+    tile's partials fit or under REFBERT_F32_BWD=4, version 3's dq kernel, saying so once per shape. The kernels are
     version 6's by default (F32_BWD: version 4's and version 3's dk, dv kernel with conflict-free shared stores in
     their transposing pass, the same bits), version 4's own with REFBERT_F32_BWD=4."""
     return _attention_backward_f32(dout, cache, 4)
@@ -422,7 +425,7 @@ def attention_backward_c4(dout, cache):
 # transposing pass's shared stores free of bank conflicts, where ncu measured version 4's 4.5-way on the H100) or
 # "4" (version 4's own kernels, for A/B runs); where the partials do not fit, version 3's dk, dv kernel or version
 # 6's, the same way
-F32_BWD = os.environ.get("REFBERT_F32_BWD", "6")
+F32_BWD = C.variant_env("REFBERT_F32_BWD")
 F32_BWDS = ("4", "6")
 
 
@@ -453,18 +456,31 @@ def _attention_backward_f32(dout, cache, version):
     kv = "v6" if bwd == "6" else "v3"                                 # (version 3, C3's own: its own kernels)
     if version == 4:
         nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
+        sum_grid = (-(-(B * T * Cc // 4) // 256),)
         if nbytes <= limit:
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
             kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{bwd}_f32_hs64", xp, A3_BWD_SMEM)(
                 grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
-                (-(-(B * T * Cc // 4) // 256),), (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
+                sum_grid, (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
+            return dq, dk, dv
+        G = limit // (nbytes // nkt)                    # key tiles whose partials fit at once
+        if bwd == "6" and G >= 1:                       # version 7: version 6 a group of G key tiles at a time
+            parts = xp.empty((G, B * H, T, 64), np.float32)
+            for kt0 in range(0, nkt, G):
+                ng = min(G, nkt - kt0)
+                kernel_smem("attention_f32.cu", "attn_bwd_fused_v7_f32_hs64", xp, A3_BWD_SMEM)(
+                    (ng, B * H), (128,), args + (dk, dv, parts, _i(kt0)), shared_mem=A3_BWD_SMEM)
+                kernel("attention_f32.cu", "attn_bwd_dqsum_v7_f32", xp)(
+                    sum_grid, (256,), (parts, _i(ng), _i(kt0 == 0), _i(kt0 + ng >= nkt), _i(B), _i(T), _i(H), scale,
+                                       dq))
             return dq, dk, dv
         if (B, H, T) not in _C4_SAID:                   # (once per shape)
             _C4_SAID.add((B, H, T))
             warnings.warn(f"refbert cuda: attention C4's dq partials would take {nbytes >> 20} MiB (B={B} H={H} T={T}),"
-                          f" over its limit of {limit >> 20} MiB (REFBERT_C4_PARTS_MB): version 3's dq kernel runs "
-                          "instead", RuntimeWarning, stacklevel=3)
+                          f" over its limit of {limit >> 20} MiB (REFBERT_C4_PARTS_MB), "
+                          f"{'version 4 has no groups' if G >= 1 else 'one key tile over it'}: version 3's dq kernel "
+                          "runs instead", RuntimeWarning, stacklevel=3)
     kernel_smem("attention_f32.cu", f"attn_bwd_dkdv_{kv}_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dk, dv),
                                                                                   shared_mem=A3_BWD_SMEM)
     kernel_smem("attention_f32.cu", "attn_bwd_dq_v3_f32_hs64", xp, A3_BWD_SMEM)(grid, (128,), args + (dq,),
@@ -668,7 +684,7 @@ def _ln2_forward(kind, x, a, w, b, eps, drop, rk=-1, version=2, o16=None, k16=(N
 
 # layernorm's dw, db partials on the float4 path (A/B runs): "3" (the default), "2" (version 2's: a column a thread),
 # "4" / "5" (version 3's bits with 4 / 8 rows' loads in flight: layernorm.cu; the default once a GPU times them)
-LN_DWDB = os.environ.get("REFBERT_LN_DWDB", "3")
+LN_DWDB = C.variant_env("REFBERT_LN_DWDB")
 LN_DWDBS = ("2", "3", "4", "5")
 
 

@@ -742,7 +742,7 @@ def attention_probs_s2(cache):
 # at B=8 T=512. S4 (REFBERT_MIXED_ATTENTION=S4): S3's kernels drawing dropout's words a Philox call per 4 scores
 # (csrc/mixed.cu s4_*): S3's bits.
 
-ATTENTION = os.environ.get("REFBERT_MIXED_ATTENTION", "S2")   # "S3" / "S4": the flash kernels where they apply
+ATTENTION = C.variant_env("REFBERT_MIXED_ATTENTION")   # "S3" / "S4": the flash kernels where they apply
 ATTENTIONS = ("S2", "S3", "S4")
 
 
@@ -929,7 +929,7 @@ def layernorm_forward_mixed(x, w, b, eps=1e-12, compute="bfloat16"):
 # layernorm main (2026-11-27, 2f0feb7, 2048 x 768) timed the forward's bf16-mixed bodies at 0.0116 / 0.0133 ms
 # (version 3, res / drop) against 0.0123 / 0.0165 (version 2), fp16-mixed 0.0117 / 0.0128 against 0.0125 / 0.0161;
 # the plain kind was as fast either way (0.0092 against 0.0090) and keeps version 2. Not yet timed in a whole step.
-MIXED_LN = os.environ.get("REFBERT_MIXED_LN", "3")
+MIXED_LN = C.variant_env("REFBERT_MIXED_LN")
 
 
 def _mixed_ln_version():
@@ -1057,7 +1057,7 @@ def _fused_cache(op, cache):
 # against 0.0123 + 0.0117, its fp16 0.0291 + 0.0040 against 0.0131 + 0.0132; the bf16-mixed graph step at B=32
 # T=128 17.85 ms with version 6, 17.06 ms with version 2): most likely the run-time rounding (version 2 has a body
 # per rk). The bench's mixed A/B row "layernorm backward v6" times it
-MIXED_LN_BWD = os.environ.get("REFBERT_MIXED_LN_BWD", "2")
+MIXED_LN_BWD = C.variant_env("REFBERT_MIXED_LN_BWD")
 
 
 def _ln_bwd_fused():
@@ -1104,7 +1104,7 @@ def gelu_backward_mixed(dout, cache):
 # 4 columns), 4 rows of loads at a time: version 1's bits, the twin and the 16-bit x included; the float32 C2's
 # kernel). Written 2026-11-28 from the SASS, not yet timed on a GPU (version 1's was 5.5% of the bf16-mixed graph
 # step's GPU time on the H200): the bench's mixed A/B row "bias_gelu backward v2" times it
-MIXED_GELU_BWD = os.environ.get("REFBERT_MIXED_GELU_BWD", "1")
+MIXED_GELU_BWD = C.variant_env("REFBERT_MIXED_GELU_BWD")
 
 
 def bias_gelu_backward_mixed(dout, cache):

@@ -262,7 +262,8 @@ def _build():
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
               "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v6: v4's bits "
-              "with conflict-free shared stores; v4 by REFBERT_F32_BWD=4)"),
+              "with conflict-free shared stores; v4 by REFBERT_F32_BWD=4; v7, v6 in groups of key tiles, where the "
+              "partials do not fit)"),
              ("attention", "C6", K.attention_forward_c6, K.attention_backward_c4, f32, "C4 with the forward's "
               "loads off its critical path: cp.async, K and V double-buffered, the mask row staged; C3's forward "
               "bits (attention_f32.cu v5, v6 or v4 as C4)"),
@@ -472,14 +473,15 @@ def problems():
 
 
 # kernel variants chosen inside a version by an environment variable (A/B runs): (module, attribute, default,
-# variable, what it chooses); describe() names every one not at its default
-VARIANTS = (("cuda_c", "ATTN_BWD16", "6", "REFBERT_ATTN_BWD16", "attention C5's backward kernels"),
-            ("cuda_c", "LN_DWDB", "3", "REFBERT_LN_DWDB", "layernorm's dw, db partials"),
-            ("cuda_c", "F32_BWD", "6", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
-            ("mixed", "ATTENTION", "S2", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
-            ("mixed", "MIXED_LN", "3", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"),
-            ("mixed", "MIXED_LN_BWD", "2", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"),
-            ("mixed", "MIXED_GELU_BWD", "1", "REFBERT_MIXED_GELU_BWD", "the mixed bias + GELU backward"))
+# variable, what it chooses), the default _common.VARIANT_DEFAULTS's; describe() names every one not at its default
+VARIANTS = tuple((mod, attr, C.VARIANT_DEFAULTS[var], var, what) for mod, attr, var, what in (
+    ("cuda_c", "ATTN_BWD16", "REFBERT_ATTN_BWD16", "attention C5's backward kernels"),
+    ("cuda_c", "LN_DWDB", "REFBERT_LN_DWDB", "layernorm's dw, db partials"),
+    ("cuda_c", "F32_BWD", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
+    ("mixed", "ATTENTION", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
+    ("mixed", "MIXED_LN", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"),
+    ("mixed", "MIXED_LN_BWD", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"),
+    ("mixed", "MIXED_GELU_BWD", "REFBERT_MIXED_GELU_BWD", "the mixed bias + GELU backward")))
 
 
 @contextlib.contextmanager

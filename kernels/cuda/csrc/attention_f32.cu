@@ -48,6 +48,16 @@ Version 5 (the forward; the backward stays version 4's): version 3's arithmetic 
   87 KB of dynamic shared memory, two blocks an SM as version 3. The main compares its out, m and 1/l with version
   3's bit for bit; op version C6 (C4's backward).
 
+Version 7 (the backward, where version 4's / 6's partials would not fit: the launcher's REFBERT_C4_PARTS_MB, 1 GiB
+  by default; B H T^2 floats are 1.6 GB at B=8 H=12 T=2048, where C4 ran version 3's dq kernel instead, 12.2 ms on
+  the H200 against PyTorch's 7.61): version 6's one pass over groups of G key tiles at a time, the group's
+  partials (G, B H, T, 64), then attn_bwd_dqsum_v7_f32 adds them to a running sum kept unscaled in dq itself: the
+  first group starts it from its first partial, each later group reads it back (a float32 store and load are
+  exact), the last scales it. The same additions in the same order as version 4's sum over all nkt partials, so
+  version 6's dq, dk, dv bit for bit (the main compares them with G = 1 and 2), with G x B H T 64 floats of
+  partials instead of nkt x; ceil(nkt / G) pairs of launches where version 6 makes one, and dq read and written
+  once more per group.
+
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T]
 On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ attention_f32.cu
@@ -405,19 +415,20 @@ __device__ __forceinline__ void a3_xt_cell(int g, int& r, int& c4) {
     else { r = g >> 4; c4 = (g & 15) * 4; }
 }
 
-// dk, dv of the block's 64 keys (versions 3, 4 and 6); PARTS (versions 4 and 6): also the block's share of dq for
-// every query tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt = blockIdx.x; XT
-// (version 6): the transposing pass's cells laid out for conflict-free shared stores (a3_xt_cell); sm: the kernel's
-// dynamic shared memory (A3_BWD_SMEM bytes)
+// dk, dv of the block's 64 keys (versions 3, 4, 6 and 7); PARTS (versions 4, 6 and 7): also the block's share of
+// dq for every query tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt =
+// blockIdx.x; XT (versions 6 and 7): the transposing pass's cells laid out for conflict-free shared stores
+// (a3_xt_cell); kt0 (version 7; 0 elsewhere): the block's keys are tile kt0 + blockIdx.x (its partials still at
+// blockIdx.x); sm: the kernel's dynamic shared memory (A3_BWD_SMEM bytes)
 template <bool PARTS, bool XT>
 __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv,
                                         const float* __restrict__ dout, const float* __restrict__ Dr,
                                         float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
-                                        float* sm) {
+                                        float* sm, int kt0 = 0) {
     float *Ks = sm, *Vs = sm + A3_TILE, *Qs = sm + 2 * A3_TILE, *dOs = sm + 3 * A3_TILE, *Pa = sm + 4 * A3_TILE,
           *Pb = sm + 5 * A3_TILE, *mrow = sm + 6 * A3_TILE, *lrow = mrow + 64, *drow = lrow + 64;
     const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7, bh = blockIdx.y, b = bh / H, h = bh % H;
-    const int C = H * A3_HS, k0 = blockIdx.x * 64;
+    const int C = H * A3_HS, k0 = (kt0 + blockIdx.x) * 64;
     const size_t base = (size_t)b * Tn * C + h * A3_HS;
     a3_load(Ks, k, base, k0, Tn, C);
     a3_load(Vs, v, base, k0, Tn, C);
@@ -640,6 +651,38 @@ extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_dkdv_v6_f32_hs64(
 }
 
 // ----------------------------------------------------------------------------------------------------------------
+// backward version 7: version 6 over groups of key tiles (where all nkt tiles' partials would not fit), dq's sum
+// carried from group to group in dq itself: version 6's bits
+
+// grid (G, B * H): key tiles kt0 .. kt0 + G - 1 (G <= nkt - kt0), 128 threads, A3_BWD_SMEM bytes; parts: (G, B H, T,
+// 64) float32, the group's
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v7_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
+    int kt0) {
+    DYN_SHARED(float, sm);
+    a3_dkdv<true, true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm, kt0);
+}
+
+// one group's ng partials added in order to the running sum: first, s = parts[0] + parts[1] + ..., else s = dq +
+// parts[0] + ...; stored unscaled, or times scale where last (attn_bwd_dqsum_v4_f32's sum, cut at the groups)
+extern "C" __global__ void __launch_bounds__(256) attn_bwd_dqsum_v7_f32(const float* __restrict__ parts, int ng,
+                                                                        int first, int last, int B, int Tn, int H,
+                                                                        float scale, float* __restrict__ dq) {
+    const long long g = (long long)blockIdx.x * 256 + threadIdx.x;
+    if (g >= (long long)B * Tn * H * 16) return;
+    const int d4 = (int)(g & 15), h = (int)((g >> 4) % H), i = (int)((g >> 4) / H % Tn), b = (int)((g >> 4) / H / Tn);
+    const size_t stride = (size_t)B * H * Tn * A3_HS;                // one key tile's partials
+    const float* p = parts + ((size_t)(b * H + h) * Tn + i) * A3_HS + 4 * d4;
+    float4 s = first ? ld4(p) : ld4(dq + 4 * g);
+    for (int kt = first ? 1 : 0; kt < ng; kt++) {
+        const float4 t = ld4(p + kt * stride);
+        s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
+    }
+    st4(dq + 4 * g, last ? make_float4(s.x * scale, s.y * scale, s.z * scale, s.w * scale) : s);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
 // CPU reference (double sums), launcher, main
 
 #ifdef HOST_CODE
@@ -742,6 +785,8 @@ int main(int argc, char** argv) {
                                        A3_BWD_SMEM));
         cudaCheck(cudaFuncSetAttribute(attn_bwd_dkdv_v6_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v7_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
         const int nkt = (T + 63) / 64;
         float* parts = dalloc(nullptr, (size_t)nkt * nr * A3_HS);
         const dim3 grid((T + 63) / 64, B * H);
@@ -776,6 +821,18 @@ int main(int argc, char** argv) {
                         0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv, parts);
             LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
         };
+        int G7 = 1;                                                   // version 7's key tiles a group
+        auto bwd7 = [&]() {                                           // version 6 in groups of G7 key tiles
+            LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
+            for (int kt0 = 0; kt0 < nkt; kt0 += G7) {
+                const int ng = std::min(G7, nkt - kt0);
+                LAUNCH_SMEM(attn_bwd_fused_v7_f32_hs64, dim3(ng, B * H), A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm,
+                            (long long)T, 0LL, 0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_,
+                            gk, gv, parts, kt0);
+                LAUNCH(attn_bwd_dqsum_v7_f32, (int)((n / 4 + 255) / 256), 256, parts, ng, (int)(kt0 == 0),
+                       (int)(kt0 + ng >= nkt), B, T, H, scale, gq);
+            }
+        };
         auto dkdv6 = [&]() {                                          // version 3's dk, dv, the same way
             LAUNCH_SMEM(attn_bwd_dkdv_v6_f32_hs64, grid, A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm, (long long)T, 0LL,
                         0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv);
@@ -809,6 +866,15 @@ int main(int argc, char** argv) {
 #endif
         // version 6 against version 4 (dq, dk, dv) and its dk, dv kernel against version 3's: the same bits, or the
         // transposing pass's cells are not all written, or written twice
+        // (and version 7, version 6 in groups of 1 and 2 key tiles, against version 6: the same bits, or a group's
+        // sum is not carried over in order)
+        bool same7 = true;
+        for (G7 = 1; G7 <= 2; G7++) {
+            const std::vector<float> g7 = grads(bwd7), g6 = grads(bwd6);
+            same7 &= std::memcmp(g7.data(), g6.data(), 3 * n * 4) == 0;
+        }
+        printf("  v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): %s\n", same7 ? "yes" : "NO");
+        if (!same7) exit(EXIT_FAILURE);
         const std::vector<float> g6 = grads(bwd6), g4 = grads(bwd4);   // (version 4 last: its results kept below)
         const std::vector<float> g6kv = grads(dkdv6);                 // (gq: still version 4's)
         const bool same6 = std::memcmp(g6.data(), g4.data(), 3 * n * 4) == 0;
@@ -853,6 +919,10 @@ int main(int argc, char** argv) {
                (double)nkt * nr * A3_HS * 4 / 1e6);
         printf("  v6 f32: backward %.4f ms %.1f TFLOP/s (version 4, conflict-free transposes)\n", ms_b6,
                2.5 * fl / ms_b6 / 1e9);
+        G7 = (nkt + 1) / 2;                                           // (two groups: half the partials)
+        const float ms_b7 = benchmark_kernel(10, bwd7);
+        printf("  v7 f32: backward %.4f ms %.1f TFLOP/s (version 6 in %d groups of %d key tiles)\n", ms_b7,
+               2.5 * fl / ms_b7 / 1e9, (nkt + G7 - 1) / G7, G7);
 #ifdef HALF_TYPES
         const float ms_f5 = benchmark_kernel(10, fwd5);
         printf("  v5 f32: forward %.4f ms %.1f TFLOP/s\n", ms_f5, fl / ms_f5 / 1e9);
