@@ -241,6 +241,16 @@ def test_cpusim_catches_f32_backward_v7_dropping_the_carried_sum(tmp_path):
         run.stdout[-3000:]
 
 
+def test_cpusim_catches_cross_entropy_v3_leaving_its_counter_set(tmp_path):
+    """cross_entropy.cu's version 3 finishes in the block holding the last ticket and puts the counter back to 0 for
+    the next call. Without that reset the second call has no last block (its m and loss stay as the main poisoned
+    them): the main's comparison with version 2, made twice, must say NO and exit 1."""
+    exe = _mutant(tmp_path, "cross_entropy.cu", "    if (t == 0) *done = 0u;", "", "cross_entropy.cu")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "v3 = v2 bit for bit (m, s, term, kept, loss, count; twice): NO" in run.stdout, \
+        run.stdout[-3000:]
+
+
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of

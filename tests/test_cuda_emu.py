@@ -270,7 +270,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 26, out
+    assert out.count("OK ") == 27, out
     # bias_gelu C2: version 2's kernels where I % 4 == 0, version 1's where not (the specs' shapes hold both)
     line = next(x for x in out.splitlines() if x.startswith("OK bias_gelu C2 "))
     assert "bias_gelu_bwd_v2_erf" in line and "bias_gelu_bwd_v2_tanh" in line, line
@@ -296,7 +296,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
 def test_emu_cross_entropy_c2_split_rows_match_oracle():
     """cross_entropy C2 with its rows split across 2, 3 and 8 blocks (the emulator's one SM makes the launcher take
     version 1's kernel by itself): the oracle's loss and dlogits, ignored rows, a large logit, a NaN row made loud.
-    Tolerance 1e-5 relative: float32 sums in another order and CUDA's expf / logf within 2 ulp."""
+    Tolerance 1e-5 relative: float32 sums in another order and CUDA's expf / logf within 2 ulp. C3 (one launch,
+    the last block finishing) at the same splits and at 1: C2's loss, count, m, s bit for bit, called twice in a row
+    (its ticket counter back at 0 after each call), a NaN row loud as C2's."""
     out = cudachild.check(_run(_env("""
         import numpy as np
         from refbert import ops
@@ -316,10 +318,21 @@ def test_emu_cross_entropy_c2_split_rows_match_oracle():
                 dz = K.cross_entropy_backward_c1(np.float32(1.0), cache).get()
                 assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)), (N, V, splits, float(loss), ref)
                 assert np.abs(dz - dref).max() <= 1e-5 * np.abs(dref).max(), (N, V, splits)
+                bits = lambda lc: [np.atleast_1d(t.get()).view(np.uint8)
+                                   for t in (lc[0], lc[1].m, lc[1].s, lc[1].count)]
+                for _ in range(2):
+                    E.COUNTS.reset()
+                    got = K.cross_entropy_forward_c3(B.to_device(z), y, splits=splits)
+                    assert set(E.COUNTS.launches) == {"ce_fwd_v3"}, E.COUNTS.launches
+                    assert all(np.array_equal(a, b) for a, b in zip(bits((loss, cache)), bits(got))), (N, V, splits)
+                    assert int(K._ce_done(E.cupy).get()[0]) == 0
+            got = K.cross_entropy_forward_c3(B.to_device(z), y, splits=1)     # (one block a row)
+            assert abs(float(got[0]) - float(ref)) <= 1e-5 * abs(float(ref)), (N, V, float(got[0]), ref)
         z = r.standard_normal((4, 2048)).astype(np.float32)
         z[2, 1500] = np.nan
         loss, _ = K.cross_entropy_forward_c2(B.to_device(z), np.array([1, 2, 3, 4]), splits=4)
         assert np.isnan(float(loss))
+        assert np.isnan(float(K.cross_entropy_forward_c3(B.to_device(z), np.array([1, 2, 3, 4]), splits=4)[0]))
         print("C2 OK")
     """)))
     assert "C2 OK" in out, out

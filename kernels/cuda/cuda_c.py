@@ -34,9 +34,9 @@ raised by the same checks before any launch; the same dropout elements).
     bias_gelu                    C2       C1's forward; gelu.cu v2's backward (a thread per    f32
                                           (chunk, 4 columns), 4 rows of loads at a time: C1's
                                           bits)
-    cross_entropy                C1, C2   cross_entropy.cu v1 (kept rows found on the device,  f32
+    cross_entropy                C1-C3    cross_entropy.cu v1 (kept rows found on the device,  f32
                                           the loss and its count stay there), v2 (rows split
-                                          across blocks when few)
+                                          across blocks when few), v3 (v2 in one launch)
     column_sum (bias gradients)  C1       colsum.cu v1 (chunk partials, then a fixed-order sum) f32
                                           (mixed precision: from the 16-bit operand, the same bits)
     embedding (backward)         C1       embedding.cu v1 (sorted segment sum: deterministic)  f32
@@ -1020,6 +1020,29 @@ def cross_entropy_forward_c2(logits, labels, ignore_index=-100, splits=None):
     return _ce_forward("C2", logits, labels, ignore_index, splits)
 
 
+def cross_entropy_forward_c3(logits, labels, ignore_index=-100, splits=None):
+    """Version 3: version 2's blocks and merges in one launch (cross_entropy.cu v3: the last block to finish merges
+    the rows' pairs and sums the loss, in version 2's order: its bits); splits as version 2's (1 included)."""
+    return _ce_forward("C3", logits, labels, ignore_index, splits)
+
+
+_CE_DONE = {}
+
+
+def _ce_done(xp):
+    """Version 3's ticket counter: one zeroed uint32 per array module and device, made at its first use; every
+    call's last block puts it back to 0. (Two calls in flight at once on two streams would share it: the model
+    runs one stream.)"""
+    try:
+        key = (id(xp), xp.cuda.Device().id)
+    except Exception:                                 # (an array module without devices)
+        key = (id(xp), 0)
+    done = _CE_DONE.get(key)
+    if done is None:
+        done = _CE_DONE[key] = xp.zeros(1, np.uint32)
+    return done
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(xp):
     try:
@@ -1056,12 +1079,17 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
     loss, count = xp.empty((), np.float32), xp.empty(1, np.float32)
     if N:
         vec = Vn % 4 == 0 and _aligned(z2)
-        if version == "C2" and splits is None:
+        if version in ("C2", "C3") and splits is None:
             splits = min(max(1, -(-4 * _sm_count(xp) // N)), max(1, Vn // 1024))
         cw = -(-Vn // (splits or 1))
         cw = -(-cw // 4) * 4                          # whole float4s per chunk
         sp = -(-Vn // cw) if Vn else 1
-        if version == "C1" or sp <= 1:
+        if version == "C3" and N * sp < 2 ** 32:      # (the ticket counter is 32 bits)
+            pm, ps = xp.empty((N, sp), np.float32), xp.empty((N, sp), np.float32)
+            kernel("cross_entropy.cu", "ce_fwd_v3", xp)(
+                (N, sp), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index), _i(cw), _i(vec), pm, ps, m, s, term,
+                                  kept, loss.reshape(1), count, _ce_done(xp)))
+        elif version == "C1" or sp <= 1:
             kernel("cross_entropy.cu", "ce_fwd_v1", xp)((N,), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index),
                                                                        _i(vec), m, s, term, kept))
         else:
@@ -1071,7 +1099,8 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
             kernel("cross_entropy.cu", "ce_fin_v2", xp)(((N + 255) // 256,), (256,),
                                                         (z2, y, _i(N), _i(Vn), np.int64(ignore_index), _i(sp), pm,
                                                          ps, m, s, term, kept))
-        kernel("cross_entropy.cu", "ce_loss_v1", xp)((1,), (256,), (term, kept, _i(N), loss.reshape(1), count))
+        if version != "C3" or N * sp >= 2 ** 32:
+            kernel("cross_entropy.cu", "ce_loss_v1", xp)((1,), (256,), (term, kept, _i(N), loss.reshape(1), count))
         if C.checks_on(m):                           # a read back: only with REFBERT_CUDA_CHECKS=1
             keep = C.to_host(kept).astype(bool)
             if not np.isfinite(C.to_host(m)[keep]).all():

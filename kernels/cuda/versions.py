@@ -57,11 +57,13 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 # bias_gelu's C2 (gelu.cu v2's backward, C1's bits) after C1 until a GPU times it: written 2026-11-28 from the SASS
 # (65 instructions an element in its loop against C1's 82, four independent elements a thread, the next row's loads
 # issued during this row's arithmetic) against C1's 0.0426 ms and PyTorch's 0.0356 at (2048, 3072) on the H200; the
-# bench's measured order picks it for the step where it is the faster
+# bench's measured order picks it for the step where it is the faster; cross_entropy's C3 (cross_entropy.cu v3: C2's
+# three launches in one, C2's bits) after C2 likewise, written against C2's 0.0233 ms and PyTorch's 0.0198 at 77
+# rows of 30522 on the H200
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C4", "C3", "C2", "C1", "2", "1"],
          "residual_layernorm": ["C4", "C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C4", "C3", "C2", "2", "1"],
          "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "C2", "2", "1"],
-         "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C1", "2", "1"],
+         "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C3", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
           "dropout_residual_layernorm": "layernorm", "dropout": "dropout", "gelu": "gelu", "bias_gelu": "gelu",
@@ -271,6 +273,9 @@ def _build():
               "a block per row, online max/sum; kept rows and the loss on the device"),
              ("cross_entropy", "C2", K.cross_entropy_forward_c2, K.cross_entropy_backward_c1, f32,
               "C1 with each row split across blocks while the rows alone do not fill the GPU (cross_entropy.cu v2)"),
+             ("cross_entropy", "C3", K.cross_entropy_forward_c3, K.cross_entropy_backward_c1, f32,
+              "C2 in one launch: the last block to finish merges the rows and sums the loss, C2's bits "
+              "(cross_entropy.cu v3)"),
              ("column_sum", "C1", K.column_sum_c1, None, f32, "chunk partials, then a fixed-order sum (colsum.cu)"),
              ("embedding", "C1", mods["embedding"].embedding_forward_v2 if mods.get("embedding") else None,
               K.embedding_backward_c1, f32, "sorted segment sum, runs of 32 (embedding.cu): deterministic")]

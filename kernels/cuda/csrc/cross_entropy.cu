@@ -24,6 +24,14 @@ Versions:
      chunks' pairs in chunk order and writes what version 1 writes: for few rows (the MLM rows of a small batch)
      version 1 runs N blocks on a GPU with over a hundred SMs; the launcher takes splits = 1 (version 1's
      kernel) once N fills the GPU. Deterministic: every merge in a fixed order.
+  3  version 2 in one launch: ce_part_v2's blocks, every one (an ignored row's too) then taking a ticket from a
+     counter; the block holding the last ticket merges each row's chunk pairs in chunk order and sums the loss as
+     ce_fin_v2 and ce_loss_v1 do (thread t: rows t, t + 256, ..., then the same tree), and puts the counter back to
+     0 for the next call. Version 2's three launches, each waiting for the one before to drain, become one (the
+     pattern of the CUDA samples' threadFenceReduction: a __threadfence before the ticket, the other blocks' pairs
+     read through L2). The same values in the same order: version 2's m, s, term, kept, loss and count bit for bit
+     (the main compares them, at splits 1, 2, 3 and 8, twice in a row: the counter reset). One counter per device
+     (the launcher's): calls on two streams at once would share it.
   mixed precision (the backward's rk >= 0): dz rounded to the compute dtype in the kernel with its twin (o16), the
      logits read from the 16-bit storage the forward's input already had (z16: IN16), the same values
 
@@ -130,6 +138,32 @@ extern "C" __global__ void __launch_bounds__(256) ce_part_v2(const float* __rest
     }
 }
 
+// row r's chunk pairs merged in chunk order: what ce_fwd_v1 writes for the row (m, log s, term, kept), and the term
+// returned; L2: the pairs read through L2 (__ldcg: version 3's last block reads what other blocks wrote)
+template <bool L2>
+__device__ __forceinline__ float ce_fin_row(const float* __restrict__ z, long long label, int r, int V,
+                                            long long ignore, int splits, const float* pm, const float* ps,
+                                            float* __restrict__ m_out, float* __restrict__ s_out,
+                                            float* __restrict__ term, int* __restrict__ kept) {
+    if (label == ignore) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; return 0.f; }
+    float m = -INFINITY, s = 0.f;
+    bool bad = false;
+    for (int k = 0; k < splits; k++) {
+        const size_t e = (size_t)r * splits + k;
+        const float m2 = L2 ? __ldcg(pm + e) : pm[e], s2 = L2 ? __ldcg(ps + e) : ps[e];
+        if (m2 != m2) bad = true;
+        else ce_merge(m, s, m2, s2);
+    }
+    if (bad) m = NAN;
+    const float ls = logf(s);
+    const float t = (label >= 0 && label < V) ? ls - (z[(size_t)r * V + label] - m) : NAN;
+    m_out[r] = m;
+    s_out[r] = ls;
+    term[r] = t;
+    kept[r] = 1;
+    return t;
+}
+
 extern "C" __global__ void __launch_bounds__(256) ce_fin_v2(const float* __restrict__ z,
                                                             const long long* __restrict__ y, int N, int V,
                                                             long long ignore, int splits,
@@ -138,33 +172,15 @@ extern "C" __global__ void __launch_bounds__(256) ce_fin_v2(const float* __restr
                                                             float* __restrict__ term, int* __restrict__ kept) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= N) return;
-    const long long label = y[r];
-    if (label == ignore) { m_out[r] = 0.f; s_out[r] = 0.f; term[r] = 0.f; kept[r] = 0; return; }
-    float m = -INFINITY, s = 0.f;
-    bool bad = false;
-    for (int k = 0; k < splits; k++) {
-        const float m2 = pm[(size_t)r * splits + k], s2 = ps[(size_t)r * splits + k];
-        if (m2 != m2) bad = true;
-        else ce_merge(m, s, m2, s2);
-    }
-    if (bad) m = NAN;
-    const float ls = logf(s);
-    m_out[r] = m;
-    s_out[r] = ls;
-    term[r] = (label >= 0 && label < V) ? ls - (z[(size_t)r * V + label] - m) : NAN;
-    kept[r] = 1;
+    ce_fin_row<false>(z, y[r], r, V, ignore, splits, pm, ps, m_out, s_out, term, kept);
 }
 
-// loss = sum(term) / n in a fixed order (thread t sums rows t, t + 256, ...; then a tree), count = n
-extern "C" __global__ void __launch_bounds__(256) ce_loss_v1(const float* __restrict__ term,
-                                                             const int* __restrict__ kept, int N,
-                                                             float* __restrict__ loss, float* __restrict__ count) {
+// loss = sum(term) / n in a fixed order (thread t sums rows t, t + 256, ...; then a tree), count = n: from the
+// thread's (sum, count) on (ce_loss_v1 and version 3's last block)
+__device__ __forceinline__ void ce_loss_tree(double tot, int n, float* __restrict__ loss, float* __restrict__ count) {
     __shared__ double tb[256];
     __shared__ int kb[256];
     const int t = threadIdx.x;
-    double tot = 0.0;
-    int n = 0;
-    for (int r = t; r < N; r += 256) { tot += term[r]; n += kept[r]; }
     tb[t] = tot;
     kb[t] = n;
     __syncthreads();
@@ -176,6 +192,57 @@ extern "C" __global__ void __launch_bounds__(256) ce_loss_v1(const float* __rest
         loss[0] = kb[0] ? (float)(tb[0] / kb[0]) : 0.f;
         count[0] = (float)kb[0];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_loss_v1(const float* __restrict__ term,
+                                                             const int* __restrict__ kept, int N,
+                                                             float* __restrict__ loss, float* __restrict__ count) {
+    double tot = 0.0;
+    int n = 0;
+    for (int r = threadIdx.x; r < N; r += 256) { tot += term[r]; n += kept[r]; }
+    ce_loss_tree(tot, n, loss, count);
+}
+
+// version 3: grid (N, splits) as ce_part_v2, then the last block to finish (done: a zeroed counter) does ce_fin_v2
+// and ce_loss_v1's work and zeroes the counter
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_v3(const float* __restrict__ z,
+                                                            const long long* __restrict__ y, int N, int V,
+                                                            long long ignore, int cw, int vec, float* pm, float* ps,
+                                                            float* __restrict__ m_out, float* __restrict__ s_out,
+                                                            float* __restrict__ term, int* __restrict__ kept,
+                                                            float* __restrict__ loss, float* __restrict__ count,
+                                                            unsigned int* done) {
+    __shared__ float wm[8], ws[8];
+    __shared__ int wnan[8];
+    __shared__ int last;
+    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x;
+    if (y[r] != ignore) {                                           // block-uniform (ce_part_v2's work)
+        const float* zr = z + (size_t)r * V;
+        const int j0 = k * cw, j1 = min(V, j0 + cw);
+        float m = -INFINITY, s = 0.f;
+        bool nan = false;
+        ce_scan(zr, j0, j1, vec, m, s, nan);
+        const bool bad = ce_block_merge(m, s, nan, wm, ws, wnan);
+        if (t == 0) {
+            pm[(size_t)r * splits + k] = bad ? NAN : m;
+            ps[(size_t)r * splits + k] = s;
+        }
+    }
+    if (t == 0) {
+        __threadfence();                                            // the pair visible before the ticket
+        last = atomicAdd(done, 1u) == (unsigned int)(N * splits - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    double tot = 0.0;
+    int n = 0;
+    for (int rr = t; rr < N; rr += 256) {                           // ce_fin_v2's rows, in ce_loss_v1's order
+        tot += ce_fin_row<true>(z, y[rr], rr, V, ignore, splits, pm, ps, m_out, s_out, term, kept);
+        n += y[rr] != ignore;
+    }
+    ce_loss_tree(tot, n, loss, count);
+    if (t == 0) *done = 0u;                                         // for the next call
 }
 
 // rk >= 0 (mixed precision): z comes from z16 when IN16 (the forward's logits kept in 16 bits; z is not read), dz
@@ -292,8 +359,23 @@ int main() {
             LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count);
         };
         float *pm, *ps;
+        unsigned int* done;
         cudaCheck(cudaMalloc(&pm, (size_t)N * 8 * 4)); cudaCheck(cudaMalloc(&ps, (size_t)N * 8 * 4));
-        for (int splits : {2, 3, 8}) {                                 // version 2: the same m, s, term and loss
+        cudaCheck(cudaMalloc(&done, 4));
+        cudaCheck(cudaMemset(done, 0, 4));
+        // m, s, term, kept, loss, count as the kernels left them (bits)
+        auto outs = [&]() {
+            std::vector<u32> o(4 * (size_t)N + 2);
+            cudaCheck(cudaDeviceSynchronize());
+            cudaCheck(cudaMemcpy(o.data(), m, N * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(o.data() + N, s, N * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(o.data() + 2 * N, term, N * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(o.data() + 3 * N, kept, N * 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(o.data() + 4 * N, loss, 4, cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(o.data() + 4 * N + 1, count, 4, cudaMemcpyDeviceToHost));
+            return o;
+        };
+        for (int splits : {1, 2, 3, 8}) {                              // version 2: the same m, s, term and loss
             const int cw = ((V + splits - 1) / splits + 3) / 4 * 4;
             const int sp = (V + cw - 1) / cw;
             LAUNCH(ce_part_v2, dim3(N, sp), 256, dz_, dy, V, ignore, cw, vec, pm, ps);
@@ -307,15 +389,33 @@ int main() {
                    (const unsigned short*)nullptr, (unsigned short*)nullptr);   // its m, s
             cudaCheck(cudaDeviceSynchronize());
             validate_result(ddz, dz.data(), "dz from its m, s", n, 1e-7f, 1e-5f);
+            // version 3 (one launch, the last block finishing): version 2's bits, twice (the counter put back)
+            const std::vector<u32> o2 = outs();
+            bool same3 = true;
+            for (int rep = 0; rep < 2; rep++) {
+                cudaCheck(cudaMemset(m, 0xFF, N * 4)); cudaCheck(cudaMemset(loss, 0xFF, 4));
+                LAUNCH(ce_fwd_v3, dim3(N, sp), 256, dz_, dy, N, V, ignore, cw, vec, pm, ps, m, s, term, kept, loss,
+                       count, done);
+                same3 &= outs() == o2;
+            }
+            u32 left = 1;
+            cudaCheck(cudaMemcpy(&left, done, 4, cudaMemcpyDeviceToHost));
+            printf("  v3 = v2 bit for bit (m, s, term, kept, loss, count; twice): %s\n",
+                   same3 && left == 0 ? "yes" : "NO");
+            if (!same3 || left) exit(EXIT_FAILURE);
             if (n >= (1 << 20) && N <= 1024) {
                 float ms2 = benchmark_kernel(20, [&]() {
                     LAUNCH(ce_part_v2, dim3(N, sp), 256, dz_, dy, V, ignore, cw, vec, pm, ps);
                     LAUNCH(ce_fin_v2, (N + 255) / 256, 256, dz_, dy, N, V, ignore, sp, pm, ps, m, s, term, kept);
                     LAUNCH(ce_loss_v1, 1, 256, term, kept, N, loss, count); });
-                printf("  forward v2 %.4f ms %.0f GB/s\n", ms2, n * 4.0 / ms2 / 1e6);
+                float ms3 = benchmark_kernel(20, [&]() {
+                    LAUNCH(ce_fwd_v3, dim3(N, sp), 256, dz_, dy, N, V, ignore, cw, vec, pm, ps, m, s, term, kept,
+                           loss, count, done); });
+                printf("  forward v2 %.4f ms %.0f GB/s | v3 %.4f ms %.0f GB/s\n", ms2, n * 4.0 / ms2 / 1e6, ms3,
+                       n * 4.0 / ms3 / 1e6);
             }
         }
-        cudaFree(pm); cudaFree(ps);
+        cudaFree(pm); cudaFree(ps); cudaFree(done);
         printf("cross_entropy v1 N=%d V=%d kept=%d\n", N, V, kept_n);
         fwd();
         for (int on_dev = 0; on_dev < 2; on_dev++) {
