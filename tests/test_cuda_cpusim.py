@@ -217,39 +217,35 @@ def test_cpusim_catches_layernorm_partials_added_out_of_row_order(tmp_path, dept
         assert "dw, db partials v4 = v3 bit for bit (rk -1): yes" in run.stdout, run.stdout[-3000:]
 
 
-def test_cpusim_catches_gelu_backward_v2_rows_added_out_of_order(tmp_path):
-    """gelu.cu's bias + GELU backward version 2 loads 4 rows before their arithmetic and must add each column's
-    terms in row order to keep version 1's bits (dx, the db partials). With a group's 4 rows taken last to first,
-    the main's comparison with version 1 must say WRONG and exit 1 (the (389, 8) shape: chunks of 7 rows, one
-    group of 4), or it proves nothing about the order."""
-    exe = _mutant(tmp_path, "gelu.cu", "        for (int u = 0; u < 4; u++)\n            bias_gelu_step2",
-                  "        for (int u = 3; u >= 0; u--)\n            bias_gelu_step2", "gelu.cu")
+# (what a later version must keep of its predecessor's bits, the mutation that breaks it, and the main's line that
+# must then say so)
+LATER_VERSIONS = {
+    # gelu.cu's bias + GELU backward version 2 loads 4 rows before their arithmetic and must add each column's terms
+    # in row order to keep version 1's bits (dx, the db partials): a group's rows taken last to first ((389, 8):
+    # chunks of 7 rows, one group of 4)
+    "gelu v2 rows in order": ("gelu.cu", "        for (int u = 0; u < 4; u++)\n            bias_gelu_step2",
+                              "        for (int u = 3; u >= 0; u--)\n            bias_gelu_step2",
+                              "backward v2 (rk -1, 0, 1; x kept in 16 bits or not): WRONG"),
+    # attention_f32.cu's backward version 7 runs version 6 over groups of key tiles and carries dq's running sum from
+    # group to group in dq itself: each group starting afresh (groups of 1 and 2 key tiles at T = 70 and 136)
+    "f32 attention v7 carries dq": ("attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",
+                                    "float4 s = first ? ld4(p) : make_float4(0.f, 0.f, 0.f, 0.f);",
+                                    "v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): NO"),
+    # cross_entropy.cu's version 3 finishes in the block holding the last ticket, which puts the counter back to 0:
+    # without that the second call has no last block (its m and loss stay as the main poisoned them)
+    "cross-entropy v3 resets its counter": ("cross_entropy.cu", "    if (t == 0) *done = 0u;", "",
+                                            "v3 = v2 bit for bit (m, s, term, kept, loss, count; twice): NO"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LATER_VERSIONS))
+def test_cpusim_catches_a_later_version_losing_its_predecessors_bits(tmp_path, case):
+    """A version that claims its predecessor's bits is compared with it by its file's main; with the mutation that
+    breaks the claim (LATER_VERSIONS) the main must say so and exit 1, or the comparison proves nothing."""
+    where, old, new, says = LATER_VERSIONS[case]
+    exe = _mutant(tmp_path, where, old, new, where)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "backward v2 (rk -1, 0, 1; x kept in 16 bits or not): WRONG" in run.stdout, \
-        run.stdout[-3000:]
-
-
-def test_cpusim_catches_f32_backward_v7_dropping_the_carried_sum(tmp_path):
-    """attention_f32.cu's backward version 7 runs version 6 over groups of key tiles and carries dq's running sum
-    from group to group in dq itself. With each group starting its sum afresh (the carried sum dropped), the main's
-    comparison with version 6 must say NO and exit 1 (groups of 1 and 2 key tiles at T = 70 and 136), or it proves
-    nothing about the carry."""
-    exe = _mutant(tmp_path, "attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",
-                  "float4 s = first ? ld4(p) : make_float4(0.f, 0.f, 0.f, 0.f);", "attention_f32.cu")
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): NO" in run.stdout, \
-        run.stdout[-3000:]
-
-
-def test_cpusim_catches_cross_entropy_v3_leaving_its_counter_set(tmp_path):
-    """cross_entropy.cu's version 3 finishes in the block holding the last ticket and puts the counter back to 0 for
-    the next call. Without that reset the second call has no last block (its m and loss stay as the main poisoned
-    them): the main's comparison with version 2, made twice, must say NO and exit 1."""
-    exe = _mutant(tmp_path, "cross_entropy.cu", "    if (t == 0) *done = 0u;", "", "cross_entropy.cu")
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "v3 = v2 bit for bit (m, s, term, kept, loss, count; twice): NO" in run.stdout, \
-        run.stdout[-3000:]
-
+    assert run.returncode != 0 and says in run.stdout, run.stdout[-3000:]
 
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
