@@ -15,15 +15,19 @@ Versions:
      (chunk, column) walks its chunk's rows, writes du and keeps db's partial in a register (consecutive threads,
      consecutive columns: coalesced), then the fixed-order column sum. erfcf / expf (not the __expf intrinsic):
      the oracle's float32 tolerance (kernels/cuda/gelu.py) holds with them.
-  2  the backward of bias + GELU with more bytes in flight: version 1's thread walks its chunk's rows with two
-     4-byte loads in flight (a 90-instruction dgelu between them and the next row's: 196k threads, ~1.6 MB in
-     flight at (2048, 3072), below what HBM needs to stay busy; H200: 0.0426 ms against PyTorch's 0.0356 for
-     its three kernels). Version 2: a thread per (chunk, 4 columns), float4 loads, its rows 4 at a time with the
-     8 loads issued before any arithmetic (49k threads x 128 bytes, ~6 MB in flight), blocks of 64 threads (768
-     blocks at (2048, 3072): 5.8 an SM, where 256-thread blocks would leave SMs with 1 and 2). Each column's
-     partial adds its rows in row order, the same d = dout gelu'(x + b): version 1's bits (dx, the parts, db),
-     compared by the main and the emulator. Needs I % 4 == 0 and aligned pointers (else the launcher runs version
-     1's kernel: the same bits). The forward is version 1's.
+  2  the backward of bias + GELU with more work in flight a thread. Version 1's thread walks its chunk's rows one
+     at a time, its two 4-byte loads at the top of the loop and then ~80 instructions of dgelu that wait on them
+     (the float32 body's SASS: 82 instructions an element in the loop, no load of the next row issued early;
+     H200: 0.0426 ms against PyTorch's 0.0356 for its three kernels at (2048, 3072)). Version 2: a thread per
+     (chunk, 4 columns), float4 loads, its rows 4 at a time written loads first. ptxas (CUDA 13, sm_90) keeps its
+     own order, issuing the next row's float4 loads during this row's arithmetic, so 2-3 of them in flight a
+     thread rather than 8 (a fence, inline-asm loads, __ldcg / __ldlu and a minBlocks did not change that); what
+     the SASS shows is 65 instructions an element in the loop and four independent elements a thread. Blocks of
+     64 threads (768 blocks at (2048, 3072): 5.8 an SM, where 256-thread blocks would leave SMs with 1 and 2),
+     __launch_bounds__(64, 8): at most 128 registers (72 / 90 used). Each column's partial adds its rows in row
+     order, the same d = dout gelu'(x + b): version 1's bits (dx, the parts, db), compared by the main and the
+     emulator. Needs I % 4 == 0 and aligned pointers (else the launcher runs version 1's kernel: the same bits).
+     The forward is version 1's. Not yet timed on a GPU.
   mixed precision (rk >= 0): every value read and written on the compute grid; the forward may write out's twin
      (o16) and keep x in 16 bits (k16: common.cuh keep16), the backwards read x so (x16: IN16), the same values
 
@@ -155,7 +159,7 @@ __device__ __forceinline__ void bias_gelu_bwd2(const float* __restrict__ dout, c
     for (; r + 4 <= r1; r += 4) {
         float4 g[4], v[4];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {                                // the 8 loads before any arithmetic
+        for (int u = 0; u < 4; u++) {                                // (loads first; ptxas interleaves them)
             const size_t e = (size_t)(r + u) * I + j;
             g[u] = rnd4(ld4(dout + e), rk);
             v[u] = ld_in4<IN16>(x, x16, e, rk);
