@@ -1084,7 +1084,8 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
         cw = -(-Vn // (splits or 1))
         cw = -(-cw // 4) * 4                          # whole float4s per chunk
         sp = -(-Vn // cw) if Vn else 1
-        if version == "C3" and N * sp < 2 ** 32:      # (the ticket counter is 32 bits)
+        one = version == "C3" and N * sp < 2 ** 32    # one launch (the ticket counter is 32 bits)
+        if one:
             pm, ps = xp.empty((N, sp), np.float32), xp.empty((N, sp), np.float32)
             kernel("cross_entropy.cu", "ce_fwd_v3", xp)(
                 (N, sp), (256,), (z2, y, _i(N), _i(Vn), np.int64(ignore_index), _i(cw), _i(vec), pm, ps, m, s, term,
@@ -1099,7 +1100,7 @@ def _ce_forward(version, logits, labels, ignore_index, splits=None):
             kernel("cross_entropy.cu", "ce_fin_v2", xp)(((N + 255) // 256,), (256,),
                                                         (z2, y, _i(N), _i(Vn), np.int64(ignore_index), _i(sp), pm,
                                                          ps, m, s, term, kept))
-        if version != "C3" or N * sp >= 2 ** 32:
+        if not one:
             kernel("cross_entropy.cu", "ce_loss_v1", xp)((1,), (256,), (term, kept, _i(N), loss.reshape(1), count))
         if C.checks_on(m):                           # a read back: only with REFBERT_CUDA_CHECKS=1
             keep = C.to_host(kept).astype(bool)

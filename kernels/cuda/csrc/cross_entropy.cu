@@ -118,24 +118,32 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_v1(const float* __restr
 
 // version 2: ce_part_v2, grid (N, splits): block (r, k) reduces columns [k cw, min(V, (k + 1) cw)) of row r to its
 // online pair (m, s) (m NaN when a NaN was seen); ce_fin_v2, a thread per row, merges the row's pairs in k order
-extern "C" __global__ void __launch_bounds__(256) ce_part_v2(const float* __restrict__ z,
-                                                             const long long* __restrict__ y, int V, long long ignore,
-                                                             int cw, int vec, float* __restrict__ pm,
-                                                             float* __restrict__ ps) {
+
+// block (r, k)'s chunk of row r, columns [k cw, min(V, (k + 1) cw)), reduced to its online pair, written to
+// (pm, ps)[r splits + k] (m NaN when a NaN was seen); ignored rows write nothing (block-uniform)
+__device__ __forceinline__ void ce_part(const float* __restrict__ z, const long long* __restrict__ y, int V,
+                                        long long ignore, int cw, int vec, float* pm, float* ps) {
     __shared__ float wm[8], ws[8];
     __shared__ int wnan[8];
-    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x;
-    if (y[r] == ignore) return;                                     // block-uniform; ce_fin_v2 writes the row
+    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y;
+    if (y[r] == ignore) return;
     const float* zr = z + (size_t)r * V;
     const int j0 = k * cw, j1 = min(V, j0 + cw);
     float m = -INFINITY, s = 0.f;
     bool nan = false;
     ce_scan(zr, j0, j1, vec, m, s, nan);                           // (vec: cw % 4 == 0 and V % 4 == 0)
     const bool bad = ce_block_merge(m, s, nan, wm, ws, wnan);
-    if (t == 0) {
+    if (threadIdx.x == 0) {
         pm[(size_t)r * splits + k] = bad ? NAN : m;
         ps[(size_t)r * splits + k] = s;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_part_v2(const float* __restrict__ z,
+                                                             const long long* __restrict__ y, int V, long long ignore,
+                                                             int cw, int vec, float* __restrict__ pm,
+                                                             float* __restrict__ ps) {
+    ce_part(z, y, V, ignore, cw, vec, pm, ps);                      // (ce_fin_v2 writes an ignored row)
 }
 
 // row r's chunk pairs merged in chunk order: what ce_fwd_v1 writes for the row (m, log s, term, kept), and the term
@@ -212,22 +220,9 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_v3(const float* __restr
                                                             float* __restrict__ term, int* __restrict__ kept,
                                                             float* __restrict__ loss, float* __restrict__ count,
                                                             unsigned int* done) {
-    __shared__ float wm[8], ws[8];
-    __shared__ int wnan[8];
     __shared__ int last;
-    const int r = blockIdx.x, k = blockIdx.y, splits = gridDim.y, t = threadIdx.x;
-    if (y[r] != ignore) {                                           // block-uniform (ce_part_v2's work)
-        const float* zr = z + (size_t)r * V;
-        const int j0 = k * cw, j1 = min(V, j0 + cw);
-        float m = -INFINITY, s = 0.f;
-        bool nan = false;
-        ce_scan(zr, j0, j1, vec, m, s, nan);
-        const bool bad = ce_block_merge(m, s, nan, wm, ws, wnan);
-        if (t == 0) {
-            pm[(size_t)r * splits + k] = bad ? NAN : m;
-            ps[(size_t)r * splits + k] = s;
-        }
-    }
+    const int splits = gridDim.y, t = threadIdx.x;
+    ce_part(z, y, V, ignore, cw, vec, pm, ps);                      // (ce_part_v2's work)
     if (t == 0) {
         __threadfence();                                            // the pair visible before the ticket
         last = atomicAdd(done, 1u) == (unsigned int)(N * splits - 1);
