@@ -1,14 +1,15 @@
 """Every CUDA C file's self-validating main (kernels/cuda/csrc/*.cu), run on CPU threads: g++ compiles each file
-under csrc/cpusim.cuh (-DCPUSIM: each CUDA thread an OS thread, __syncthreads and warp shuffles as barriers,
-blocks one after another) at its small shapes (-DCPUSIM_SMALL: warp, float4 and tile tails, C = 1, T = 1, every
+under csrc/cpusim.cuh (-DCPUSIM: each CUDA thread a fiber on one OS thread, __syncthreads and warp shuffles as
+barriers, blocks one after another) at its small shapes (-DCPUSIM_SMALL: warp, float4 and tile tails, C = 1, T = 1, every
 kind, dropout, padding, ignored labels), and the main validates every version against its CPU reference, exactly
 as `nvcc -o x file.cu && ./x` does on a GPU. What the kernels compute, with their indexing, reductions, tails and
 barriers, is proven here; speed, coalescing, spills (tests/test_cuda_nvcc.py) and races between blocks are not.
 -DCPUSIM_HALF adds fp16 / bf16 storage and the tensor-core kernels (cpusim.cuh emulates mma.sync m16n8k16 from its
 documented fragment layout and cp.async as a copy): the flash attention's version 2 forward and backward validate
 here in both 16-bit types, against the reference of the same rounded inputs.
-Needs g++ with C++20 (std::barrier); ~20 s on 2 cores.
+Needs g++ with C++20; about 2 minutes on 2 cores, most of it g++.
 """
+import os
 import re
 import shutil
 import subprocess
@@ -144,9 +145,10 @@ def test_cpusim_catches_the_c6_forward_refilling_a_buffer_too_early(tmp_path):
     """attention_f32.cu v5 (C6's forward) double-buffers K and V: the loads of tile it + 1 go into the buffers tile
     it - 1 used (its scores p were written over K, then read with V), after the barrier that ends every thread's
     reading of them. Without that barrier the first thread to finish a tile refills the buffers while the others
-    still read them (each CUDA thread is an OS thread here, and a copy by cp.async lands at once): the main's
-    v5 = v3 bit-for-bit comparison must say NO and exit 1 (at its 3-key-tile shape; 6 runs of 6 did by hand), or
-    it proves nothing about the double buffer's barriers."""
+    still read them (here the threads run one after another between barriers, thread 0 first, so thread 0 refills
+    them before thread 1 reads, every run; a copy by cp.async lands at once): the main's v5 = v3 bit-for-bit
+    comparison must say NO and exit 1 (at its 3-key-tile shape), or it proves nothing about the double buffer's
+    barriers."""
     barrier = re.compile(r"\n +__syncthreads\(\); +// \.\.\. for every thread; tile it - 1 is done\n")
     exe = _mutant(tmp_path, "attention_f32.cu", barrier, "\n", "attention_f32.cu")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -254,3 +256,75 @@ def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=2)
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "not 16-byte aligned" in run.stderr, (run.stdout[-2000:], run.stderr[-2000:])
+
+
+_ORDER = r"""
+#include "cpusim.cuh"
+#include <cstdio>
+#include <cstring>
+__global__ void neighbours(int* up, int* down) {  // s[t] written and read with no barrier between: a race
+    __shared__ int s[64];
+    const int t = threadIdx.x;
+    s[t] = 0;
+    __syncthreads();
+    s[t] = t + 1;
+    up[t] = t + 1 < 64 ? s[t + 1] : -1;           // a higher thread's value
+    down[t] = t > 0 ? s[t - 1] : -1;              // a lower thread's
+}
+__global__ void stuck(int* x) {                   // lane 0 waits for the block, lanes 1-31 for the warp: neither
+    if (threadIdx.x == 0) __syncthreads();        // barrier can complete
+    else __syncwarp();
+    x[threadIdx.x] = 1;
+}
+int main(int argc, char** argv) {
+    int *up, *down;
+    cudaMalloc(&up, 64 * sizeof(int));
+    cudaMalloc(&down, 64 * sizeof(int));
+    if (argc > 1 && !std::strcmp(argv[1], "stuck")) {
+        LAUNCH(stuck, 1, 32, up);
+        std::printf("finished\n");
+        return 0;
+    }
+    LAUNCH(neighbours, 1, 64, up, down);
+    int stale_up = 0, stale_down = 0;
+    for (int t = 0; t < 64; t++) {
+        stale_up += t + 1 < 64 && up[t] != t + 2;
+        stale_down += t > 0 && down[t] != t;
+    }
+    std::printf("stale up %d down %d\n", stale_up, stale_down);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module", params=["switch", "ucontext"])
+def order_exe(request, tmp_path_factory):
+    """The program above built with cpusim.cuh's fiber switch (x86-64's hand-written one where it has one) and with
+    its portable fallback, ucontext's swapcontext (-DCPUSIM_UCONTEXT)."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (C++20) to run the CUDA C on CPU threads")
+    d = tmp_path_factory.mktemp("order")
+    src = d / "order.cu"
+    src.write_text(("#define CPUSIM_UCONTEXT\n" if request.param == "ucontext" else "") + _ORDER)
+    build = _gpp(src, d / "order")
+    assert build.returncode == 0, build.stderr[-3000:]
+    return d / "order"
+
+
+@pytest.mark.parametrize("order, stale", [(None, "up 63 down 0"), ("reverse", "up 0 down 63")])
+def test_cpusim_runs_a_phase_in_thread_order(order_exe, order, stale):
+    """Between two barriers a block's threads run one after another, thread 0 first (CPUSIM_ORDER=reverse: the
+    last first), each to its next wait. A read of shared memory that another thread writes in the same phase (a
+    barrier missing) therefore gets the old value exactly when the writer runs later: all 63 reads of the next
+    thread's word in thread order, all 63 of the previous thread's in reverse, and none of the others."""
+    env = {k: v for k, v in os.environ.items() if k != "CPUSIM_ORDER"} | ({"CPUSIM_ORDER": order} if order else {})
+    run = subprocess.run([str(order_exe)], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0 and f"stale {stale}\n" in run.stdout, (run.stdout, run.stderr)
+
+
+def test_cpusim_stops_a_deadlock_instead_of_hanging(order_exe):
+    """Lane 0 at __syncthreads, lanes 1-31 at __syncwarp: on a GPU the block hangs (or worse); here the waits find
+    nothing that can complete them and the program stops, naming the block, rather than hanging the suite."""
+    run = subprocess.run([str(order_exe), "stuck"], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "finished" not in run.stdout, (run.stdout, run.stderr)
+    assert "cpusim: deadlock in block (0, 0, 0): 32 of 32 threads wait" in run.stderr, run.stderr

@@ -26,7 +26,7 @@ ml_dtypes.bfloat16 arrays.
 What this cannot show: speed, races between blocks (blocks run one at a time), ldmatrix and other inline assembly,
 NVRTC itself (tests/test_cuda_nvcc.py compiles every file with nvcc for sm_90 instead).
 
-Needs g++ with C++20 (std::barrier). The build cache: $REFBERT_CPUSIM_CACHE, else ~/.cache/refbert/cpusim.
+Needs g++ with C++20 (std::atomic_ref). The build cache: $REFBERT_CPUSIM_CACHE, else ~/.cache/refbert/cpusim.
 """
 import ctypes
 import hashlib

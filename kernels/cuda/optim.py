@@ -24,7 +24,6 @@ buffers every step, so such a step copies nothing to the device; an eager step's
 small copies of their addresses, benchmarks/results/host_overhead.md).
 """
 import collections
-import sys
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from . import cuda_c
 
 SOURCE = "optim.cu"
 CHUNK = 4096            # elements a block (csrc/optim.cu OPT_CHUNK)
-THREADS = 256           # threads a block (OPT_THREADS; the emulator's build: 64, _threads)
+THREADS = 256           # threads a block (csrc/optim.cu's OPT_THREADS, on a GPU and on CPU threads alike)
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _CACHE = collections.OrderedDict()      # (kind, xp, device, key) -> tables; the most recent _KEEP kept
 _KEEP = 16
@@ -77,12 +76,6 @@ def why_not(arrays):
         if not a.flags.c_contiguous:
             return "a non-contiguous array"
     return None
-
-
-def _threads(xp):
-    """Threads a block: csrc/optim.cu's OPT_THREADS for the build that runs (64 on the emulator's CPU threads)."""
-    emu = sys.modules.get(f"{__package__}.emulate")
-    return 64 if emu is not None and xp is emu.cupy else THREADS
 
 
 def _device(a):
@@ -147,9 +140,9 @@ def _grad_stats(arrays):
             ptr = _pointers(xp, [group])
             psum, pmax = xp.empty(nb, np.float64), xp.empty(nb, np.float64)
             cuda_c.kernel(SOURCE, f"grad_stats_partial_v1_{_SUFFIX[dt]}", xp)(
-                (nb,), (_threads(xp),), (ptr, size, btens, bfirst, psum, pmax))
+                (nb,), (THREADS,), (ptr, size, btens, bfirst, psum, pmax))
             cuda_c.kernel(SOURCE, "grad_stats_final_v1", xp)(
-                (-(-len(group) // (_threads(xp) // 32)),), (_threads(xp),),        # a warp a tensor
+                (-(-len(group) // (THREADS // 32)),), (THREADS,),        # a warp a tensor
                 (psum, pmax, first, cuda_c._i(len(group)), out))
         outs.append((idx, out))
     host = xp.concatenate([o for _, o in outs]).get() if len(outs) > 1 else outs[0][1].get()
@@ -166,7 +159,7 @@ def _scale_(arrays, factor):
         size, btens, bfirst, _, nb = _layout(xp, [a.size for a in group])
         if nb:
             cuda_c.kernel(SOURCE, f"scale_v1_{_SUFFIX[dt]}", xp)(
-                (nb,), (_threads(xp),), (_pointers(xp, [group]), size, btens, bfirst, dt.type(factor)))
+                (nb,), (THREADS,), (_pointers(xp, [group]), size, btens, bfirst, dt.type(factor)))
 
 
 def _adamw_(params, grads, ms, vs, decay, b1, omb1, b2, omb2, eps, lr, wd, dfac, step, bc2, correct):
@@ -184,7 +177,7 @@ def _adamw_(params, grads, ms, vs, decay, b1, omb1, b2, omb2, eps, lr, wd, dfac,
                       lambda: xp.asarray(np.asarray([bool(decay[i]) for i in idx], np.int32)))
         f = dt.type
         cuda_c.kernel(SOURCE, f"adamw_v1_{_SUFFIX[dt]}", xp)(
-            (nb,), (_threads(xp),), (_pointers(xp, [ps, gs, m_, v_]), size, btens, bfirst, dec, cuda_c._i(len(ps)),
+            (nb,), (THREADS,), (_pointers(xp, [ps, gs, m_, v_]), size, btens, bfirst, dec, cuda_c._i(len(ps)),
                                 f(b1), f(omb1), f(b2), f(omb2), f(eps), f(lr), f(wd), f(dfac), f(step), f(bc2),
                                 cuda_c._i(1 if correct else 0)))
 

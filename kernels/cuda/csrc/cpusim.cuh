@@ -4,14 +4,15 @@
 //     g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -I csrc -x c++ layernorm.cu -o x && ./x
 //
 // Model of execution (what a kernel sees):
-//   - a launch runs its blocks one after another on blockDim.x * y * z OS threads (a pool kept across launches),
-//     each with its own threadIdx (thread_local), so `__shared__` (defined as `static`) is one array per kernel
-//     shared by the running block's threads, as on a GPU;
-//   - __syncthreads() is a std::barrier of the block, __syncwarp() and every warp shuffle / vote a barrier of the
-//     thread's warp (32 consecutive linear thread ids); a thread that returns drops out of both (arrive_and_drop),
-//     as exited threads stop counting on a GPU;
+//   - a launch runs its blocks one after another on blockDim.x * y * z fibers (user-level threads, each with its
+//     own stack and threadIdx, all on the launching OS thread; see "a block's CUDA threads as fibers" below), so
+//     `__shared__` (defined as `static`) is one array per kernel shared by the running block's threads, as on a GPU;
+//   - __syncthreads() is a barrier of the block, __syncwarp() and every warp shuffle / vote a barrier of the
+//     thread's warp (32 consecutive linear thread ids); a thread that returns drops out of both, as exited threads
+//     stop counting on a GPU; between two barriers the threads run one after another in thread order;
 //   - shuffles exchange through a double-buffered per-warp buffer: one barrier per call, every lane of the warp must
-//     call (a full-mask shuffle with an exited or diverged lane is undefined on a GPU too, and hangs here);
+//     call (a full-mask shuffle with an exited or diverged lane is undefined on a GPU; here, where no barrier can
+//     complete, the program stops with "cpusim: deadlock");
 //   - float arithmetic is IEEE float32 in program order (-ffp-contract=off: no fused multiply-adds), __expf is expf,
 //     rsqrtf 1/sqrtf: bit differences against a GPU are rounding-level, never structural.
 // What it cannot show: speed, memory coalescing, bank conflicts, register spills, the weak memory model between
@@ -27,9 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <chrono>
-#include <condition_variable>
 #include <mutex>
 #include <cmath>
 #include <cstdint>
@@ -37,12 +36,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <pthread.h>
 #include <memory>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#include <sys/mman.h>
+#if !defined(__x86_64__) || defined(CPUSIM_UCONTEXT)
+#include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
@@ -109,31 +110,214 @@ inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return std::ato
 
 namespace cpusim {
 
+// ---- a block's CUDA threads as fibers ---------------------------------------------------------------------------
+// Every CUDA thread of the running block is a fiber (its own stack, its registers saved when it waits) on the one
+// OS thread that launched the kernel. A fiber runs until it waits (a barrier, a shuffle, a vote, mma.sync's
+// exchange), then hands the OS thread to the next fiber in thread order. Earlier these were OS threads, one a CUDA
+// thread: a barrier of 256 threads was 256 futex wake-ups and as many context switches in the OS kernel. On this
+// project's 2-core machine, nothing else running, layernorm.cu's main took 24.8 s that way (38.6 s of system time,
+// 10.5 of user time) and takes 0.51 s as fibers; attention_backward.cu's 8.6 s and 2.0 s. A fiber switch is a
+// handful of instructions (x86-64: the callee-saved registers, the stack pointer, the SSE and x87 control words);
+// elsewhere, or with -DCPUSIM_UCONTEXT, ucontext's swapcontext (a system call a switch: the layernorm main 5.9 s).
+// What the order means for the kernels proven here: between two barriers the threads of a block run one after
+// another, thread 0 first, each to its next wait. A thread that reads shared memory another thread writes in the
+// same phase (a barrier missing) reads the old value when the writer's id is higher and the new one when lower:
+// the usual reduction tree (thread t reads t + s) and a buffer refilled too early (thread 0 refills before thread 1
+// reads) show up as wrong values, every run the same (tests/test_cuda_cpusim.py has both kinds of mutant);
+// CPUSIM_ORDER=reverse runs every phase last thread first, for the other direction. Threads that wait for each
+// other in a way no barrier resolves (a __syncthreads that some live thread never reaches while it waits for a
+// shuffle or another barrier) stop the program with "cpusim: deadlock" instead of hanging.
+#if defined(__x86_64__) && !defined(CPUSIM_UCONTEXT)
+// save the callee-saved registers and the control words on this stack, store its pointer in *from, load `to`'s
+// and return into the fiber that saved it (a new fiber: into fiber_main, its frame made by Fibers::start)
+extern "C" void cpusim_fiber_switch(void** from, void* to);
+asm(R"(
+    .text
+    .weak cpusim_fiber_switch
+    .hidden cpusim_fiber_switch
+    .type cpusim_fiber_switch, @function
+cpusim_fiber_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cpusim_fiber_switch, .-cpusim_fiber_switch
+)");
+struct Context { void* sp = nullptr; };
+inline void jump(Context& from, Context& to) { cpusim_fiber_switch(&from.sp, to.sp); }
+#else
+struct Context { ucontext_t uc; };
+inline void jump(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+struct Fiber {
+    Context ctx;
+    char* stack = nullptr;              // mmap'd, its lowest page a guard (an overflow faults, never corrupts)
+    bool done = false;
+    int ltid = 0;                       // what the fiber sees as its thread, restored whenever it resumes
+    uint3 tid{}, bid{};
+};
+
+[[noreturn]] inline void fiber_main();
+
+struct Fibers {
+    static constexpr size_t STACK = 1 << 20;            // 1 MiB a CUDA thread (virtual; pages touched are kept)
+    std::vector<Fiber> f;               // grows to the largest block seen; stacks reused launch after launch
+    Context host;                       // the launching OS thread's own context, resumed when every fiber is done
+    int n = 0, cur = 0, live = 0;
+    long stalls = 0;                    // waits in a row that found their condition unmet: > 2 n live is a deadlock
+    bool reverse = false;               // CPUSIM_ORDER=reverse
+    std::function<void(int)> job;
+    std::mutex launch_mu;               // one launch at a time (the globals are the running launch's)
+    Fibers() {
+        const char* o = std::getenv("CPUSIM_ORDER");
+        reverse = o && std::strcmp(o, "reverse") == 0;
+    }
+    void start(Fiber& x) {
+        if (!x.stack) {
+            const size_t page = 4096;
+            void* m = mmap(nullptr, STACK + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                           -1, 0);
+            if (m == MAP_FAILED) {
+                std::fprintf(stderr, "cpusim: could not map a fiber's stack (%zu bytes)\n", STACK);
+                std::abort();
+            }
+            mprotect(m, page, PROT_NONE);
+            x.stack = static_cast<char*>(m) + page;
+        }
+        x.done = false;
+#if defined(__x86_64__) && !defined(CPUSIM_UCONTEXT)
+        // the frame cpusim_fiber_switch pops: control words, r15 r14 r13 r12 rbx rbp (zero), then fiber_main's
+        // address as the return address, at a 16-byte boundary, so that fiber_main starts as if called (rsp = 8 mod
+        // 16), with a zero above it for its own (never used) return address
+        auto top = (reinterpret_cast<std::uintptr_t>(x.stack + STACK) & ~std::uintptr_t(15)) - 16;
+        void** a = reinterpret_cast<void**>(top);
+        a[0] = reinterpret_cast<void*>(&fiber_main);
+        a[1] = nullptr;
+        for (int i = 1; i <= 6; i++) a[-i] = nullptr;
+        unsigned* cw = reinterpret_cast<unsigned*>(top - 56);
+        unsigned short x87;
+        asm volatile("fnstcw %0" : "=m"(x87));
+        cw[0] = __builtin_ia32_stmxcsr();
+        cw[1] = x87;
+        x.ctx.sp = reinterpret_cast<void*>(top - 56);
+#else
+        getcontext(&x.ctx.uc);
+        x.ctx.uc.uc_stack.ss_sp = x.stack;
+        x.ctx.uc.uc_stack.ss_size = STACK;
+        x.ctx.uc.uc_link = nullptr;
+        makecontext(&x.ctx.uc, reinterpret_cast<void (*)()>(&fiber_main), 0);
+#endif
+    }
+    int next_after(int i) const {       // the next fiber not done, in the phase's order (i itself if it is the last)
+        for (int k = 1; k <= n; k++) {
+            const int j = reverse ? ((i - k) % n + n) % n : (i + k) % n;
+            if (!f[j].done) return j;
+        }
+        return i;
+    }
+    void save(Fiber& x);
+    void load(const Fiber& x);
+    void pass() {                       // hand the OS thread to the next fiber; back here when it is our turn again
+        const int from = cur, to = next_after(from);
+        if (to == from) return;
+        save(f[from]);
+        cur = to;
+        jump(f[from].ctx, f[to].ctx);
+        load(f[cur]);
+    }
+    void run(int threads, std::function<void(int)> fn) {
+        std::lock_guard<std::mutex> one(launch_mu);
+        if ((int)f.size() < threads) f.resize(threads);
+        for (int i = 0; i < threads; i++) start(f[i]);
+        n = live = threads;
+        stalls = 0;
+        job = std::move(fn);
+        cur = reverse ? threads - 1 : 0;
+        jump(host, f[cur].ctx);                         // back when the last fiber is done
+        job = nullptr;
+    }
+};
+inline Fibers& fibers() {
+    static Fibers* s = new Fibers();    // leaked on purpose: no destructor runs at exit while a launch is parked
+    return *s;
+}
+
+inline thread_local int ltid = 0;       // linear thread id in the block
+inline void Fibers::save(Fiber& x) { x.ltid = ltid; x.tid = threadIdx; x.bid = blockIdx; }
+inline void Fibers::load(const Fiber& x) { ltid = x.ltid; threadIdx = x.tid; blockIdx = x.bid; }
+
+inline void progress() { fibers().stalls = 0; }
+[[noreturn]] inline void deadlock() {
+    Fibers& s = fibers();
+    std::fprintf(stderr, "cpusim: deadlock in block (%u, %u, %u): %d of %d threads wait at barriers, shuffles or "
+                 "votes that the others never reach (a __syncthreads or a full-mask shuffle in divergent code?)\n",
+                 blockIdx.x, blockIdx.y, blockIdx.z, s.live, s.n);
+    std::abort();
+}
+template <class Pred> inline void wait_until(Pred ready) {      // poll, handing on between polls
+    Fibers& s = fibers();
+    while (!ready()) {
+        if (++s.stalls > 2L * s.live + 2) deadlock();
+        s.pass();
+    }
+    progress();
+}
+
+[[noreturn]] inline void fiber_main() {
+    Fibers& s = fibers();
+    s.job(s.cur);
+    const int me = s.cur;
+    s.f[me].done = true;
+    progress();
+    Context& to = --s.live == 0 ? s.host : s.f[s.cur = s.next_after(me)].ctx;
+    jump(s.f[me].ctx, to);
+    std::abort();                       // (never resumed: start() makes a new frame for the next launch)
+}
+
 // a barrier whose thread count drops when a thread exits (as exited threads stop counting on a GPU) and is set
 // again for every block
-struct DropBarrier {                    // state = expected << 32 | arrived, one atomic word
-    std::atomic<unsigned long long> state{0};
-    std::atomic<unsigned> gen{0};
-    static constexpr unsigned long long ONE = 1ull << 32, LOW = ONE - 1;
-    void reset(int n) { state.store((unsigned long long)n << 32); }
-    void complete() {                   // every expected thread is in: start the next phase, wake them
-        unsigned long long s = state.load();
-        while (!state.compare_exchange_weak(s, s & ~LOW)) {}
-        gen.fetch_add(1);
-        gen.notify_all();
+struct DropBarrier {
+    int expected = 0, arrived = 0;
+    unsigned gen = 0;
+    void (*on_complete)(void*) = nullptr;              // run by the last thread in, before any goes on
+    void* arg = nullptr;
+    void reset(int n) { expected = n; arrived = 0; }
+    void complete() {
+        arrived = 0;
+        gen++;
+        progress();
+        if (on_complete) on_complete(arg);
     }
     void arrive_and_wait() {
-        const unsigned g = gen.load();
-        const unsigned long long s = state.fetch_add(1) + 1;
-        if ((s & LOW) == (s >> 32)) { complete(); return; }
-        for (int spin = 0; gen.load() == g; spin++) {
-            if (spin < 64) std::this_thread::yield();
-            else gen.wait(g);
+        const unsigned g = gen;
+        if (++arrived == expected) {    // the last one in goes on last: the next phase starts at the first thread
+            complete();
+            fibers().pass();
+            return;
         }
+        wait_until([&] { return gen != g; });
     }
     void drop() {
-        const unsigned long long s = state.fetch_sub(ONE) - ONE;
-        if ((s & LOW) > 0 && (s & LOW) == (s >> 32)) complete();
+        --expected;
+        if (arrived > 0 && arrived == expected) complete();
     }
 };
 
@@ -154,7 +338,6 @@ struct Block {
 };
 inline Block* block = nullptr;          // the running block (one at a time)
 inline unsigned char* dyn_smem = nullptr; // the launch's dynamic shared memory (DYN_SHARED)
-inline thread_local int ltid = 0;       // linear thread id in the block
 
 inline Warp& warp() { return block->warps[ltid / 32]; }
 
@@ -175,52 +358,7 @@ inline int lane_abs(int, int src) { return src; }
 inline int lane_down(int lane, int d) { return lane + d < 32 ? lane + d : lane; }
 inline int lane_up(int lane, int d) { return lane - d >= 0 ? lane - d : lane; }
 
-// The OS threads that play a launch's CUDA threads, kept from one launch to the next: making and joining 256
-// std::threads took about 11 ms a launch on 2 cores (a launch of 256 threads doing nothing: 11.5 ms, now 0.57),
-// most of an emulated step's time. Worker t runs thread t of every launch with at least t + 1 threads; run() hands
-// the job to the first n (they wait on a generation count, C++20 atomic wait: no lock to queue on) and waits until
-// all n are done. Launches run one at a time (a mutex: the globals below are the running launch's). Leaked on
-// purpose (never destroyed, its threads detached): a process exits with them parked, no destructor joins them.
-struct Pool {
-    std::mutex launch_mu;
-    int workers = 0;                                        // made so far (under launch_mu)
-    std::atomic<unsigned long long> gen{0};                 // bumped once a launch: the workers wait on it
-    std::atomic<int> want{0}, remaining{0};
-    std::function<void(int)> job;                           // written before gen is bumped, read after
-    void loop(int id) {
-        unsigned long long seen = 0;
-        for (;;) {
-            unsigned long long g;
-            while ((g = gen.load(std::memory_order_acquire)) == seen) gen.wait(seen);
-            seen = g;
-            if (id >= want.load(std::memory_order_acquire)) continue;    // not in this launch
-            job(id);
-            if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining.notify_one();
-        }
-    }
-    void run(int n, std::function<void(int)> fn) {
-        std::lock_guard<std::mutex> one(launch_mu);
-        for (; workers < n; workers++) std::thread([this, id = workers] { loop(id); }).detach();
-        job = std::move(fn);
-        want.store(n, std::memory_order_release);
-        remaining.store(n, std::memory_order_release);
-        gen.fetch_add(1, std::memory_order_acq_rel);
-        gen.notify_all();
-        for (int r; (r = remaining.load(std::memory_order_acquire)) != 0;) remaining.wait(r);
-        job = nullptr;
-    }
-};
-inline Pool*& pool_ptr() {
-    static Pool* p = new Pool();
-    return p;
-}
-inline Pool& pool() {                   // (a child forked from a process with workers has none: it starts anew)
-    static const int once = pthread_atfork(nullptr, nullptr, [] { pool_ptr() = new Pool(); });
-    (void)once;
-    return *pool_ptr();
-}
-
-// every block of the grid, one after another, on one set of blockDim threads (the pool's first blockDim)
+// every block of the grid, one after another, on one set of blockDim fibers
 inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx, size_t smem = 0) {
     std::vector<float4> dyn((smem + 15) / 16 + 1);               // 16-byte aligned, poisoned with NaN
     std::memset(dyn.data(), 0xFF, dyn.size() * 16);
@@ -238,13 +376,15 @@ inline void run_grid(dim3 g, dim3 b, void (*body)(void*), void* ctx, size_t smem
     for (int w = 0; w < nw; w++) blk.warps[w].size = std::min(32, n - 32 * w);
     blk.reset();
     block = &blk;
-    auto next_block = [&blk]() noexcept { blk.reset(); };         // by the last thread in, before any goes on
-    std::barrier done(n, next_block);                              // every thread, every block: never dropped
-    pool().run(n, [&](int t) {
+    DropBarrier done;                                              // every thread, every block: never dropped
+    done.reset(n);
+    done.on_complete = [](void* p) { static_cast<Block*>(p)->reset(); };   // the next block starts afresh
+    done.arg = &blk;
+    blockDim = b;
+    gridDim = g;
+    fibers().run(n, [&](int t) {
         ltid = t;
         threadIdx = uint3{(unsigned)(t % b.x), (unsigned)(t / b.x % b.y), (unsigned)(t / (b.x * b.y))};
-        blockDim = b;
-        gridDim = g;
         for (unsigned long long i = 0; i < blocks; i++) {
             blockIdx = uint3{(unsigned)(i % g.x), (unsigned)(i / g.x % g.y),
                              (unsigned)(i / ((unsigned long long)g.x * g.y))};

@@ -11,8 +11,8 @@ Tables (device arrays; N tensors, nb blocks, CHUNK = 4096 elements a block):
     size   (N,)   i64   elements of tensor t
     btens  (nb,)  i32   the tensor of block b;   bfirst (nb,) i64: block b's first element in that tensor
     first  (N + 1,) i32 tensor t's blocks are first[t] .. first[t + 1] - 1 (a tensor of no elements has none)
-Thread i of a block takes the chunk's elements i, i + 256, ... (consecutive threads, consecutive addresses; on CPU
-threads 64 a block: OPT_THREADS below).
+Thread i of a block takes the chunk's elements i, i + 256, ... (consecutive threads, consecutive addresses; OPT_THREADS
+below).
 
 AdamW (adamw_v1_f32 / _f64: T = float / double, the parameter's dtype; refbert.optim.AdamW's docstring has the
 math). Every operation is NumPy's, in NumPy's order, rounded once to T: the per-array code's scalars are Python
@@ -47,16 +47,10 @@ On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM
 #include "common.cuh"
 
 #define OPT_CHUNK 4096
-#ifndef CPUSIM
+// (256 on CPU threads too, since cpusim.cuh runs a block's threads as fibers: the mains and the emulator take the
+// GPU's blocks and the statistics' sums the GPU's order. When every CUDA thread was an OS thread, 256 made a tiny
+// model's emulated step take seconds, and the CPU build had 64.)
 #define OPT_THREADS 256
-#else
-// on CPU threads (the mains, the emulator) 64 threads a block, two warps: every OS thread of a block costs a
-// hand-off there, and the emulated training runs step the optimizer every few launches (256 made a tiny model's step
-// take seconds). The arithmetic of each element is the same with any count (AdamW's and the scaling's bits do not
-// depend on it); the statistics' sums take another fixed order (no claim ties them to the GPU's), and both warps
-// still meet in the block's reduction. kernels/cuda/optim.py launches what the build it runs has.
-#define OPT_THREADS 64
-#endif
 
 // one correctly rounded operation each (no contraction into an FMA): NumPy's element-wise arithmetic
 __device__ __forceinline__ float o_mul(float a, float b) { return __fmul_rn(a, b); }
