@@ -453,9 +453,12 @@ def test_numba_backend_gives_the_numpy_spec():
     """The numba kernels wrapped by the same rule, against the numpy backend (the spec), train mode with dropout:
     the same roundings at the same places, so the two differ only where a float32 value lies within float32
     accumulation noise of a rounding boundary: the loss within float32 rounding (measured: equal in bf16, one
-    float32 ulp apart in fp16), every gradient within 2% of the spec's own error against float64 (measured: at most
-    2e-4 of it; a missing rounding is as large as that error, so it fails) and within one ulp of the compute dtype
-    at its tensor's scale."""
+    float32 ulp apart in fp16), every gradient within a quarter of the spec's own error against float64 (a missing
+    rounding is as large as that error, so it fails) and within one ulp of the compute dtype at its tensor's scale.
+    How close depends on whether a boundary is met, which depends on the CPU (Numba's vector width and its sums'
+    order): on an AVX-512 machine at most 2e-4 of the spec's error; on this project's AVX2 (Zen 3) machine one
+    float16 rounding in layer 0's feed-forward lands the other way, and that layer's gradients move by up to 0.083
+    of it (0.125 ulp of the tensor's scale; bf16: 3.5e-5). A quarter leaves three times that."""
     pytest.importorskip("numba")
     for precision in ("bf16-mixed", "fp16-mixed"):
         compute = mixed.PRECISIONS[precision]
@@ -469,7 +472,7 @@ def test_numba_backend_gives_the_numpy_spec():
             scale = max(np.abs(g64[k]).max(), floor)
             spec_err = np.abs(g_np[k] - g64[k]).max()
             diff = np.abs(g_nb[k] - g_np[k]).max()
-            assert diff <= max(0.02 * spec_err, 1e-6 * scale) and diff <= ulp(scale, compute), (precision, k)
+            assert diff <= max(0.25 * spec_err, 1e-6 * scale) and diff <= ulp(scale, compute), (precision, k)
 
 
 # ----------------------------------------------------------------------------------------------------------------

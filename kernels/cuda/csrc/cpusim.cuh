@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 #include <sys/mman.h>
+#include <unistd.h>
 #if !defined(__x86_64__) || defined(CPUSIM_UCONTEXT)
 #include <ucontext.h>
 #endif
@@ -192,7 +193,7 @@ struct Fibers {
     }
     void start(Fiber& x) {
         if (!x.stack) {
-            const size_t page = 4096;
+            const size_t page = (size_t)sysconf(_SC_PAGESIZE);
             void* m = mmap(nullptr, STACK + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                            -1, 0);
             if (m == MAP_FAILED) {
