@@ -1,7 +1,7 @@
 """Every CUDA C file's self-validating main (kernels/cuda/csrc/*.cu), run on CPU threads: g++ compiles each file
 under csrc/cpusim.cuh (-DCPUSIM: each CUDA thread a fiber on one OS thread, __syncthreads and warp shuffles as
-barriers, blocks one after another) at its small shapes (-DCPUSIM_SMALL: warp, float4 and tile tails, C = 1, T = 1, every
-kind, dropout, padding, ignored labels), and the main validates every version against its CPU reference, exactly
+barriers, blocks one after another) at its small shapes (-DCPUSIM_SMALL: warp, float4 and tile tails, C = 1, T = 1,
+every kind, dropout, padding, ignored labels), and the main validates every version against its CPU reference, exactly
 as `nvcc -o x file.cu && ./x` does on a GPU. What the kernels compute, with their indexing, reductions, tails and
 barriers, is proven here; speed, coalescing, spills (tests/test_cuda_nvcc.py) and races between blocks are not.
 -DCPUSIM_HALF adds fp16 / bf16 storage and the tensor-core kernels (cpusim.cuh emulates mma.sync m16n8k16 from its
