@@ -504,10 +504,8 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bflo
 namespace cpusim {
 struct MmaWarp { unsigned frag[2][32][6]; int phase[32]; };
 inline MmaWarp& mma_warp() {                                     // one per warp of the running block
-    static std::vector<MmaWarp> all;
-    static std::mutex mu;
-    const int w = ltid / 32;
-    std::lock_guard<std::mutex> lock(mu);
+    static std::vector<MmaWarp> all;       // (one OS thread runs a launch's fibers: no lock; the first call
+    const int w = ltid / 32;                // of a launch grows it, before any of its fibers holds an element)
     if ((int)all.size() < (int)block->warps.size()) all.resize(block->warps.size());
     return all[w];
 }
@@ -542,9 +540,7 @@ template <class T> inline void mma16816(float* c, const unsigned* a, const unsig
 // 2 (L % 4) and 2 (L % 4) + 1, or with .trans column L / 4, rows 2 (L % 4) and 2 (L % 4) + 1 (low half first)
 struct LdsmWarp { const unsigned short* row[2][32]; int phase[32]; };
 inline LdsmWarp& ldsm_warp() {                                   // one per warp of the running block
-    static std::vector<LdsmWarp> all;
-    static std::mutex mu;
-    std::lock_guard<std::mutex> lock(mu);
+    static std::vector<LdsmWarp> all;      // (as mma_warp's)
     if ((int)all.size() < (int)block->warps.size()) all.resize(block->warps.size());
     return all[ltid / 32];
 }
