@@ -200,8 +200,15 @@ def attention_probs(cache):
     B, T, C = q.shape
     P = np.zeros((B, H, T, T), q.dtype)
     if P.size:
-        _probs_kernel(q, k, mask4, H, q.dtype.type(1.0 / math.sqrt(C // H)), *drop, m, linv, P)
+        _probs_kernel(q, k, _compact_mask(mask4), H, q.dtype.type(1.0 / math.sqrt(C // H)), *drop, m, linv, P)
     return P
+
+
+@njit(cache=True, inline="always")
+def _mask_row(mask, b, h, i):
+    """The (T,) key row of query i, head h, sequence b of a compact (mB, mH, mT, T) mask (_compact_mask): an axis
+    of length 1 is broadcast, so (B, 1, 1, T) padding masks and full (B, H, T, T) ones read alike."""
+    return mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, i if mask.shape[2] > 1 else 0]
 
 
 @njit(parallel=True, cache=True, fastmath=FM_P)
@@ -211,11 +218,12 @@ def _probs_kernel(q, k, mask, H, scale, seed, stream, thresh, dscale, m, linv, P
     for bh in prange(B * H):
         b, h = bh // H, bh % H
         for i in range(T):
+            mi = _mask_row(mask, b, h, i)
             for j in range(T):
                 acc = scale - scale
                 for d in range(hs):
                     acc += q[b, i, h * hs + d] * k[b, j, h * hs + d]
-                p = math.exp(acc * scale + mask[b, h, i, j] - m[b, h, i]) * linv[b, h, i]
+                p = math.exp(acc * scale + mi[j] - m[b, h, i]) * linv[b, h, i]
                 if thresh > 0:
                     keep = philox_word(((b * H + h) * T + i) * T + j, stream, seed) >= thresh
                     p = p * dscale if keep else p - p
@@ -236,11 +244,12 @@ def _v1_forward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, ou
         s = np.empty(T, q.dtype)                                   # the scores of one query row
         for i in range(T):
             mx = -np.inf
+            mi = _mask_row(mask, b, h, i)
             for j in range(T):                                     # s_ij = scale q_i . k_j + mask_ij
                 acc = zero
                 for d in range(hs):
                     acc += q[b, i, c0 + d] * k[b, j, c0 + d]
-                s[j] = acc * scale + mask[b, h, i, j]
+                s[j] = acc * scale + mi[j]
                 mx = max(mx, s[j])
             l = zero
             for j in range(T):                                     # p_ij = exp(s_ij - m_i) / l_i
@@ -271,13 +280,14 @@ def _v1_backward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, o
             D = zero                                               # D_i = dout_i . out_i
             for d in range(hs):
                 D += dout[b, i, c0 + d] * out[b, i, c0 + d]
+            mi = _mask_row(mask, b, h, i)
             for j in range(T):
                 acc = zero
                 dpd = zero
                 for d in range(hs):
                     acc += q[b, i, c0 + d] * k[b, j, c0 + d]
                     dpd += dout[b, i, c0 + d] * v[b, j, c0 + d]
-                p = math.exp(acc * scale + mask[b, h, i, j] - m[b, h, i]) * linv[b, h, i]   # recomputed p_ij
+                p = math.exp(acc * scale + mi[j] - m[b, h, i]) * linv[b, h, i]   # recomputed p_ij
                 z = dscale
                 if thresh > 0 and philox_word(((b * H + h) * T + i) * T + j, stream, seed) < thresh:
                     z = zero
@@ -288,12 +298,17 @@ def _v1_backward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, o
                     dk[b, j, c0 + d] += ds * q[b, i, c0 + d]
 
 
+def _compacted(kernel):
+    """kernel(q, k, v, mask, ...) called with the compact mask in place of the broadcast (B, H, T, T) view."""
+    return lambda q, k, v, mask4, *rest: kernel(q, k, v, _compact_mask(mask4), *rest)
+
+
 def attention_forward_v1(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
-    return _forward(_v1_forward_kernel, q, k, v, n_heads, mask, dropout_p, rng, train)
+    return _forward(_compacted(_v1_forward_kernel), q, k, v, n_heads, mask, dropout_p, rng, train)
 
 
 def attention_backward_v1(dout, cache):
-    return _backward(_v1_backward_kernel, dout, cache)
+    return _backward(_compacted(_v1_backward_kernel), dout, cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,11 +337,12 @@ def _v2_forward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, ou
             for ii in range(nq):
                 i = i0 + ii
                 mb = mrow[ii]
+                mi = _mask_row(mask, b, h, i)
                 for jj in range(nk):
                     a = zero
                     for d in range(hs):
                         a += q[b, i, c0 + d] * k[b, j0 + jj, c0 + d]
-                    s[jj] = a * scale + mask[b, h, i, j0 + jj]
+                    s[jj] = a * scale + mi[j0 + jj]
                     mb = max(mb, s[jj])
                 if mb == -np.inf:                                  # only -inf so far: nothing to add
                     continue
@@ -372,6 +388,7 @@ def _v2_backward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, o
             dkb[:] = 0
             dvb[:] = 0
             for i in range(T):
+                mi = _mask_row(mask, b, h, i)
                 for jj in range(nk):
                     j = j0 + jj
                     a = zero
@@ -379,7 +396,7 @@ def _v2_backward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, o
                     for d in range(hs):
                         a += q[b, i, c0 + d] * k[b, j, c0 + d]
                         dpd += dout[b, i, c0 + d] * v[b, j, c0 + d]
-                    p = math.exp(a * scale + mask[b, h, i, j] - m[b, h, i]) * linv[b, h, i]
+                    p = math.exp(a * scale + mi[j] - m[b, h, i]) * linv[b, h, i]
                     z = dscale
                     if thresh > 0 and philox_word(((b * H + h) * T + i) * T + j, stream, seed) < thresh:
                         z = zero
@@ -396,11 +413,11 @@ def _v2_backward_kernel(q, k, v, mask, H, scale, seed, stream, thresh, dscale, o
 
 
 def attention_forward_v2(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True):
-    return _forward(_v2_forward_kernel, q, k, v, n_heads, mask, dropout_p, rng, train)
+    return _forward(_compacted(_v2_forward_kernel), q, k, v, n_heads, mask, dropout_p, rng, train)
 
 
 def attention_backward_v2(dout, cache):
-    return _backward(_v2_backward_kernel, dout, cache)
+    return _backward(_compacted(_v2_backward_kernel), dout, cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -423,10 +440,13 @@ def _heads(x, H):
 def _compact_mask(mask4):
     """The broadcast (B, H, T, T) mask view as a contiguous (mB, mH, mT, T) array, each of mB, mH, mT 1 or full:
     the broadcast axes (stride 0) are cut to length 1 (a (B, 1, 1, T) padding mask stays (B, 1, 1, T)), so a
-    kernel reads one contiguous row of T key masks per query row."""
+    kernel reads one contiguous row of T key masks per query row.
+    Always read-only (a copy is made read-only too): Numba compiles a kernel once per argument type, and a
+    writable and a read-only mask are two types, so this keeps one compiled kernel per dtype."""
     cut = tuple(slice(0, 1) if mask4.strides[a] == 0 else slice(None) for a in range(3))
-    m = mask4[cut]
-    return np.ascontiguousarray(m)
+    m = np.ascontiguousarray(mask4[cut]).view()
+    m.flags.writeable = False
+    return m
 
 
 @njit(cache=True, inline="always")

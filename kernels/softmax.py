@@ -202,15 +202,24 @@ def _oracle_case(x, scale):
 
 
 def _rows(x, mask):
-    """x as (R, T) contiguous; the mask as its own rows (Rm, T) contiguous, and mrow (R,): score row -> mask row."""
+    """x as (R, T) contiguous; the mask as its own rows (Rm, T) contiguous, and mrow (R,): score row -> mask row.
+    The mask rows and mrow are always read-only views: Numba compiles a kernel once per argument type, and a
+    writable and a read-only array are two types (a user's mask may come either way), so one compile per dtype."""
     T = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, T)                 # (R, T)
     if mask is None:
-        return x2, np.zeros((1, T), x.dtype), np.zeros(len(x2), np.int64)
+        return x2, _read_only(np.zeros((1, T), x.dtype)), _read_only(np.zeros(len(x2), np.int64))
     m = mask.reshape((1,) * (x.ndim - mask.ndim) + mask.shape)  # left-pad to x.ndim dims
     m2 = np.ascontiguousarray(np.broadcast_to(m, m.shape[:-1] + (T,))).reshape(-1, T)  # (Rm, T)
     mrow = np.broadcast_to(np.arange(len(m2)).reshape(m.shape[:-1]), x.shape[:-1]).reshape(-1)  # (R,)
-    return x2, m2, np.ascontiguousarray(mrow, np.int64)
+    return x2, _read_only(m2), _read_only(np.ascontiguousarray(mrow, np.int64))
+
+
+def _read_only(a):
+    """A read-only view of `a` (the array itself is left as it was)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _forward(kernel, x, scale, mask):

@@ -145,3 +145,31 @@ def test_rng_state_untouched_by_a_raise():
         with pytest.raises(ValueError):
             fwd(x, x, x, 1, mask, 0.1, rng)
         assert rng.calls == 0
+
+
+def test_one_compiled_kernel_per_dtype_whatever_the_mask():
+    """Numba compiles a kernel once per argument type, and a read-only or a writable mask, a (B, 1, 1, T) or a full
+    (B, H, T, T) one, were each a type: v1-v5 compiled every kernel twice per dtype (a cold compile is minutes, the
+    first `refbert check` a user runs). Every mask reaches the kernels as _compact_mask's read-only (mB, mH, mT, T)
+    array: one float64 signature per kernel, whatever the mask (v6 two: no mask at all is its own loop)."""
+    r = np.random.default_rng(0)
+    B, T, H, hs = 2, 9, 2, 3
+    q, k, v = (r.standard_normal((B, T, H * hs)) for _ in range(3))
+    pad = np.zeros((B, 1, 1, T))
+    pad[1, ..., 6:] = np.finfo(np.float64).min
+    full = r.standard_normal((B, H, T, T))
+    full_ro = full.copy()
+    full_ro.flags.writeable = False
+    masks = [None, pad, full, full_ro, np.broadcast_to(pad, (B, H, T, T))]
+    for ver in VERSIONS:
+        fwd, bwd = A.VERSIONS[ver]
+        for mask in masks:
+            out, cache = fwd(q, k, v, H, mask, 0.0, None, False)
+            bwd(np.ones_like(out), cache)
+            A.attention_probs(cache)
+    kernels = [f for name, f in vars(A).items() if name.endswith("_kernel") and hasattr(f, "signatures")]
+    assert len(kernels) >= 11, sorted(vars(A))
+    for f in kernels:
+        f64 = [s for s in f.signatures if "float64" in str(s[0])]
+        want = 2 if f.py_func.__name__.startswith("_v6") else 1
+        assert len(f64) == want, (f.py_func.__name__, [str(s[3]) for s in f64])

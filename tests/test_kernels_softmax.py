@@ -129,3 +129,24 @@ def test_empty_and_float64_scale_follow_the_oracle():
 def test_public_names_are_the_best_version():
     assert K.softmax_forward is K.SPEC.versions[max(VERSIONS)][0]
     assert K.softmax_backward is K.SPEC.versions[max(VERSIONS)][1]
+
+
+def test_one_compiled_kernel_per_dtype_whatever_the_mask():
+    """A read-only and a writable mask are two Numba argument types (two compiles of each kernel, a cold cache's
+    seconds each); the mask rows and the row index reach the kernels read-only whatever the user passed: one
+    float64 signature per forward kernel."""
+    r = np.random.default_rng(0)
+    x = r.standard_normal((2, 2, 5, 5))
+    pad = np.zeros((2, 1, 1, 5))
+    full = r.standard_normal((2, 2, 5, 5))
+    full_ro = full.copy()
+    full_ro.flags.writeable = False
+    for v in VERSIONS:
+        fwd, bwd = K.SPEC.versions[v]
+        for mask in (None, pad, full, full_ro, np.broadcast_to(pad, x.shape)):
+            p, cache = fwd(x, 1.0, mask)
+            bwd(np.ones_like(p), cache)
+    kernels = [K._forward_v1, K._forward_v2, K._forward_v3]
+    for f in kernels:
+        f64 = [s for s in f.signatures if "float64" in str(s[0])]
+        assert len(f64) == 1, (f.py_func.__name__, [str(s) for s in f64])
