@@ -10,7 +10,9 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELUDE = "import sys; sys.setswitchinterval(1e-4)\n"      # the simulator's barriers poll: switch often
+# (children once set sys.setswitchinterval(1e-4): the simulator's blocks polled their threads for barriers, holding
+# the GIL; kernels/cuda/_common.py's event-driven blocks hand over at each barrier, and the default 5 ms is faster)
+PRELUDE = "import sys\n"                              # (children's code may use sys)
 
 
 def child_env(sim):

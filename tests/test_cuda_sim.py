@@ -251,6 +251,69 @@ def test_sim_shared_arrays_are_one_per_block_under_a_thread_switch():
     assert "LOCKED True" in out and "UNLOCKED False" in out, out   # the fix, and the race it fixes
 
 
+def test_sim_blocks_are_event_driven_with_the_simulators_semantics():
+    """kernels/cuda/_common.py replaces the simulator's polling block loop by condition-variable barriers. The same
+    kernels under both give the same results: a neighbour's slot read after a barrier, phase after phase; half a
+    block returning before a barrier the other half then passes (the loop let it); a thread that raises between
+    two barriers stops the launch with that thread's ids, and the launch returns instead of hanging."""
+    out = _check(_run("""
+        import numpy as np
+        from numba import cuda
+        from numba.cuda.simulator import kernel as simk
+        polling = (simk.BlockManager.run, simk.BlockThread.run, simk.BlockThread.syncthreads)
+        from refbert_kernels.cuda import _common  # noqa: F401  (the event-driven blocks)
+        driven = (simk.BlockManager.run, simk.BlockThread.run, simk.BlockThread.syncthreads)
+        assert getattr(driven[0], "event_driven", False) and driven != polling
+
+        @cuda.jit
+        def phases(out):
+            a = cuda.shared.array(32, np.int32)
+            t = cuda.threadIdx.x
+            for k in range(out.shape[1]):
+                a[t] = 1000 * cuda.blockIdx.x + 100 * k + t
+                cuda.syncthreads()
+                out[cuda.blockIdx.x, k, t] = a[(t + 1) % 32]
+                cuda.syncthreads()
+
+        @cuda.jit
+        def early_exit(out):
+            a = cuda.shared.array(32, np.int32)
+            t = cuda.threadIdx.x
+            a[t] = t + 1
+            if t >= 16:
+                return
+            cuda.syncthreads()
+            out[t] = a[t + 16]
+
+        @cuda.jit
+        def fails(out):
+            t = cuda.threadIdx.x
+            cuda.syncthreads()
+            out[t + 100 * (t == 5)] = 1
+            cuda.syncthreads()
+
+        def launch(which):
+            simk.BlockManager.run, simk.BlockThread.run, simk.BlockThread.syncthreads = which
+            p, e = np.zeros((3, 4, 32), np.int32), np.zeros(16, np.int32)
+            phases[3, 32](p)
+            early_exit[1, 32](e)
+            try:
+                fails[1, 8](np.zeros(8, np.int32))
+                err = "no error"
+            except IndexError as ex:
+                err = str(ex).split(":")[0]
+            return p, e, err
+
+        (p0, e0, err0), (p1, e1, err1) = launch(polling), launch(driven)
+        want = 1000 * np.arange(3)[:, None, None] + 100 * np.arange(4)[None, :, None] + (np.arange(32) + 1) % 32
+        print("PHASES", (p1 == want).all(), (p0 == p1).all())
+        print("EARLY", (e1 == np.arange(17, 33)).all(), (e0 == e1).all())
+        print("FAILS", repr(err1), err0 == err1)
+    """, timeout=120))
+    assert "PHASES True True" in out and "EARLY True True" in out, out
+    assert "FAILS 'tid=[5, 0, 0] ctaid=[0, 0, 0]' True" in out, out
+
+
 @functools.lru_cache(maxsize=None)
 def _gpu_present():
     r = _run("from numba import cuda; print(cuda.is_available())", sim=False, timeout=120)

@@ -287,7 +287,6 @@ def test_device_study_in_simulator():
     once from float32."""
     storage("bfloat16")
     code = """
-import sys; sys.setswitchinterval(1e-4)
 import numpy as np
 from refbert import precision as P
 rows = P.study(size="tiny", device="cuda", modes=("device",))

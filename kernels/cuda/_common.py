@@ -233,7 +233,6 @@ def _lock_sim_shared():
     as there. Left alone where the simulator's internals are not what this reads."""
     import sys
     import threading
-    import traceback
     try:
         from numba.cuda.simulator import kernelapi
     except ImportError:                                 # pragma: no cover
@@ -250,7 +249,8 @@ def _lock_sim_shared():
             return orig(self, shape, dtype, alignment)  # (dynamic shared memory: one buffer, no race)
         if isinstance(dtype, kernelapi.types.Type):     # (as the simulator: a Numba type -> its NumPy dtype)
             dtype = kernelapi.numpy_support.as_dtype(dtype)
-        caller = tuple(traceback.extract_stack(sys._getframe())[-2][0:2])
+        f = sys._getframe(1)                            # the caller's (file, line), as the simulator keys it
+        caller = (f.f_code.co_filename, f.f_lineno)
         with lock:
             res = self._allocations.get(caller)
             if res is None:
@@ -260,8 +260,97 @@ def _lock_sim_shared():
     cls.array = array
 
 
+class _Gate:
+    """One simulated block's barrier, event-driven (_event_driven_sim_blocks): `live` threads not yet finished,
+    `waiting` of them at the barrier, `generation` counts the barriers passed, `failed` the first thread that raised."""
+
+    def __init__(self, threads):
+        import threading
+        self.cond = threading.Condition()
+        self.threads, self.live, self.waiting, self.generation, self.failed = threads, len(threads), 0, 0, None
+
+    def open(self):                                     # (under cond) every live thread is waiting: all pass
+        self.waiting = 0
+        self.generation += 1
+        self.cond.notify_all()
+
+
+def _event_driven_sim_blocks():
+    """The simulator's blocks run without a polling thread. numba-cuda's BlockManager.run (to 0.30 at least) starts
+    one Python thread per CUDA thread, then loops over every live thread asking `is_alive()` and whether it waits at
+    a __syncthreads, until all have finished: tens of millions of calls a training step, holding the GIL the
+    simulated threads need (measured: a one-step pretrain of a one-layer model in the simulator, 107 s, two thirds
+    of the main thread's time in that loop). Here a barrier is a condition variable: the last live thread to arrive
+    opens it, a thread that finishes counts itself out (and opens it if every other live thread waits there, as the
+    loop did), the first exception stops the block as the loop did (every other thread's abort flag set, the
+    exception raised with the failing thread's ids), and the launching thread sleeps until the block is done.
+    Same semantics, same threads; left alone where the simulator's internals are not what this reads."""
+    try:
+        from numba.cuda.simulator import kernel as simk
+    except ImportError:                                 # pragma: no cover
+        return
+    BM, BT = getattr(simk, "BlockManager", None), getattr(simk, "BlockThread", None)
+    if BM is None or BT is None or getattr(BM.run, "event_driven", False):
+        return
+    need = ("syncthreads", "run", "__init__")
+    if not all(callable(getattr(BT, a, None)) for a in need) or not callable(getattr(BM, "run", None)):
+        return                                          # pragma: no cover
+    thread_run = BT.run
+
+    def syncthreads(self):
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads call")
+        gate = self._manager._gate
+        with gate.cond:
+            gen = gate.generation
+            gate.waiting += 1
+            if gate.waiting == gate.live:
+                gate.open()
+            else:
+                while gate.generation == gen and not self.abort:
+                    gate.cond.wait()
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads clear")
+
+    def run_thread(self):
+        try:
+            thread_run(self)                            # the simulator's: keeps an exception in self.exception
+        finally:
+            gate = self._manager._gate
+            with gate.cond:
+                gate.live -= 1
+                if self.exception is not None and gate.failed is None:
+                    gate.failed = self
+                    for t in gate.threads:
+                        t.abort = True
+                    gate.cond.notify_all()
+                elif gate.live == 0:
+                    gate.cond.notify_all()
+                elif gate.waiting and gate.waiting == gate.live:
+                    gate.open()
+
+    def run(self, grid_point, *args):
+        def target():
+            self._f(*args)
+        threads = [BT(target, self, grid_point, block_point, self._debug)
+                   for block_point in np.ndindex(*self._block_dim)]
+        gate = self._gate = _Gate(threads)
+        for t in threads:
+            t.start()
+        with gate.cond:
+            while gate.live and gate.failed is None:
+                gate.cond.wait()
+        failed = gate.failed or next((t for t in threads if t.exception), None)
+        if failed is not None:
+            raise failed.exception[0].with_traceback(failed.exception[1])
+
+    run.event_driven = True
+    BT.syncthreads, BT.run, BM.run = syncthreads, run_thread, run
+
+
 if SIM:
     _lock_sim_shared()
+    _event_driven_sim_blocks()
 
 if SIM:
     import threading
