@@ -94,7 +94,8 @@ def _child(part):
 
 
 def _run(part):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, __file__, part], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
 
