@@ -11,7 +11,8 @@
 #               numba.cuda (with a GPU), cupy (a device), torch (CUDA), transformers; nvcc is on PATH. Versions and
 #               the cuda backend's description go to report/env.txt.
 #   mains       every kernels/cuda/csrc/*.cu built standalone (nvcc -O3 -arch=sm_90) and run: each main validates
-#               every version against its CPU reference, then times it (the kernels' own report)
+#               every version against its CPU reference, then times it (the kernels' own report); the 16-bit
+#               attention mains a second time without dropout ("512 0": their kernels for p = 0)
 #   tests       pytest on the CUDA test files, real-GPU variants only (-k "gpu or cuda_c_matches_oracle": every
 #               Numba version incl. attention's, every CUDA C version through versions.validate, the whole model
 #               equal to the numpy backend with what ran asserted, training, DLPack)
@@ -199,12 +200,19 @@ mains() {
     [ -n "${DRY:-}" ] && cc="g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -DCPUSIM_HALF -x c++"
     ls kernels/cuda/csrc/*.cu | xargs -P 9 -I{} sh -c \
         "$cc"' -Ikernels/cuda/csrc -o "$0/$(basename {} .cu)" {} > "$0/$(basename {} .cu).build" 2>&1' "$dir"
+    local again="512 0"                             # the attention mains again without dropout (their kernels
+    [ -n "${DRY:-}" ] && again="72 0"                # for p = 0: the forward's v6, the backward's v8)
     for src in kernels/cuda/csrc/*.cu; do
         local name; name=$(basename "$src" .cu)
         echo "== $name"
         cat "$dir/$name.build"
         if [ -x "$dir/$name" ]; then "$dir/$name" || { echo "MAIN FAILED $name (rc $?)"; rc=1; }
         else echo "BUILD FAILED $name"; rc=1; fi
+        if [ -x "$dir/$name" ] && [ "${name#attention_}" != "$name" ] && [ "$name" != attention_f32 ]; then
+            echo "== $name $again"
+            # shellcheck disable=SC2086
+            "$dir/$name" $again || { echo "MAIN FAILED $name $again (rc $?)"; rc=1; }
+        fi
     done
     return $rc
 }

@@ -699,6 +699,8 @@ def time_spec(args, timer, bw, spec, versions, shape, dtype):
             print(f"  {spec.name} v{v}: {_err(e, 1000)}", flush=True)
         if spec.name == "attention" and (v, np.dtype(dtype).name) in AB_BACKWARD:
             ab_backward(rows, add, timer, spec, v, dtype, inputs, kwargs, base)
+        if spec.name == "attention" and (v, np.dtype(dtype).name) in AB_FORWARD:
+            ab_backward(rows, add, timer, spec, v, dtype, inputs, kwargs, base, side="forward")
     if args.no_torch:
         return rows
     try:
@@ -730,7 +732,15 @@ AB_BACKWARD = {
               "blocks an SM)"),
         "7": ({"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"},
               "attention_backward.cu v7, one pass: version 6's dk, dv and each key tile's share of dq added by "
-              "float atomics (5 tile products a tile pair where version 6 takes 7; dq's bits not fixed)")}),
+              "float atomics (5 tile products a tile pair where version 6 takes 7; dq's bits not fixed)"),
+        # (version 8 runs its own kernels without dropout, or with it at T % 4 == 0, under a mask constant along the
+        # queries; version 7's otherwise: the bench's rows are the first case)
+        "8": (({"attn_bwd_fused_v8_f16_hs64", "attn_bwd_dqcast_f16"},
+               {"attn_bwd_fused_v8d_f16_hs64", "attn_bwd_dqcast_f16"}),
+              "attention_backward.cu v8, version 7's one pass with each score's work cut to its arithmetic "
+              "(compiled per case: no dropout, or dropout's words a Philox call per 4 scores; the stats read once "
+              "per two columns; exp by ex2.approx.ftz; no bounds tests on whole tiles): version 7's dk, dv bits "
+              "wherever no probability falls below 2^-126")}),
     ("C6", "float32"): ("REFBERT_F32_BWD", {
         "4": (({"attn_bwd_fused_v4_f32_hs64", "attn_bwd_dqsum_v4_f32"},
                {"attn_bwd_dkdv_v3_f32_hs64", "attn_bwd_dq_v3_f32_hs64"}),   # (where C4's dq partials do not fit)
@@ -741,38 +751,57 @@ AB_BACKWARD = {
 # one by shape: the row passes when every kernel of one set ran), note})
 
 
-def ab_backward(rows, add, timer, spec, version, dtype, inputs, kwargs, base):
-    """The A/B rows of `version`'s backward kernels (AB_BACKWARD) beside its default's row: C5's versions 5 and 7
+# The A/B rows of a version's forward kernels, as AB_BACKWARD's for the backward
+AB_FORWARD = {
+    ("C5", "float16"): ("REFBERT_ATTN_FWD16", {
+        # (version 6 where version 5 runs, 128 rows a block, without dropout; version 4 where the grid takes 64)
+        "6": (({"attn_fwd_v6_f16_hs64"}, {"attn_fwd_v4_f16_hs64"}),
+              "attention_forward.cu v6, version 5 with each score's work cut to its arithmetic (no dropout; the "
+              "key tile's additive terms read once per two columns, exp by ex2.approx.ftz, no bounds tests): "
+              "version 5's bits wherever no probability falls below 2^-126; version 4 where the grid takes 64 "
+              "rows a block")}),
+}
+
+
+def ab_backward(rows, add, timer, spec, version, dtype, inputs, kwargs, base, side="backward"):
+    """The A/B rows of `version`'s backward kernels (AB_BACKWARD) beside its default's row: C5's versions 5, 7 and 8
     beside 6 (REFBERT_ATTN_BWD16), C6's version 4 beside 6 (REFBERT_F32_BWD), each validated against the oracle in
     `dtype` first (a failure is a row saying so, never timed: status "FAIL", which fails the bench) and checked to
-    have launched its own kernels."""
+    have launched its own kernels. side="forward": the forward's (AB_FORWARD: C5's version 6 beside 5,
+    REFBERT_ATTN_FWD16)."""
     from refbert_kernels.cuda import versions as VV
-    var, values = AB_BACKWARD[(version, np.dtype(dtype).name)]
+    var, values = (AB_BACKWARD if side == "backward" else AB_FORWARD)[(version, np.dtype(dtype).name)]
     for value, (kernels, note) in values.items():
-        impl = f"v{version} (backward v{value})"
+        impl = f"v{version} ({side} v{value})"
         try:
             with VV.kernel_variant(var, value):
-                _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note)
+                _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note,
+                        side)
         except Exception as e:
             rows.append(dict(base, impl=impl, note=_err(e)))
 
 
-def _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note):
-    """One of ab_backward's rows, its variant set: validated, its kernels seen to run, then timed."""
+def _ab_row(rows, add, timer, spec, version, dtype, inputs, kwargs, base, impl, var, value, kernels, note,
+            side="backward"):
+    """One of ab_backward's rows, its variant set: validated, its kernels (the backward's, or the forward's) seen to
+    run, then timed."""
     worst, err = validate_version(spec, version, [np.dtype(dtype).name])
     if err is not None or worst > 1:
         rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL", err_tol=worst,
                          note=f"FAIL: err/tol {fmt(worst)} {err or ''}"))
         return
     forward, backward = spec.versions[version]
-    out, cache = forward(**inputs, **_fresh(kwargs))
-    ran = {r[0] for r in _recorded(lambda: backward(out, cache))}               # (out: a dout of the right shape)
+    if side == "forward":
+        ran = {r[0] for r in _recorded(lambda: forward(**inputs, **_fresh(kwargs)))}
+    else:
+        out, cache = forward(**inputs, **_fresh(kwargs))
+        ran = {r[0] for r in _recorded(lambda: backward(out, cache))}           # (out: a dout of the right shape)
     if not any(ks <= ran for ks in (kernels if isinstance(kernels, tuple) else (kernels,))):
         rows.append(dict(base, impl=impl, version=impl[1:], status="FAIL",
                          note=f"FAIL: version {value}'s kernels did not run ({sorted(ran)})"))
         return
     add(impl, *time_pair(timer, forward, backward, inputs, kwargs),
-        note=f"{version} with its backward's version {value} (err/tol {fmt(worst)}): {note}; the A/B of {var}")
+        note=f"{version} with its {side}'s version {value} (err/tol {fmt(worst)}): {note}; the A/B of {var}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

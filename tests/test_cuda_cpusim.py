@@ -23,18 +23,24 @@ CSRC = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
 # what each main prints when every version it validates passed (validate_result exits 1 at the first mismatch)
 # (attention: versions 3 skip key tiles of padding and must give version 2's bits, having skipped some; the
-# forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits, the
+# forward's versions 4 and 5 and the backward's version 4 reorganise version 3 and must give its bits (the
+# forward's version 6 version 5's, with its own kernel at p = 0), the
 # backward's version 5 version 4's, at T % 4 != 0 (a Philox call a score) and == 0 (a call per 4 scores), its
-# version 6 (tiles in chunks) version 5's, its version 7 (one pass, dq by atomics) version 5's dk and dv; a main
-# exits 1 when any of these differs). A tuple: every line in it, each at least once.
-DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
+# version 6 (tiles in chunks) version 5's, its version 7 (one pass, dq by atomics) version 5's dk and dv, its
+# version 8 (version 7's pass compiled per case) version 7's dk and dv, with dropout and without; a main exits 1 when
+# any of these differs). A tuple: every line in it, each at least once.
+DONE = {"attention_forward.cu": ("v4 = v5 = v3 bit for bit (f16, bf16): yes",
+                                 "v6 = v5 bit for bit (f16, bf16; its kernel, no dropout): yes",
+                                 "v6 = v5 bit for bit (f16, bf16; version 5's kernel): yes"),
         "attention_backward.cu": ("v4 = v3 bit for bit (bf16 dq, dk, dv): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 != 0): yes",
                                   "v5 = v4 bit for bit (bf16 dq, dk, dv, T % 4 == 0): yes",
                                   "v6 = v5 bit for bit (f16 dq, dk, dv): yes",
                                   "v6 = v5 bit for bit (bf16 dq, dk, dv): yes",
                                   "v7 = v5 bit for bit (f16 dk, dv): yes",
-                                  "v7 = v5 bit for bit (bf16 dk, dv): yes"),
+                                  "v7 = v5 bit for bit (bf16 dk, dv): yes",
+                                  *(f"v8 = v7 bit for bit ({t} dk, dv; {how}): yes" for t in ("f16", "bf16")
+                                    for how in ("its kernel, dropout", "its kernel, no dropout"))),
         "attention_f32.cu": ("v6 = v4 bit for bit (dq, dk, dv): yes", "v6 dk, dv = v3 dk, dv bit for bit: yes",
                              "attention_f32: every version ok"),
         "softmax.cu": "dx ok",
@@ -42,11 +48,13 @@ DONE = {"attention_forward.cu": "v4 = v5 = v3 bit for bit (f16, bf16): yes",
                               for rk in (-1, 0, 1)) + ("layernorm: every version ok",)}
 
 
-# mains run again at another size: the attention mains at a T that is a multiple of 4 (their default 70 is not, so
-# the forward's versions 4 and 5 and the backward's version 5 would never draw a Philox call per 4 keys); the
-# backward's at T = 104, where the first sequence has real keys in its second key tile (64 .. 66), so that the
-# words of a tile other than the first are compared too (at 72 every key past 64 is padding, skipped)
-AGAIN = {"attention_forward.cu": "72", "attention_backward.cu": "104"}
+# mains run again at other sizes (each entry one run's arguments): the attention mains at a T that is a multiple of
+# 4 (their default 70 is not, so the forward's versions 4 and 5 and the backward's version 5 would never draw a
+# Philox call per 4 keys); the backward's at T = 104, where the first sequence has real keys in its second key tile
+# (64 .. 66), so that the words of a tile other than the first are compared too (at 72 every key past 64 is
+# padding, skipped), with dropout and without (p = 0: the backward's version 8 and the forward's version 6 have
+# kernels of their own without dropout; the other versions' no-dropout path)
+AGAIN = {"attention_forward.cu": [["72"], ["72", "0"]], "attention_backward.cu": [["104"], ["104", "0"]]}
 
 
 def _gpp(src, exe, include=CSRC):
@@ -80,7 +88,7 @@ def _build_and_run(src, tmp):
     if build.returncode:
         return src.name, build.returncode, "build failed:\n" + build.stderr[-3000:]
     out = ""
-    for argv in [[]] + ([[AGAIN[src.name]]] if src.name in AGAIN else []):
+    for argv in [[]] + AGAIN.get(src.name, []):
         run = subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=300)
         out += run.stdout + run.stderr
         if run.returncode:
@@ -100,9 +108,9 @@ def test_every_cuda_c_main_validates_on_cpu_threads():
         if isinstance(done, tuple):
             assert all(line in out for line in done), f"{name}:\n{out[-4000:]}"
         else:
-            assert out.count(done) >= (2 if name in AGAIN else 1), f"{name}:\n{out[-4000:]}"
+            assert out.count(done) >= 1 + len(AGAIN.get(name, [])), f"{name}:\n{out[-4000:]}"
         if name.startswith("attention_") and name != "attention_f32.cu":
-            skipped = re.search(r"v3(?:, v4|-v[5-7])?(?:, v5)? skipped (\d+)", out)
+            skipped = re.search(r"v3(?:, v4|-v[5-8])?(?:, v5)?(?:, v6)? skipped (\d+)", out)
             assert skipped and int(skipped.group(1)) > 0, f"{name}:\n{out[-4000:]}"
 
 
@@ -184,20 +192,53 @@ def test_cpusim_catches_a_flash_backward_chunk_taken_out_of_order(tmp_path, tile
     assert "v5 = v4 bit for bit (f16 dq, dk, dv, T % 4 != 0): yes" in run.stdout, run.stdout[-3000:]
 
 
-@pytest.mark.parametrize("mutant", ["untransposed", "half the columns"])
-def test_cpusim_catches_a_wrong_one_pass_dq(tmp_path, mutant):
-    """attention_backward.cu's version 7 adds each key tile's share of dq, dS K, from dS^T fragments it writes into
-    shared memory transposed. With dS written untransposed, or the product's second half of the head's columns
-    never added, the main's validation of version 7's dq against the CPU reference must fail (exit 1, naming it),
-    or it proves nothing about the one-pass dq (its dk, dv are version 5's code, compared bit for bit)."""
-    old, new = {"untransposed": ("DS[(n * 8 + t4 * 2 + (e & 1)) * TC_LD + warp * 16 + g + 8 * (e >> 1)]",
-                                 "DS[(warp * 16 + g + 8 * (e >> 1)) * TC_LD + n * 8 + t4 * 2 + (e & 1)]"),
-                "half the columns": ("for (int nb = 0; nb < 8; nb += 4) {        // two halves",
-                                     "for (int nb = 0; nb < 4; nb += 4) {        // (mutant: one half)")}[mutant]
+# (version, mutant) -> (old, new): versions 7 and 8 write dS^T into shared memory transposed for dq's share
+_DS = "DS[{}] = from_f<T>({}[n][e])"           # (the store; its index transposed, and not)
+_DS_T, _DS_N = "(n * 8 + t4 * 2 + (e & 1)) * TC_LD + warp * 16 + g + 8 * (e >> 1)", \
+    "(warp * 16 + g + 8 * (e >> 1)) * TC_LD + n * 8 + t4 * 2 + (e & 1)"
+ONE_PASS_MUTANTS = {
+    (7, "untransposed"): (_DS.format(_DS_T, "ds"), _DS.format(_DS_N, "ds")),
+    (7, "half the columns"): ("for (int nb = 0; nb < 8; nb += 4) {        // two halves",
+                              "for (int nb = 0; nb < 4; nb += 4) {        // (mutant: one half)"),
+    (8, "untransposed"): (_DS.format(_DS_T, "dp"), _DS.format(_DS_N, "dp")),
+    (8, "half the columns"): ("for (int nb = 0; nb < 8; nb += 4) {               // two halves",
+                              "for (int nb = 0; nb < 4; nb += 4) {               // (mutant: one half)"),
+    # version 8's scores on tiles whole inside T (no bounds tests) without the mask: the main's T = 104 has such a
+    # tile with padding keys (the second sequence's), so its dk, dv (or dq) must differ from version 7's
+    (8, "whole tiles unmasked"): ("const float x = s[n][e] * scale + mk[e >> 1];",
+                                  "const float x = s[n][e] * scale + (CHECK ? mk[e >> 1] : 0.f);"),
+}
+
+
+@pytest.mark.parametrize("version, mutant", sorted(ONE_PASS_MUTANTS))
+def test_cpusim_catches_a_wrong_one_pass_dq(tmp_path, version, mutant):
+    """attention_backward.cu's versions 7 and 8 add each key tile's share of dq, dS K, from dS^T fragments they
+    write into shared memory transposed. With dS written untransposed, or the product's second half of the head's
+    columns never added, the main's validation of that version's dq against the CPU reference must fail (exit 1,
+    naming it), or it proves nothing about the one-pass dq (their dk, dv are compared bit for bit with version 5's
+    and 7's). Version 8 runs its own kernel where T % 4 == 0 (T = 104 here; at the main's 70 its dropout case is
+    version 7's kernel); its whole tiles' scores without the mask must fail too."""
+    old, new = ONE_PASS_MUTANTS[(version, mutant)]
     exe = _mutant(tmp_path, "attention_backward.cu", old, new, "attention_backward.cu")
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "v7 f16 dq mismatch" in run.stdout, run.stdout[-3000:]
-    assert "v6 f16 dq ok" in run.stdout, run.stdout[-3000:]                  # (what ran before version 7 passed)
+    run = subprocess.run([str(exe)] + (["104"] if version == 8 else []), capture_output=True, text=True,
+                         timeout=300)
+    caught = rf"v{version} f16 d[qkv] mismatch|v8 = v7 bit for bit \(f16 dk, dv; its kernel, dropout\): NO"
+    assert run.returncode != 0 and re.search(caught, run.stdout), run.stdout[-3000:]
+    assert f"v{version - 1} f16 dq ok" in run.stdout, run.stdout[-3000:]      # (what ran before it passed)
+    if mutant != "whole tiles unmasked":
+        assert f"v{version} f16 dq mismatch" in run.stdout, run.stdout[-3000:]
+
+
+def test_cpusim_catches_a_forward_v6_without_its_mask(tmp_path):
+    """attention_forward.cu's version 6 adds the key tile's additive terms (the mask row, -inf past T) read once per
+    two columns. With them left out, the main at p = 0 (where version 6 runs its own kernel) must fail naming
+    version 6, after version 5 passed, or its comparison with version 5 proves nothing about that kernel."""
+    exe = _mutant(tmp_path, "attention_forward.cu", "__fmul_rn(s[n][e], scale), (e & 1) ? mk.y : mk.x)",
+                  "__fmul_rn(s[n][e], scale), 0.f)", "attention_forward.cu")
+    run = subprocess.run([str(exe), "72", "0"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and re.search(r"v6 f16 mismatch|v6 = v5 bit for bit \(f16, bf16; its kernel, no "
+                                             r"dropout\): NO", run.stdout), run.stdout[-3000:]
+    assert "v5 f16 ok" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("depth", [4, 8])
@@ -253,7 +294,7 @@ def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of
     136 bytes) instead of 16 is stopped at its first cp.async, naming it."""
-    exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=2)
+    exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=3)
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "not 16-byte aligned" in run.stderr, (run.stdout[-2000:], run.stderr[-2000:])
 

@@ -108,7 +108,7 @@ def test_emu_every_cuda_c_version_matches_oracle():
             ref = K.attention_forward_c2(q, k, v, H, mask, 0.1, DropoutRNG(9), True)
             dout = E.cupy.asarray(r.standard_normal((Bn, T, H * 64)).astype(np.float16))
             ref_d = K.attention_backward_c2(dout, ref[1])
-            for rows, bwd in ((64, None), (128, "5"), (128, "6"), (128, "7")):   # (bwd: REFBERT_ATTN_BWD16)
+            for rows, bwd in ((64, None), (128, "5"), (128, "6"), (128, "7"), (128, "8")):   # REFBERT_ATTN_BWD16
                 E.COUNTS.reset()
                 got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
                 K.ATTN_BWD16 = bwd or "6"
@@ -117,23 +117,52 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
                 ran = {"5": {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
                        "6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
-                       "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"}}.get(bwd, set())
-                assert ran <= set(E.COUNTS.launches) and (bwd != "7" or not any(
+                       "7": {"attn_bwd_fused_v7_f16_hs64", "attn_bwd_dqcast_f16"},
+                       # (version 8's dropout kernel under the padding mask at T % 4 == 0; version 7's under a mask
+                       # that varies along the queries)
+                       "8": {"attn_bwd_fused_v8d_f16_hs64" if mk == "pad" else "attn_bwd_fused_v7_f16_hs64",
+                             "attn_bwd_dqcast_f16"}}.get(bwd, set())
+                one_pass = bwd in ("7", "8")
+                assert ran <= set(E.COUNTS.launches) and (not one_pass or not any(
                     n.startswith(("attn_bwd_dkdv", "attn_bwd_dq_")) for n in E.COUNTS.launches)), E.COUNTS.launches
+                assert bwd != "8" or mk != "pad" or "attn_bwd_fused_v7_f16_hs64" not in E.COUNTS.launches
                 same = ((ref[0], got[0]), (ref[1][6], got[1][6]), (ref[1][7], got[1][7]),
-                        *zip(ref_d[1:] if bwd == "7" else ref_d, got_d[1:] if bwd == "7" else got_d))
+                        *zip(ref_d[1:] if one_pass else ref_d, got_d[1:] if one_pass else got_d))
                 for a, b in same:
                     assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
                                           b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), (T, bwd)
-                if bwd == "7":
-                    # version 7's dq: the same products summed in another order (each key tile's share scaled and
-                    # added in float32), then one rounding to float16: at most one float16 ulp from version 3's dq
-                    # (2^-10 of the larger magnitude, 2^-24 for subnormals)
+                if one_pass:
+                    # versions 7 and 8's dq: the same products summed in another order (each key tile's share
+                    # scaled and added in float32), then one rounding to float16: at most one float16 ulp from
+                    # version 3's dq (2^-10 of the larger magnitude, 2^-24 for subnormals)
                     a, b = (x.get().astype(np.float64) for x in (ref_d[0], got_d[0]))
                     assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(a), np.abs(b)) + 2.0 ** -24), \
                         (T, np.max(np.abs(a - b)))
-        print("C5 = C2 bit for bit (its backward's versions 5 and 6; version 7's dk, dv, its dq within an ulp)")
-        K.ATTN_BWD16 = "8"
+            if mk == "pad":     # version 8's kernel without dropout: version 7's dk, dv bits, dq within an ulp
+                fwd = K.attention_forward_c5(q, k, v, H, mask, 0.0, None, True, rows=128)
+                E.COUNTS.reset()                     # (and the forward's version 6 without dropout: version 5's bits)
+                K.ATTN_FWD16 = "6"
+                fwd6 = K.attention_forward_c5(q, k, v, H, mask, 0.0, None, True, rows=128)
+                K.ATTN_FWD16 = "5"
+                assert set(E.COUNTS.launches) >= {"attn_fwd_v6_f16_hs64"}, E.COUNTS.launches
+                for a, b in ((fwd[0], fwd6[0]), (fwd[1][6], fwd6[1][6]), (fwd[1][7], fwd6[1][7])):
+                    assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),
+                                          b.get().view(np.uint16 if b.dtype == np.float16 else np.uint32)), "fwd v6"
+                d = {}
+                for bwd in ("7", "8"):
+                    E.COUNTS.reset()
+                    K.ATTN_BWD16 = bwd
+                    d[bwd] = K.attention_backward_c5(dout, fwd[1])
+                    K.ATTN_BWD16 = "6"
+                    assert f"attn_bwd_fused_v{bwd}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
+                for a, b in zip(d["7"][1:], d["8"][1:]):
+                    assert np.array_equal(a.get().view(np.uint16), b.get().view(np.uint16)), "no dropout"
+                a, b = (x.get().astype(np.float64) for x in (d["7"][0], d["8"][0]))
+                assert np.all(np.abs(a - b) <= 2.0 ** -10 * np.maximum(np.abs(a), np.abs(b)) + 2.0 ** -24), \
+                    np.max(np.abs(a - b))
+        print("C5 = C2 bit for bit (its backward's versions 5 and 6; version 7's and 8's dk, dv, their dq within an "
+              "ulp; its forward's version 6 = 5 without dropout)")
+        K.ATTN_BWD16 = "9"
         try:
             K.attention_backward_c5(dout, got[1])
             print("UNKNOWN RAN")
@@ -280,8 +309,9 @@ def test_emu_every_cuda_c_version_matches_oracle():
         assert f"layernorm_bwd_fused_v6_{kind}_nv2" in line and f"_{kind}_nv6" in line, line   # 768; C % 4: v2's)
     assert "OK attention C6 float32" in out and "attn_fwd_v5_f32_hs64" in out, out
     assert "OK attention C5 float16" in out and "attn_fwd_v5_f16_hs64" in out, out
-    assert "C5 = C2 bit for bit (its backward's versions 5 and 6; version 7's dk, dv, its dq within an ulp)" in out, out
-    assert "ERR attention C5: REFBERT_ATTN_BWD16 expected one of 5, 6, 7, got '8'" in out, out
+    assert ("C5 = C2 bit for bit (its backward's versions 5 and 6; version 7's and 8's dk, dv, their dq within an "
+            "ulp; its forward's version 6 = 5 without dropout)") in out, out
+    assert "ERR attention C5: REFBERT_ATTN_BWD16 expected one of 5, 6, 7, 8, got '9'" in out, out
     assert "C6 forward = C3 forward bit for bit" in out, out
     assert "C4 over its limit = C3 bit for bit, said once" in out, out
     assert "C4 backward v6 = v4 bit for bit" in out, out
@@ -532,8 +562,10 @@ def test_emu_value_checks_need_refbert_cuda_checks():
 def test_emu_bench_backward_ab_rows():
     """The bench's A/B rows of a version's backward kernels (bench_cuda.ab_backward) run on the emulator through
     the launchers, each seeing its own kernels launched (a row whose kernels did not run is a FAIL row): C5's
-    versions 5 and 7 beside its default, 6 (float16 is not the emulator's to validate, so their err/tol here is of
-    nothing; the GPU run's is real: 0.88 on the H100), and C6's version 4 beside its default, 6, validated here in
+    versions 5, 7 and 8 beside its default, 6, and its forward's version 6 beside 5 (float16 is not the emulator's
+    to validate, so their err/tol here is of nothing; the GPU run's is real: 0.88 on the H100; at this shape the
+    forward's grid takes 64 rows a block, version 4, the row's second kernel set), and C6's version 4 beside its
+    default, 6, validated here in
     float32 against the oracle, also where C4's dq partials do not fit (version 3's dk, dv kernel then runs for
     version 4, as at T=2048 on the H200 at b87c638, where the row failed by naming only the fused kernels). The
     variables are put back after the rows."""
@@ -549,8 +581,9 @@ def test_emu_bench_backward_ab_rows():
             K.C4_PARTS_MAX = parts                        # (0: C4's dq partials never fit, as at T=2048 B=8)
             inputs, kwargs = BC._on_gpu(inputs_h, kwargs_h, dt)
             rows = []
-            BC.ab_backward(rows, lambda impl, *t, note="": rows.append(dict(impl=impl, note=note)), BC.Timer(1),
-                           spec, version, dt, inputs, kwargs, {})
+            for side in ("backward", "forward") if version == "C5" else ("backward",):
+                BC.ab_backward(rows, lambda impl, *t, note="": rows.append(dict(impl=impl, note=note)), BC.Timer(1),
+                               spec, version, dt, inputs, kwargs, {}, side=side)
             for r in rows:
                 print("ROW", r["impl"], "|", r.get("status"), "|", r["note"])
         print("DEFAULTS", K.ATTN_BWD16, K.F32_BWD)
@@ -558,9 +591,11 @@ def test_emu_bench_backward_ab_rows():
     out = cudachild.check(_run(_env(code)))
     rows = [line for line in out.splitlines() if line.startswith("ROW")]
     assert [r.split(" | ")[0] for r in rows] == ["ROW vC5 (backward v5)", "ROW vC5 (backward v7)",
+                                                 "ROW vC5 (backward v8)", "ROW vC5 (forward v6)",
                                                  "ROW vC6 (backward v4)", "ROW vC6 (backward v4)"], out
-    assert all(" | None | C5 with its backward's version" in r for r in rows[:2]), out
-    for r in rows[2:]:
+    assert all(" | None | C5 with its backward's version" in r for r in rows[:3]), out
+    assert " | None | C5 with its forward's version 6" in rows[3], out
+    for r in rows[4:]:
         assert " | None | C6 with its backward's version 4 (err/tol 0." in r, out         # (validated: err/tol < 1)
     assert "DEFAULTS 6 6" in out, out
 
@@ -639,8 +674,7 @@ def test_emu_ncu_attention_driver_runs():
     # (C5's forward is version 5 where its grid fills the SMs twice, else version 4: here 4)
     for version, kernels in (("C2", "attn_fwd_v3_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v3_f16_hs64 attn_bwd_dq_v3"),
                              ("C5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v6_f16_hs64 attn_bwd_dq_v6"),
-                             ("C5b5", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_dkdv_v5_f16_hs64 attn_bwd_dq_v5"),
-                             ("C5b7", "attn_fwd_v[45]_f16_hs64 attn_bwd_D_f16 attn_bwd_fused_v7_f16_hs64 "
+                             ("C5b8", "attn_fwd_v[456]_f16_hs64 attn_bwd_D_f16 attn_bwd_fused_v8_f16_hs64 "
                                       "attn_bwd_dqcast_f16"),
                              ("C4", "attn_fwd_v3_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v6_f32_hs64"),
                              ("C6", "attn_fwd_v5_f32_hs64 attn_bwd_D_v3_f32 attn_bwd_fused_v6_f32_hs64")):

@@ -55,9 +55,14 @@ SPILLS_KNOWN = {
     # bytes spilled (an experiment beside version 5, not the default)
     **{f"attn_bwd_fused_v7_{t}_hs64": "16-bit flash v7 one-pass backward: dk, dv and dq's share in one block"
        for t in ("f16", "bf16")},
+    # version 8's dropout kernel (dropout's words drawn a Philox call per 4 scores, inside the scores): 255 registers
+    # and 12 bytes spilled; its kernel without dropout neither spills nor needs a stack (235 registers)
+    **{f"attn_bwd_fused_v8d_{t}_hs64": "16-bit flash v8 one-pass backward with dropout: the Philox words' registers"
+       for t in ("f16", "bf16")},
 }
 SPILL_BOUND = {**{f"attn_bwd_dkdv_v6_{t}_hs64": 64 for t in ("f16", "bf16")},      # bytes of spill stores each
-               **{f"attn_bwd_fused_v7_{t}_hs64": 32 for t in ("f16", "bf16")}}     # may take
+               **{f"attn_bwd_fused_v7_{t}_hs64": 32 for t in ("f16", "bf16")},     # may take
+               **{f"attn_bwd_fused_v8d_{t}_hs64": 16 for t in ("f16", "bf16")}}
 
 
 def _ptxas(text):
@@ -116,7 +121,8 @@ def test_cu_compiles():
             assert stack == 0 and regs <= (128 if k.startswith("bias_gelu_bwd_v2_") else 64), (k, report[k])
             checked.add(k)
         if re.match(r"(attn_.*v[3467]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
-                    r"D_v1|attn_rows_|s[34]_|attn_fwd_v[45]_|attn_bwd_d\w*_v[45]_|attn_bwd_dq_v6_)", k):  # no stack
+                    r"D_v1|attn_rows_|s[34]_|attn_fwd_v[456]_|attn_bwd_d\w*_v[45]_|attn_bwd_dq_v6_|attn_bwd_fused_v8_)",
+                    k):  # no stack
             assert stack == 0, (k, report[k])
             checked.add(k)
     assert {"attn_bwd_fused_v4_f32_hs64", "attn_bwd_fused_v6_f32_hs64", "attn_bwd_dkdv_v6_f32_hs64",
@@ -127,7 +133,8 @@ def test_cu_compiles():
             "attn_fwd_v5_f32_hs64", "attn_bwd_dq_v6_f16_hs64", "colsum16_partial_v1", "adamw_v1_f32", "adamw_v1_f64",
             "grad_stats_partial_v1_f32", "grad_stats_final_v1", "scale_v1_f64", "layernorm_bwd_fused_v6_drop_nv6",
             "column_sum2_v6", "bias_gelu_bwd_v2_erf", "attn_bwd_fused_v7_f32_hs64",
-            "attn_bwd_dqsum_v7_f32"} <= checked, checked
+            "attn_bwd_dqsum_v7_f32", "attn_bwd_fused_v8_f16_hs64", "attn_bwd_fused_v8_bf16_hs64",
+            "attn_fwd_v6_f16_hs64", "attn_fwd_v6_bf16_hs64"} <= checked, checked
 
 
 def _nvrtc_include():

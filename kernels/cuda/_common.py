@@ -444,7 +444,8 @@ def column_sum_kernel(kind_in, kind_out):
 # The kernel variants an environment variable picks inside a version (A/B runs): each variable's default, written
 # here once. The modules read their value at import by variant_env (cuda_c.ATTN_BWD16, mixed.MIXED_LN, ...);
 # versions.VARIANTS says which module attribute holds each, and what it chooses.
-VARIANT_DEFAULTS = {"REFBERT_ATTN_BWD16": "6", "REFBERT_LN_DWDB": "3", "REFBERT_F32_BWD": "6",
+VARIANT_DEFAULTS = {"REFBERT_ATTN_BWD16": "6", "REFBERT_ATTN_FWD16": "5", "REFBERT_LN_DWDB": "3",
+                    "REFBERT_F32_BWD": "6",
                     "REFBERT_MIXED_ATTENTION": "S2", "REFBERT_MIXED_LN": "3", "REFBERT_MIXED_LN_BWD": "2",
                     "REFBERT_MIXED_GELU_BWD": "1"}
 

@@ -193,7 +193,9 @@ def attention_forward_c5(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, t
     memory feeds two mma.sync) or version 4 (64 rows), both version 3's arithmetic and bits with ldmatrix fragments,
     the key tile's mask row in shared memory and a Philox call per 4 keys. rows (64 or 128) pins one; None takes
     128 when that grid still gives every SM two blocks (version 5 holds 250 registers a thread: two blocks an SM),
-    else 64. float16 at hs 64; elsewhere as C1."""
+    else 64. float16 at hs 64; elsewhere as C1. With REFBERT_ATTN_FWD16=6, version 6 where version 5 would run
+    without dropout under a mask constant along the rows (or none): version 5 with each score's work cut, its bits
+    wherever no probability falls below 2^-126."""
     if rows not in (None, 64, 128):
         raise ValueError(f"attention_forward_c5: argument 'rows' expected None, 64 or 128, got {rows!r}")
     return _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, 5, rows)
@@ -226,6 +228,9 @@ def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version
     if tc and tc_version == 5:                                   # version 5: 128 query rows a block; 4: 64
         qrows = rows or (128 if (T + 127) // 128 * B * H >= 2 * _sm_count(xp) else 64)
         tc_version = 5 if qrows == 128 else 4
+        if (tc_version == 5 and C.variant("attention C5", "REFBERT_ATTN_FWD16", ATTN_FWD16, ATTN_FWD16S) == "6"
+                and int(_mask_strides(mask4)[2]) == 0 and not thresh):
+            tc_version = 6                                       # (without dropout, a mask constant along the rows)
     name = f"attn_fwd_v{tc_version}_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), out, m, linv)
@@ -246,7 +251,7 @@ def attention_backward(dout, cache):
 def _attention_backward(dout, cache, version):
     """dq, dk, dv by attention_backward.cu: version 1 (scalar, any storage and head size), 3 (tensor cores with
     padding tiles skipped) or 5 (C5's: version 3 with ldmatrix fragments and dropout's words a Philox call per 4
-    scores, its bits, run as REFBERT_ATTN_BWD16 says: 6 by default, or 5 or 7); 3 and 5 need float16, hs = 64,
+    scores, its bits, run as REFBERT_ATTN_BWD16 says: 6 by default, or 5, 7 or 8); 3 and 5 need float16, hs = 64,
     16-byte aligned rows, otherwise version 1 runs, recorded in FELL_BACK."""
     A = _numba()
     q, k, v, mask4, H, out, m, linv, drop = cache
@@ -280,9 +285,10 @@ def _attention_backward(dout, cache, version):
         version = 1
     if version == 5:
         version = int(C.variant("attention C5", "REFBERT_ATTN_BWD16", ATTN_BWD16, ATTN_BWD16S))
-    if version == 7:                              # one pass: dq's shares added by atomics to a float32 buffer
+    if version in (7, 8):                         # one pass: dq's shares added by atomics to a float32 buffer
         acc = xp.zeros(q.shape, np.float32)
-        kernel("attention_backward.cu", "attn_bwd_fused_v7_f16_hs64", xp)(grid, (128,), args + (dk, dv, acc))
+        kernel("attention_backward.cu", _one_pass_kernel(version, mask4, thresh, dscale, T), xp)(
+            grid, (128,), args + (dk, dv, acc))
         kernel("attention_backward.cu", "attn_bwd_dqcast_f16", xp)(((acc.size + 255) // 256,), (256,),
                                                                    (acc, dq, np.int64(acc.size)))
     elif version in (3, 5, 6):
@@ -292,6 +298,18 @@ def _attention_backward(dout, cache, version):
         kernel("attention_backward.cu", f"attn_bwd_dkdv_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dk, dv))
         kernel("attention_backward.cu", f"attn_bwd_dq_v1_{dt}_hs{hs}", xp)(grid, (64,), args + (dq,))
     return dq, dk, dv
+
+
+def _one_pass_kernel(version, mask4, thresh, dscale, T):
+    """The one-pass backward's kernel: version 8's where it applies, under a mask constant along the queries (or
+    none): its kernel without dropout (thresh 0 and dscale 1) or with dropout's words a Philox call per 4 scores
+    (T % 4 == 0); version 7's otherwise (and for version 7)."""
+    if version == 8 and int(_mask_strides(mask4)[2]) == 0:
+        if not thresh and float(dscale) == 1.0:
+            return "attn_bwd_fused_v8_f16_hs64"
+        if T % 4 == 0:
+            return "attn_bwd_fused_v8d_f16_hs64"
+    return "attn_bwd_fused_v7_f16_hs64"
 
 
 def attention_backward_c2(dout, cache):
@@ -305,9 +323,15 @@ def attention_backward_c2(dout, cache):
 # asked of ptxas), "5" or "7" (one pass: version 5's dk, dv and dq's shares added by float atomics, so dq's bits may
 # differ from run to run), attention_backward.cu. On the H100 (2026-11-28, the bench at B=8 H=12 hs=64, device ms
 # of the backward): T=128 v5 0.066, v6 0.070, v7 0.054; T=512 0.293, 0.231, 0.225; T=2048 2.89, 2.16, 2.11. Version
-# 6 is the fastest of the bitwise-reproducible ones where the time is (T >= 512), and within 3% of version 7 there
+# 6 is the fastest of the bitwise-reproducible ones where the time is (T >= 512), and within 3% of version 7 there.
+# "8" (written 2026-11-28 without a GPU, not yet timed): version 7 with each score's work cut to its arithmetic,
+# compiled per case (no dropout; dropout at T % 4 == 0), version 7's dk, dv bits (_one_pass_kernel: where it applies)
 ATTN_BWD16 = C.variant_env("REFBERT_ATTN_BWD16")
-ATTN_BWD16S = ("5", "6", "7")
+ATTN_BWD16S = ("5", "6", "7", "8")
+# C5's forward at 128 rows a block: "5" (the default) or "6" (written 2026-11-28 without a GPU, not yet timed:
+# version 5 with each score's work cut, for the no-dropout case, where version 5 runs otherwise)
+ATTN_FWD16 = C.variant_env("REFBERT_ATTN_FWD16")
+ATTN_FWD16S = ("5", "6")
 
 
 def attention_backward_c5(dout, cache):
@@ -315,7 +339,8 @@ def attention_backward_c5(dout, cache):
     ldmatrix fragments, the mask read once per key row (dk, dv) or per (b, h) row (dq), and dropout's words a Philox
     call per 4 scores where T % 4 == 0: version 3's bits) for float16 at hs 64, or version 5 itself with
     REFBERT_ATTN_BWD16=5, or version 7 with REFBERT_ATTN_BWD16=7 (one pass, dq by atomics: not bitwise
-    reproducible).
+    reproducible), or version 8 with REFBERT_ATTN_BWD16=8 (version 7's one pass with the per-score work cut: its
+    dk, dv bits; version 7 runs where version 8 does not apply, see _one_pass_kernel).
     (Version 4, without the shared Philox calls, is timed beside them by the .cu's main.)"""
     return _attention_backward(dout, cache, 5)
 

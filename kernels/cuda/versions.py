@@ -481,6 +481,7 @@ def problems():
 # variable, what it chooses), the default _common.VARIANT_DEFAULTS's; describe() names every one not at its default
 VARIANTS = tuple((mod, attr, C.VARIANT_DEFAULTS[var], var, what) for mod, attr, var, what in (
     ("cuda_c", "ATTN_BWD16", "REFBERT_ATTN_BWD16", "attention C5's backward kernels"),
+    ("cuda_c", "ATTN_FWD16", "REFBERT_ATTN_FWD16", "attention C5's forward kernel at 128 rows a block"),
     ("cuda_c", "LN_DWDB", "REFBERT_LN_DWDB", "layernorm's dw, db partials"),
     ("cuda_c", "F32_BWD", "REFBERT_F32_BWD", "attention C4's and C6's backward kernels"),
     ("mixed", "ATTENTION", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),

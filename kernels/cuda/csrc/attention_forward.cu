@@ -24,9 +24,14 @@ Versions:
      keys are all padding (mask <= -1e30: finfo(float32).min, -inf) is not computed once every row of the block has
      met a real key (common.cuh keys_all_padding: exp gives exact zeros there), so the same bits as version 2
      (the main compares them bit for bit) for less work on padded batches.
+  4, 5  version 3's arithmetic and bits with less shared-memory and integer work (ldmatrix fragments, the mask row
+     once a key tile, a Philox call per 4 keys; 5: 128 query rows a block): see flash_fwd_tc4.
+  6  version 5 without dropout with each score's work cut to its arithmetic (no bounds tests, the key tile's
+     additive terms read once per two columns, exp by ex2.approx.ftz): version 5's bits wherever no probability
+     falls below 2^-126; see flash_fwd_tc6. Written without a GPU (2026-11-28), not yet timed.
 
 Build and run standalone (validates every version against the CPU reference, then times them):
-    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_forward attention_forward.cu && ./attention_forward [T]
+    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_forward attention_forward.cu && ./attention_forward [T [p]]
 Compile check only (what tests/test_cuda_nvcc.py does):  nvcc -arch=sm_90 -std=c++17 -c attention_forward.cu
 */
 #include "common.cuh"
@@ -502,6 +507,184 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
                         C, dscale, t4);
 }
 
+
+// version 6: version 5 (128 query rows a block) with each score's work cut to its arithmetic, the forward's
+// counterpart of attention_backward.cu version 8. ncu on the H100 (719a3b9) counted version 5 at about 1,020
+// instructions a warp a key tile (100 M at B=4 H=12 T=2048, 768 blocks of 4 warps, 32 key tiles) for 128 mma.sync,
+// most of them the 64 scores' generic path: a test of the key against T and of the mask's presence and the row
+// against T per score, the mask read from shared memory per score, __expf's subnormal path. Here:
+//   - compiled for one case: no dropout, a mask constant along the queries or none (the launcher runs version 5
+//     for any other case: this kernel with version 5's dropout added spilled 32 bytes at 255 registers, where
+//     version 5 takes 250 and none; dropout would need its words drawn in fewer registers first);
+//   - the thread's 16 key columns' additive terms read once a tile (the mask row, 0 without a mask, -inf past T:
+//     exp gives the 0 version 5 gets by setting such a score to -inf), shared by its 2 MT rows;
+//   - no bounds test on a score: a row past T is computed and never stored, a key past T has p 0;
+//   - exp by exp_ftz (common.cuh: __expf's value, 0 below 2^-126) for the scores' P.
+// Each score is version 5's expression otherwise (scale q.k rounded, then the mask added: __fmul_rn / __fadd_rn,
+// as version 5 compiles them, unfused), so out, m and 1/l are version 5's bits wherever no p falls below 2^-126
+// (the main compares them).
+// (Mt: the key tile's 64 additive terms in shared memory; the thread's columns 8 n + 2 t4, + 1 read as a float2)
+__device__ __forceinline__ void tc_softmax_tile6(float (&s)[8][4], float (&o)[8][4], float (&mrow)[2],
+                                                 float (&lrow)[2], const float* Mt, float scale, int t4) {
+    float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const float2 mk = *reinterpret_cast<const float2*>(Mt + n * 8 + t4 * 2);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float x = __fadd_rn(__fmul_rn(s[n][e], scale), (e & 1) ? mk.y : mk.x);
+            s[n][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    }
+    float mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                             // (tc_softmax_tile's)
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+        float alpha = __expf(mrow[r] - mu[r]);
+        lrow[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
+        mrow[r] = mx[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = exp_ftz(s[n][e] - mu[e >> 1]);
+            lrow[e >> 1] += p;
+            s[n][e] = p;
+        }
+}
+
+template <typename T>
+__device__ __forceinline__ void flash_fwd_tc6(FWD_ARGS(T)) {
+    constexpr int MT = 2, HS = 64, BQ = 64 * MT, BK = 64, LD = HS + 8;
+    __shared__ __align__(16) T Ks[2][BK * LD];
+    __shared__ __align__(16) T Vs[2][BK * LD];
+    __shared__ __align__(16) float Ms[2][BK];                 // the key tile's additive terms: mask, 0, -inf past T
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, q0 = blockIdx.x * BQ;
+    const int C = H * HS;
+    const T* qb = q + (size_t)b * Tn * C + h * HS;
+    const T* kb = k + (size_t)b * Tn * C + h * HS;
+    const T* vb = v + (size_t)b * Tn * C + h * HS;
+    const float* mrow_g = mask + (mask ? b * sb + h * sh : 0);
+
+    auto load_tile = [&](T* dst, const T* src, int r0) {      // 64 rows of 128 bytes, 4 cp.async a thread
+#pragma unroll
+        for (int c = tid; c < 64 * 8; c += 128) {
+            int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
+            bool ok = row < Tn;
+            cp_async16(dst + r * LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
+        }
+    };
+    auto term_at = [&](int j) { return j < Tn ? (mask ? mrow_g[j * sj] : 0.f) : -INFINITY; };
+    load_tile(Ks[1], qb, q0);                                 // (version 5's prologue)
+    load_tile(Vs[1], qb, q0 + 64);
+    load_tile(Ks[0], kb, 0);
+    load_tile(Vs[0], vb, 0);
+    cp_async_commit();
+    if (tid < 64) Ms[0][tid] = term_at(tid);
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const T* p0 = (mt ? Vs[1] : Ks[1]) + (warp * 16 + g) * LD + kk * 16 + t4 * 2;
+            qa[mt][kk][0] = *reinterpret_cast<const u32*>(p0);
+            qa[mt][kk][1] = *reinterpret_cast<const u32*>(p0 + 8 * LD);
+            qa[mt][kk][2] = *reinterpret_cast<const u32*>(p0 + 8);
+            qa[mt][kk][3] = *reinterpret_cast<const u32*>(p0 + 8 * LD + 8);
+        }
+    __syncthreads();
+    int rr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) { rr[mt][0] = q0 + 64 * mt + warp * 16 + g; rr[mt][1] = rr[mt][0] + 8; }
+    float o[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) mrow[mt][0] = mrow[mt][1] = -INFINITY, lrow[mt][0] = lrow[mt][1] = 0.f;
+    const int ntiles = (Tn + BK - 1) / BK;
+
+    for (int it = 0; it < ntiles; it++) {
+        const int cur = it & 1, j0 = it * BK;
+        if (it + 1 < ntiles) {
+            load_tile(Ks[cur ^ 1], kb, j0 + BK);
+            load_tile(Vs[cur ^ 1], vb, j0 + BK);
+        }
+        cp_async_commit();
+        const float mnext = tid < 64 ? term_at(j0 + BK + tid) : 0.f;
+        cp_async_wait<1>();
+        __syncthreads();
+        bool skip = false;
+        if (mask && it > 0) {                                 // version 3's skip, as version 5 takes it
+            bool any = false;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) any |= mrow[mt][0] <= PAD_MIN || mrow[mt][1] <= PAD_MIN;
+            skip = !__syncthreads_or(tid < 64 && j0 + tid < Tn && Ms[cur][tid] > PAD_MIN) && !__syncthreads_or(any);
+        }
+        if (!skip) {
+            float s[MT][8][4];
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+                for (int k2 = 0; k2 < 2; k2++) {
+                    u32 bf[4];
+                    ldsm_x4(bf, Ks[cur] + (n * 8 + (lane & 7)) * LD + k2 * 32 + (lane >> 3) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma16816(s[mt][n], qa[mt][2 * k2], bf, T());
+                        mma16816(s[mt][n], qa[mt][2 * k2 + 1], bf + 2, T());
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) tc_softmax_tile6(s[mt], o[mt], mrow[mt], lrow[mt], Ms[cur], scale, t4);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {                  // O += P V (version 5's)
+                u32 pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    pa[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+                    pa[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+                    pa[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+                    pa[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+                }
+#pragma unroll
+                for (int n = 0; n < 8; n += 2) {
+                    u32 bf[4];
+                    const int mi = lane >> 3;
+                    ldsm_x4_t(bf, Vs[cur] + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * LD + (n + (mi >> 1)) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma16816(o[mt][n], pa[mt], bf, T());
+                        mma16816(o[mt][n + 1], pa[mt], bf + 2, T());
+                    }
+                }
+            }
+        } else {
+            COUNT_SKIP(tid);
+        }
+        if (tid < 64) Ms[cur ^ 1][tid] = mnext;
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        tc_fwd_store<T>(o[mt], mrow[mt], lrow[mt], rr[mt], out, m_out, linv_out, (size_t)b * Tn * C + h * HS, bh, Tn,
+                        C, dscale, t4);
+}
+
 #endif  // HALF_TYPES
 
 // the names cuda_c.py loads: attn_fwd_v1_<dtype>_hs<hs> (block 64), attn_fwd_v2_<dtype>_hs64 (block 128);
@@ -541,6 +724,15 @@ INST_TC4(__half, f16, 4, 1)
 INST_TC4(__nv_bfloat16, bf16, 4, 1)
 INST_TC4(__half, f16, 5, 2)
 INST_TC4(__nv_bfloat16, bf16, 5, 2)
+// version 6 (128 query rows a block, version 5's grid and block): no dropout; a mask constant along the queries or
+// none
+#define INST_TC6(T, NAME)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_v6_##NAME##_hs64(FWD_ARGS(T)) {                 \
+        flash_fwd_tc6<T>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out,     \
+                         m_out, linv_out);                                                                      \
+    }
+INST_TC6(__half, f16)
+INST_TC6(__nv_bfloat16, bf16)
 #endif
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -571,11 +763,14 @@ void attention_forward(int version, const T* q, const T* k, const T* v, const fl
     }
 #define LAUNCH_V2_f32 (printf("version 2 has no float32 kernel\n"), exit(1))
 #define LAUNCH_V3_f32 (printf("version 3 has no float32 kernel\n"), exit(1))
-#define LAUNCH_V45_f32 (printf("versions 4, 5 have no float32 kernel\n"), exit(1))
+#define LAUNCH_V45_f32 (printf("versions 4, 5, 6 have no float32 kernel\n"), exit(1))
 #define LAUNCH_V45(NAME)                                                                                         \
     if (version == 4)                                                                                           \
         LAUNCH(attn_fwd_v4_##NAME##_hs64, grid, 128, q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed,       \
                stream, thresh, dscale, out, m, linv);                                                           \
+    else if (version == 6 && si == 0 && !thresh)     /* (with dropout: version 5's kernel) */                   \
+        LAUNCH(attn_fwd_v6_##NAME##_hs64, dim3((Tn + 127) / 128, B * H), 128, q, k, v, mask, sb, sh, si, sj, B,  \
+               Tn, H, scale, seed, stream, thresh, dscale, out, m, linv);                                       \
     else                                                                                                        \
         LAUNCH(attn_fwd_v5_##NAME##_hs64, dim3((Tn + 127) / 128, B * H), 128, q, k, v, mask, sb, sh, si, sj, B,  \
                Tn, H, scale, seed, stream, thresh, dscale, out, m, linv)
@@ -649,7 +844,7 @@ int main(int argc, char** argv) {
 #else
     int B = 4, H = 12, hs = 64, Tn = argc > 1 ? atoi(argv[1]) : 512;
 #endif
-    float p = 0.1f;
+    float p = argc > 2 ? (float)atof(argv[2]) : 0.1f;                 // dropout (0: none)
     u64 seed = 1234, stream = 7, thresh = (u64)llround(p * 4294967296.0);
     float dscale = 1.f / (1.f - p), scale = 1.f / sqrtf((float)hs);
     size_t n = (size_t)B * Tn * H * hs;
@@ -666,12 +861,13 @@ int main(int argc, char** argv) {
     run<float>("v1 f32", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 1e-5f, 1e-4f);
 #ifdef HALF_TYPES
     run<__half>("v1 f16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f);
-    std::vector<unsigned char> b2, b3, b4, b5;
+    std::vector<unsigned char> b2, b3, b4, b5, b6;
     run<__half>("v2 f16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b2);
     run<__half>("v3 f16", 3, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b3);
     run<__half>("v4 f16", 4, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b4);
     run<__half>("v5 f16", 5, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b5);
-    int same = b2 == b3, same45 = b4 == b3 && b5 == b3;
+    run<__half>("v6 f16", 6, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 5e-3f, 1e-2f, &b6);
+    int same = b2 == b3, same45 = b4 == b3 && b5 == b3, same6 = b6 == b5;
     run<__nv_bfloat16>("v1 bf16", 1, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f);
     run<__nv_bfloat16>("v2 bf16", 2, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
@@ -682,15 +878,22 @@ int main(int argc, char** argv) {
                        3e-2f, &b4);
     run<__nv_bfloat16>("v5 bf16", 5, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
                        3e-2f, &b5);
+    run<__nv_bfloat16>("v6 bf16", 6, B, Tn, H, hs, q, k, v, mask, scale, seed, stream, thresh, dscale, out, 3e-2f,
+                       3e-2f, &b6);
     same &= b2 == b3;
     same45 &= b4 == b3 && b5 == b3;
+    same6 &= b6 == b5;
     // version 3 skips padding tiles: exact zeros skipped, so version 2's bits (out, m, 1/l), or it is wrong;
     // versions 4 and 5 reorganise version 3's loads, not its arithmetic: its bits, or they are wrong
     printf("v3 = v2 bit for bit (f16, bf16): %s\n", same ? "yes" : "NO");
     printf("v4 = v5 = v3 bit for bit (f16, bf16): %s\n", same45 ? "yes" : "NO");
-    same &= same45;
+    // version 6 computes each score as version 5 does (its own kernel without dropout; with dropout version 5's
+    // kernel): version 5's bits wherever no p falls below 2^-126
+    printf("v6 = v5 bit for bit (f16, bf16; %s): %s\n", !thresh ? "its kernel, no dropout" : "version 5's kernel",
+           same6 ? "yes" : "NO");
+    same &= same45 && same6;
 #ifdef CPUSIM
-    printf("v3, v4, v5 skipped %lld key tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
+    printf("v3, v4, v5, v6 skipped %lld key tiles of padding in all\n", (long long)cpusim_skipped_tiles.load());
 #endif
     if (!same) return 1;
 #endif

@@ -230,6 +230,22 @@ __device__ __forceinline__ u32 philox_word(u64 e, u64 stream, u64 seed) {
     return lane == 0 ? w.x : lane == 1 ? w.y : lane == 2 ? w.z : w.w;
 }
 
+// exp(x) as __expf computes it (ex2.approx of x times float32's log2 e) except that a result below float32's normal
+// range (2^-126) is 0: ex2.approx.ftz, where __expf's ex2 without ftz spends a compare and two multiplies a call on
+// keeping those subnormals (attention_backward.cu version 8). On CPU threads: cpusim's __expf, subnormals to 0.
+#ifdef CPUSIM
+__device__ __forceinline__ float exp_ftz(float x) {
+    const float r = __expf(x);
+    return r < 1.17549435e-38f ? 0.f : r;
+}
+#else
+__device__ __forceinline__ float exp_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504f));
+    return y;
+}
+#endif
+
 // keep factor of element e: dscale when kept (or no dropout), else 0
 __device__ __forceinline__ float keep_z(u64 e, u64 seed, u64 stream, u64 thresh, float dscale) {
     if (thresh == 0) return dscale;

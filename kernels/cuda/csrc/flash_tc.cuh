@@ -211,6 +211,25 @@ __device__ __forceinline__ void tc_words_cols(u32 (&w)[4], int bh, int Tn, int k
     for (int e = 0; e < 4; e++) w[e] = tc_word(got, e ^ a);
 }
 
+// tc_words_cols' words without branches (attention_backward.cu version 8): tc_word's chain of comparisons on a lane's
+// own index compiles to divergent branches (a reconvergence region each, 8 a call); tc_pick takes word i by two
+// selects on i's bits. The same words in the same places, so the same keep-mask
+__device__ __forceinline__ u32 tc_pick(uint4 b, int i) {
+    const u32 lo = (i & 1) ? b.y : b.x, hi = (i & 1) ? b.w : b.z;
+    return (i & 2) ? hi : lo;
+}
+__device__ __forceinline__ void tc_words_cols_sel(u32 (&w)[4], int bh, int Tn, int key0, int c0, int a, u64 seed,
+                                                  u64 stream) {
+    const uint4 b = philox4x32_10((((u64)bh * Tn + c0 + (a & 1)) * Tn + key0 + 8 * (a >> 1)) >> 2, stream, seed);
+    uint4 got;                                                // got[x]: word a of block a ^ x
+    got.x = tc_pick(b, a);
+    got.y = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 1), 4);
+    got.z = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 2), 8);
+    got.w = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 3), 12);
+#pragma unroll
+    for (int e = 0; e < 4; e++) w[e] = tc_pick(got, e ^ a);
+}
+
 // what a caller passes for `words` when it has none (versions 2-4, S3: elem draws its own)
 struct TcNoWords {
     __device__ void operator()(int, int, u32 (&)[4]) const {}
