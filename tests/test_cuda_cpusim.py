@@ -138,7 +138,7 @@ def test_cpusim_catches_a_wrong_kernel(tmp_path):
     ("cpusim.cuh", "lo = m.row[ph][8 * i + 2 * t][g];", "lo = m.row[ph][8 * i + 2 * t + 1][g];"),
     # the backward's version 5 hands a lane the word of its fourth score from the wrong Philox block (the 4 x 4
     # transpose of the dk, dv pass): that score's keep-mask goes wrong, and dk, dv with it
-    ("flash_tc.cuh", "w[e] = tc_word(got, e ^ a);", "w[e] = tc_word(got, (e ^ a) ^ (e == 3));"),
+    ("flash_tc.cuh", "w[e] = pick(got, e ^ a);", "w[e] = pick(got, (e ^ a) ^ (e == 3));"),
 ])
 def test_cpusim_catches_a_wrong_tensor_core_fragment(tmp_path, where, old, new):
     """The tensor-core validation can fail: a fragment read from the wrong place (in the emulation, or in the
@@ -294,7 +294,7 @@ def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):
     """ldmatrix and cp.async fault on a GPU when an address is not 16-byte aligned, which a CPU would not notice:
     the emulation checks every address and stops. A forward whose shared tiles are padded by 8 bytes (rows of
     136 bytes) instead of 16 is stopped at its first cp.async, naming it."""
-    exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=3)
+    exe = _mutant(tmp_path, "attention_forward.cu", "LD = HS + 8;", "LD = HS + 4;", "attention_forward.cu", count=2)
     run = subprocess.run([str(exe), "20"], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "not 16-byte aligned" in run.stderr, (run.stdout[-2000:], run.stderr[-2000:])
 

@@ -62,16 +62,18 @@ Versions:
      compares them). 255 registers, 16 bytes spilled. Not yet timed (the main and the bench's "vC5 (backward v7)"
      row time it; REFBERT_ATTN_BWD16=7 runs it in C5).
   8  version 7's one pass with each score's work cut to its arithmetic. ncu on the H100 found version 7
-     latency-bound (two blocks of 4 warps an SM, IPC 0.91) with mma.sync 10% of its instructions: most of its ~1,560
-     a warp a tile pair were the 32 scores' generic path (m, 1/l, D loaded per score, a bounds test, the mask's kind
-     and dropout's threshold tested, an index formed for a Philox call per score that T % 4 == 0 never makes).
+     latency-bound (two blocks of 4 warps an SM, IPC 0.91); its SASS spends some 40 instructions on each of a
+     thread's 32 scores a tile pair, beside 160 mma.sync a warp: m, 1/l, D loaded per score, a bounds test, the
+     mask's kind and dropout's threshold tested, an index formed for a Philox call per score that T % 4 == 0 never
+     makes.
      Version 8 is compiled per case (attn_bwd_fused_v8: no dropout, z = 1 folded away; attn_bwd_fused_v8d:
      dropout's words a Philox call per 4 scores, their selects without branches), reads the mask terms of its two
      key rows once, m, 1/l and D once per two columns, takes exp by ex2.approx.ftz (common.cuh exp_ftz: __expf's
      value but 0 below 2^-126, where __expf spends a compare and two multiplies keeping subnormals), and drops the
      bounds tests on tiles whole inside T (and dq's atomics' too): its loop on a whole tile pair is 967 SASS
-     instructions without dropout (mma 17%; sm_90, cuobjdump of a build with the tail tiles' path compiled out;
-     version 7's ~1,560 is ncu's count, 306 M, over its 1536 x 4 warps' 32 tile pairs), 235 registers, no spills;
+     instructions without dropout (160 of them mma.sync; sm_90, cuobjdump of a build with the tail tiles' path
+     compiled out), where version 7's loop, built with its dropout paths cut, is 3,220 (statically: its per-score
+     tests and both mask paths among them), 235 registers, no spills;
      the dropout kernel 1,725, 255 registers, 12 bytes spilled (its Philox calls). Each score is version 7's
      expression, so dk, dv are version 7's bits wherever no p falls below 2^-126 (the main compares them with and
      without dropout, and a negative control unmasks its whole tiles). It takes masks constant along the queries
@@ -292,6 +294,26 @@ __device__ __forceinline__ void bwd_dq_scalar(BWD_ARGS(T), T* __restrict__ dq) {
 // launcher) with atomicAdd: dS^T goes through the tile's q buffer transposed (rows = queries, rounded to 16 bits as
 // the dK product reads it), each warp takes 16 query rows' A fragments from it and K (Kres, the block's k tile kept
 // in shared memory) as B; 32 float atomics a thread a query tile
+// dk = scale dK and dv of the thread's two key rows (jr: those below T), each rounded once to storage
+template <typename T>
+__device__ __forceinline__ void tc_store_keys(T* __restrict__ dk, T* __restrict__ dv, const float (&dka)[8][4],
+                                              const float (&dva)[8][4], const int (&jr)[2], size_t base, int C,
+                                              int Tn, int t4, float scale) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (jr[r] >= Tn) continue;
+        T* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
+        T* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            kp[n * 8] = from_f<T>(dka[n][2 * r] * scale);
+            kp[n * 8 + 1] = from_f<T>(dka[n][2 * r + 1] * scale);
+            vp[n * 8] = from_f<T>(dva[n][2 * r]);
+            vp[n * 8 + 1] = from_f<T>(dva[n][2 * r + 1]);
+        }
+    }
+}
+
 template <typename T, bool SKIP, bool V4 = false, bool V5 = false, int SPLIT = 1, bool FUSED = false>
 __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* __restrict__ dv,
                                             float* __restrict__ dqacc = nullptr, T* Kres = nullptr) {
@@ -367,19 +389,7 @@ __device__ __forceinline__ void bwd_dkdv_tc(BWD_ARGS(T), T* __restrict__ dk, T* 
                                      keep_z(((u64)bh * Tn + i) * Tn + j, seed, stream, thresh, dscale), pz, ds);
                            });
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (jr[r] >= Tn) continue;
-        T* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
-        T* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            kp[n * 8] = from_f<T>(dka[n][2 * r] * scale);
-            kp[n * 8 + 1] = from_f<T>(dka[n][2 * r + 1] * scale);
-            vp[n * 8] = from_f<T>(dva[n][2 * r]);
-            vp[n * 8 + 1] = from_f<T>(dva[n][2 * r + 1]);
-        }
-    }
+    tc_store_keys<T>(dk, dv, dka, dva, jr, base, C, Tn, t4, scale);
 }
 
 // pass 2: dq per 64-query tile; grid (ceil(T / 64), B * H), block 128. SKIP (version 3): when every row of the
@@ -448,10 +458,10 @@ __device__ __forceinline__ void bwd_dq_tc(BWD_ARGS(T), T* __restrict__ dq, float
 }
 
 // version 8: version 7's one pass with the per-score work cut to its arithmetic. ncu on the H100 (719a3b9) found
-// version 7 latency-bound (2 blocks of 4 warps an SM, IPC 0.91) at 10% mma.sync among its instructions: its
-// ~1,560 instructions a warp a tile pair were mostly the 32 scores' generic path (each score's m, 1/l, D loaded from
-// shared memory, its bounds test, the mask's kind and pointer tested, the dropout threshold and Philox path tested,
-// an index computed for a Philox call a score that T % 4 == 0 never makes). Here, per query tile:
+// version 7 latency-bound (2 blocks of 4 warps an SM, IPC 0.91), and its SASS spends some 40 instructions on each
+// score's generic path (its m, 1/l, D loaded from shared memory, its bounds test, the mask's kind and pointer
+// tested, the dropout threshold and Philox path tested, an index computed for a Philox call a score that T % 4 == 0
+// never makes), 32 scores a thread a tile pair beside 160 mma.sync a warp. Here, per query tile:
 //   - the kernel is compiled for one case: DROP (dropout's words a Philox call per 4 scores, T % 4 == 0) or no
 //     dropout (thresh 0, dscale 1); the mask constant along the queries or none (the launcher runs version 7 for
 //     any other case);
@@ -508,7 +518,7 @@ __device__ __forceinline__ void bwd_fused_v8(BWD_ARGS(T), T* __restrict__ dk, T*
             u32 w[4] = {};                                    // (every lane draws: the words are traded by shuffles)
             (void)w;
             if constexpr (DROP)
-                tc_words_cols_sel(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + ii, g & 3, seed, stream);
+                tc_words_cols<true>(w, bh, Tn, j0 + warp * 16 + (g & ~3), i0 + ii, g & 3, seed, stream);
             const float2 mi = *reinterpret_cast<const float2*>(&R[cur][0][ii]);
             const float2 li = *reinterpret_cast<const float2*>(&R[cur][1][ii]);
             const float2 Di = *reinterpret_cast<const float2*>(&R[cur][2][ii]);
@@ -589,19 +599,7 @@ __device__ __forceinline__ void bwd_fused_v8(BWD_ARGS(T), T* __restrict__ dk, T*
             dq_share(BoolTag<true>());
         __syncthreads();                                      // this tile's buffers may be refilled next
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (jr[r] >= Tn) continue;
-        T* kp = dk + base + (size_t)jr[r] * C + t4 * 2;
-        T* vp = dv + base + (size_t)jr[r] * C + t4 * 2;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            kp[n * 8] = from_f<T>(dka[n][2 * r] * scale);
-            kp[n * 8 + 1] = from_f<T>(dka[n][2 * r + 1] * scale);
-            vp[n * 8] = from_f<T>(dva[n][2 * r]);
-            vp[n * 8 + 1] = from_f<T>(dva[n][2 * r + 1]);
-        }
-    }
+    tc_store_keys<T>(dk, dv, dka, dva, jr, base, C, Tn, t4, scale);
 }
 #endif  // HALF_TYPES
 

@@ -28,7 +28,7 @@ Versions:
      once a key tile, a Philox call per 4 keys; 5: 128 query rows a block): see flash_fwd_tc4.
   6  version 5 without dropout with each score's work cut to its arithmetic (no bounds tests, the key tile's
      additive terms read once per two columns, exp by ex2.approx.ftz): version 5's bits wherever no probability
-     falls below 2^-126; see flash_fwd_tc6. Written without a GPU (2026-11-28), not yet timed.
+     falls below 2^-126; flash_fwd_tc4<T, 2, true>. Written without a GPU (2026-11-28), not yet timed.
 
 Build and run standalone (validates every version against the CPU reference, then times them):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_forward attention_forward.cu && ./attention_forward [T [p]]
@@ -143,6 +143,35 @@ __device__ __forceinline__ void flash_fwd_scalar(FWD_ARGS(T)) {
 #ifdef HALF_TYPES   // (not under cpusim: inline PTX and 16-bit storage)
 // The tensor-core forwards' steps on one m-tile (16 query rows: the thread's rows rr[0], rr[1]; its key columns
 // j0 + 8 n + 2 t4 + 0 / 1), shared by versions 2-5 so that they compute the same bits.
+// the online softmax's second half, S holding the scaled and masked scores and mx the rows' running max over this
+// thread's columns: the row max over the quad (shuffles 1, 2), O and l rescaled by exp(m - m'), S replaced by
+// P = exp(S - m), l summing P. FTZ (version 6): P by exp_ftz (0 below 2^-126), else __expf
+template <bool FTZ = false>
+__device__ __forceinline__ void tc_softmax_rescale(float (&s)[8][4], float (&o)[8][4], float (&mrow)[2],
+                                                   float (&lrow)[2], float (&mx)[2]) {
+    float mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];             // a row of only -inf so far: exp(-inf - 0) = 0
+        float alpha = __expf(mrow[r] - mu[r]);
+        lrow[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
+        mrow[r] = mx[r];
+    }
+    // P = exp(S - m); l sums the undropped P (dropout zeroes P after, before P V)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = FTZ ? exp_ftz(s[n][e] - mu[e >> 1]) : __expf(s[n][e] - mu[e >> 1]);
+            lrow[e >> 1] += p;
+            s[n][e] = p;
+        }
+}
+
 // The online softmax of a 16 x 64 S tile: scale, mask (mask_at(row, col) where has_mask and row < T), keys past T;
 // the row max over the quad (shuffles 1, 2), O and l rescaled, S replaced by P = exp(S - m), l summing P
 template <class MaskAt>
@@ -161,27 +190,7 @@ __device__ __forceinline__ void tc_softmax_tile(float (&s)[8][4], float (&o)[8][
             s[n][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-    float mu[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];             // a row of only -inf so far: exp(-inf - 0) = 0
-        float alpha = __expf(mrow[r] - mu[r]);
-        lrow[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
-        mrow[r] = mx[r];
-    }
-    // P = exp(S - m); l sums the undropped P (dropout zeroes P after, before P V)
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float p = __expf(s[n][e] - mu[e >> 1]);
-            lrow[e >> 1] += p;
-            s[n][e] = p;
-        }
+    tc_softmax_rescale(s, o, mrow, lrow, mx);
 }
 
 // dropout on P, one Philox call per pair of keys (the fourth word of a block and the next block's first where a
@@ -327,6 +336,38 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
 }
 
 
+// version 6: version 5 (128 query rows a block) with each score's work cut to its arithmetic, the forward's
+// counterpart of attention_backward.cu version 8. Version 5's loop spends most of its instructions on the 64 scores
+// a thread a key tile (beside 128 mma.sync a warp): a test of the key against T and of the mask's presence and the
+// row against T per score, the mask read from shared memory per score, __expf's subnormal path; built without its
+// dropout code it is 3,250 SASS instructions statically, version 6's 1,140 (sm_90, cuobjdump). Here:
+//   - compiled for one case: no dropout, a mask constant along the queries or none (the launcher runs version 5
+//     for any other case: this kernel with version 5's dropout added spilled 32 bytes at 255 registers, where
+//     version 5 takes 250 and none; dropout would need its words drawn in fewer registers first);
+//   - the thread's 16 key columns' additive terms read once a tile (the mask row, 0 without a mask, -inf past T:
+//     exp gives the 0 version 5 gets by setting such a score to -inf), shared by its 2 MT rows;
+//   - no bounds test on a score: a row past T is computed and never stored, a key past T has p 0;
+//   - exp by exp_ftz (common.cuh: __expf's value, 0 below 2^-126) for the scores' P.
+// Each score is version 5's expression otherwise (scale q.k rounded, then the mask added: __fmul_rn / __fadd_rn,
+// as version 5 compiles them, unfused), so out, m and 1/l are version 5's bits wherever no p falls below 2^-126
+// (the main compares them).
+// (Mt: the key tile's 64 additive terms in shared memory; the thread's columns 8 n + 2 t4, + 1 read as a float2)
+__device__ __forceinline__ void tc_softmax_tile6(float (&s)[8][4], float (&o)[8][4], float (&mrow)[2],
+                                                 float (&lrow)[2], const float* Mt, float scale, int t4) {
+    float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const float2 mk = *reinterpret_cast<const float2*>(Mt + n * 8 + t4 * 2);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float x = __fadd_rn(__fmul_rn(s[n][e], scale), (e & 1) ? mk.y : mk.x);
+            s[n][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    }
+    tc_softmax_rescale<true>(s, o, mrow, lrow, mx);
+}
+
 // versions 4 and 5: version 3's arithmetic (the same bits: the main compares them) with less work per tile on the
 // shared-memory port and the integer pipes, where version 3 spends more issue slots than its tensor cores take:
 //   - the K and V B fragments by ldmatrix (x4: two mma's worth in one instruction; V with .trans) instead of
@@ -341,7 +382,9 @@ __device__ __forceinline__ void flash_fwd_tc(FWD_ARGS(T)) {
 //     words of keys 4G .. 4G + 3 of the lower and the upper row and swap the halves the other needs by two
 //     shuffles (version 3: a call per pair of keys); the same words, so the same keep-mask.
 // Q is staged through the second K / V buffers (static shared memory stays under 48 KB at 128 rows).
-template <typename T, int MT>
+// LEAN (version 6, with MT = 2): tc_softmax_tile6's scores and no dropout; the key tile's row in shared memory holds
+// the additive terms (the mask, 0 without one, -inf past T); its caller guarantees no dropout and si == 0.
+template <typename T, int MT, bool LEAN = false>
 __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
     constexpr int HS = 64, BQ = 64 * MT, BK = 64, LD = HS + 8;
     __shared__ __align__(16) T Ks[2][BK * LD];
@@ -364,7 +407,10 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
             cp_async16(dst + r * LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
         }
     };
-    auto mask_at = [&](int j) { return staged && j < Tn ? mrow_g[j * sj] : 0.f; };
+    auto mask_at = [&](int j) {
+        if constexpr (LEAN) return j < Tn ? (staged ? mrow_g[j * sj] : 0.f) : -INFINITY;
+        else return staged && j < Tn ? mrow_g[j * sj] : 0.f;
+    };
     // prologue: Q's 64 MT rows through Ks[1] (and Vs[1]), the first K / V tile into buffers 0
     load_tile(Ks[1], qb, q0);
     if (MT == 2) load_tile(Vs[1], qb, q0 + 64);
@@ -440,6 +486,10 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
+                if constexpr (LEAN) {
+                    tc_softmax_tile6(s[mt], o[mt], mrow[mt], lrow[mt], Ms[cur], scale, t4);
+                    continue;
+                }
                 tc_softmax_tile(s[mt], o[mt], mrow[mt], lrow[mt], rr[mt], j0, Tn, scale, mask != nullptr,
                                 [&](int row, int col) {
                                     return staged ? Ms[cur][col - j0] : mask[b * sb + h * sh + row * si + col * sj];
@@ -508,183 +558,6 @@ __device__ __forceinline__ void flash_fwd_tc4(FWD_ARGS(T)) {
 }
 
 
-// version 6: version 5 (128 query rows a block) with each score's work cut to its arithmetic, the forward's
-// counterpart of attention_backward.cu version 8. ncu on the H100 (719a3b9) counted version 5 at about 1,020
-// instructions a warp a key tile (100 M at B=4 H=12 T=2048, 768 blocks of 4 warps, 32 key tiles) for 128 mma.sync,
-// most of them the 64 scores' generic path: a test of the key against T and of the mask's presence and the row
-// against T per score, the mask read from shared memory per score, __expf's subnormal path. Here:
-//   - compiled for one case: no dropout, a mask constant along the queries or none (the launcher runs version 5
-//     for any other case: this kernel with version 5's dropout added spilled 32 bytes at 255 registers, where
-//     version 5 takes 250 and none; dropout would need its words drawn in fewer registers first);
-//   - the thread's 16 key columns' additive terms read once a tile (the mask row, 0 without a mask, -inf past T:
-//     exp gives the 0 version 5 gets by setting such a score to -inf), shared by its 2 MT rows;
-//   - no bounds test on a score: a row past T is computed and never stored, a key past T has p 0;
-//   - exp by exp_ftz (common.cuh: __expf's value, 0 below 2^-126) for the scores' P.
-// Each score is version 5's expression otherwise (scale q.k rounded, then the mask added: __fmul_rn / __fadd_rn,
-// as version 5 compiles them, unfused), so out, m and 1/l are version 5's bits wherever no p falls below 2^-126
-// (the main compares them).
-// (Mt: the key tile's 64 additive terms in shared memory; the thread's columns 8 n + 2 t4, + 1 read as a float2)
-__device__ __forceinline__ void tc_softmax_tile6(float (&s)[8][4], float (&o)[8][4], float (&mrow)[2],
-                                                 float (&lrow)[2], const float* Mt, float scale, int t4) {
-    float mx[2] = {mrow[0], mrow[1]};
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        const float2 mk = *reinterpret_cast<const float2*>(Mt + n * 8 + t4 * 2);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float x = __fadd_rn(__fmul_rn(s[n][e], scale), (e & 1) ? mk.y : mk.x);
-            s[n][e] = x;
-            mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-    }
-    float mu[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {                             // (tc_softmax_tile's)
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];
-        float alpha = __expf(mrow[r] - mu[r]);
-        lrow[r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < 8; n++) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
-        mrow[r] = mx[r];
-    }
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float p = exp_ftz(s[n][e] - mu[e >> 1]);
-            lrow[e >> 1] += p;
-            s[n][e] = p;
-        }
-}
-
-template <typename T>
-__device__ __forceinline__ void flash_fwd_tc6(FWD_ARGS(T)) {
-    constexpr int MT = 2, HS = 64, BQ = 64 * MT, BK = 64, LD = HS + 8;
-    __shared__ __align__(16) T Ks[2][BK * LD];
-    __shared__ __align__(16) T Vs[2][BK * LD];
-    __shared__ __align__(16) float Ms[2][BK];                 // the key tile's additive terms: mask, 0, -inf past T
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / H, h = bh % H, q0 = blockIdx.x * BQ;
-    const int C = H * HS;
-    const T* qb = q + (size_t)b * Tn * C + h * HS;
-    const T* kb = k + (size_t)b * Tn * C + h * HS;
-    const T* vb = v + (size_t)b * Tn * C + h * HS;
-    const float* mrow_g = mask + (mask ? b * sb + h * sh : 0);
-
-    auto load_tile = [&](T* dst, const T* src, int r0) {      // 64 rows of 128 bytes, 4 cp.async a thread
-#pragma unroll
-        for (int c = tid; c < 64 * 8; c += 128) {
-            int r = c >> 3, col = (c & 7) * 8, row = r0 + r;
-            bool ok = row < Tn;
-            cp_async16(dst + r * LD + col, src + (size_t)(ok ? row : 0) * C + col, ok ? 16 : 0);
-        }
-    };
-    auto term_at = [&](int j) { return j < Tn ? (mask ? mrow_g[j * sj] : 0.f) : -INFINITY; };
-    load_tile(Ks[1], qb, q0);                                 // (version 5's prologue)
-    load_tile(Vs[1], qb, q0 + 64);
-    load_tile(Ks[0], kb, 0);
-    load_tile(Vs[0], vb, 0);
-    cp_async_commit();
-    if (tid < 64) Ms[0][tid] = term_at(tid);
-    cp_async_wait<0>();
-    __syncthreads();
-    u32 qa[MT][4][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const T* p0 = (mt ? Vs[1] : Ks[1]) + (warp * 16 + g) * LD + kk * 16 + t4 * 2;
-            qa[mt][kk][0] = *reinterpret_cast<const u32*>(p0);
-            qa[mt][kk][1] = *reinterpret_cast<const u32*>(p0 + 8 * LD);
-            qa[mt][kk][2] = *reinterpret_cast<const u32*>(p0 + 8);
-            qa[mt][kk][3] = *reinterpret_cast<const u32*>(p0 + 8 * LD + 8);
-        }
-    __syncthreads();
-    int rr[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) { rr[mt][0] = q0 + 64 * mt + warp * 16 + g; rr[mt][1] = rr[mt][0] + 8; }
-    float o[MT][8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int n = 0; n < 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-    float mrow[MT][2], lrow[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) mrow[mt][0] = mrow[mt][1] = -INFINITY, lrow[mt][0] = lrow[mt][1] = 0.f;
-    const int ntiles = (Tn + BK - 1) / BK;
-
-    for (int it = 0; it < ntiles; it++) {
-        const int cur = it & 1, j0 = it * BK;
-        if (it + 1 < ntiles) {
-            load_tile(Ks[cur ^ 1], kb, j0 + BK);
-            load_tile(Vs[cur ^ 1], vb, j0 + BK);
-        }
-        cp_async_commit();
-        const float mnext = tid < 64 ? term_at(j0 + BK + tid) : 0.f;
-        cp_async_wait<1>();
-        __syncthreads();
-        bool skip = false;
-        if (mask && it > 0) {                                 // version 3's skip, as version 5 takes it
-            bool any = false;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) any |= mrow[mt][0] <= PAD_MIN || mrow[mt][1] <= PAD_MIN;
-            skip = !__syncthreads_or(tid < 64 && j0 + tid < Tn && Ms[cur][tid] > PAD_MIN) && !__syncthreads_or(any);
-        }
-        if (!skip) {
-            float s[MT][8][4];
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-#pragma unroll
-                for (int k2 = 0; k2 < 2; k2++) {
-                    u32 bf[4];
-                    ldsm_x4(bf, Ks[cur] + (n * 8 + (lane & 7)) * LD + k2 * 32 + (lane >> 3) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma16816(s[mt][n], qa[mt][2 * k2], bf, T());
-                        mma16816(s[mt][n], qa[mt][2 * k2 + 1], bf + 2, T());
-                    }
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) tc_softmax_tile6(s[mt], o[mt], mrow[mt], lrow[mt], Ms[cur], scale, t4);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {                  // O += P V (version 5's)
-                u32 pa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    pa[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-                    pa[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-                    pa[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-                    pa[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
-                }
-#pragma unroll
-                for (int n = 0; n < 8; n += 2) {
-                    u32 bf[4];
-                    const int mi = lane >> 3;
-                    ldsm_x4_t(bf, Vs[cur] + (kk * 16 + (mi & 1) * 8 + (lane & 7)) * LD + (n + (mi >> 1)) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma16816(o[mt][n], pa[mt], bf, T());
-                        mma16816(o[mt][n + 1], pa[mt], bf + 2, T());
-                    }
-                }
-            }
-        } else {
-            COUNT_SKIP(tid);
-        }
-        if (tid < 64) Ms[cur ^ 1][tid] = mnext;
-        __syncthreads();
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-        tc_fwd_store<T>(o[mt], mrow[mt], lrow[mt], rr[mt], out, m_out, linv_out, (size_t)b * Tn * C + h * HS, bh, Tn,
-                        C, dscale, t4);
-}
-
 #endif  // HALF_TYPES
 
 // the names cuda_c.py loads: attn_fwd_v1_<dtype>_hs<hs> (block 64), attn_fwd_v2_<dtype>_hs64 (block 128);
@@ -728,8 +601,8 @@ INST_TC4(__nv_bfloat16, bf16, 5, 2)
 // none
 #define INST_TC6(T, NAME)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_v6_##NAME##_hs64(FWD_ARGS(T)) {                 \
-        flash_fwd_tc6<T>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, out,     \
-                         m_out, linv_out);                                                                      \
+        flash_fwd_tc4<T, 2, true>(q, k, v, mask, sb, sh, si, sj, B, Tn, H, scale, seed, stream, thresh, dscale, \
+                                  out, m_out, linv_out);                                                        \
     }
 INST_TC6(__half, f16)
 INST_TC6(__nv_bfloat16, bf16)

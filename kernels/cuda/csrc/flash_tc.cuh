@@ -180,6 +180,12 @@ __device__ __forceinline__ void tc_key_tiles(T (*Ks)[64 * TC_LD], T (*Vs)[64 * T
 // Needs T % 4 == 0 (keys 4G .. 4G + 3 of a row are the four words of one Philox block) and every lane of the warp.
 // A block index past T is harmless: its words are drawn and never used.
 __device__ __forceinline__ u32 tc_word(uint4 b, int i) { return i == 0 ? b.x : i == 1 ? b.y : i == 2 ? b.z : b.w; }
+// word i (0..3) of a Philox block by two selects on i's bits (tc_words_cols<true>, attention_backward.cu version 8:
+// tc_word's chain of comparisons on a lane's own index compiles to divergent branches, a reconvergence region each)
+__device__ __forceinline__ u32 tc_pick(uint4 b, int i) {
+    const u32 lo = (i & 1) ? b.y : b.x, hi = (i & 1) ? b.w : b.z;
+    return (i & 2) ? hi : lo;
+}
 
 // pass 2 (S: query rows x keys): rows row0, row1, keys k0 + 2 t4 + 0 / 1 (k0 = j0 + 8 n). Lanes t4 = 2G, 2G + 1 hold
 // keys 4G .. 4G + 3 of both rows: lane t4 draws the block of row (t4 & 1 ? row1 : row0), keeps the two words of its
@@ -199,35 +205,19 @@ __device__ __forceinline__ void tc_words_rows(u32 (&w)[4], int bh, int Tn, int r
 // of each key row: their 16 words are 4 Philox blocks, block 2 r + c = (query c0 + c, keys key0 + 8 r ..), and lane
 // a needs word a of each. Lane a draws block a; a 4 x 4 transpose by three xor shuffles (lanes 4 x apart: round x
 // sends word a ^ x, receives word a of block a ^ x) gives each lane its four
+// SEL (attention_backward.cu version 8): the words picked by tc_pick (selects) instead of tc_word: the same words
+template <bool SEL = false>
 __device__ __forceinline__ void tc_words_cols(u32 (&w)[4], int bh, int Tn, int key0, int c0, int a, u64 seed,
                                               u64 stream) {
     const uint4 b = philox4x32_10((((u64)bh * Tn + c0 + (a & 1)) * Tn + key0 + 8 * (a >> 1)) >> 2, stream, seed);
+    auto pick = [](uint4 x, int i) { return SEL ? tc_pick(x, i) : tc_word(x, i); };
     uint4 got;                                                // got[x]: word a of block a ^ x
-    got.x = tc_word(b, a);
-    got.y = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 1), 4);
-    got.z = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 2), 8);
-    got.w = __shfl_xor_sync(0xffffffffu, tc_word(b, a ^ 3), 12);
+    got.x = pick(b, a);
+    got.y = __shfl_xor_sync(0xffffffffu, pick(b, a ^ 1), 4);
+    got.z = __shfl_xor_sync(0xffffffffu, pick(b, a ^ 2), 8);
+    got.w = __shfl_xor_sync(0xffffffffu, pick(b, a ^ 3), 12);
 #pragma unroll
-    for (int e = 0; e < 4; e++) w[e] = tc_word(got, e ^ a);
-}
-
-// tc_words_cols' words without branches (attention_backward.cu version 8): tc_word's chain of comparisons on a lane's
-// own index compiles to divergent branches (a reconvergence region each, 8 a call); tc_pick takes word i by two
-// selects on i's bits. The same words in the same places, so the same keep-mask
-__device__ __forceinline__ u32 tc_pick(uint4 b, int i) {
-    const u32 lo = (i & 1) ? b.y : b.x, hi = (i & 1) ? b.w : b.z;
-    return (i & 2) ? hi : lo;
-}
-__device__ __forceinline__ void tc_words_cols_sel(u32 (&w)[4], int bh, int Tn, int key0, int c0, int a, u64 seed,
-                                                  u64 stream) {
-    const uint4 b = philox4x32_10((((u64)bh * Tn + c0 + (a & 1)) * Tn + key0 + 8 * (a >> 1)) >> 2, stream, seed);
-    uint4 got;                                                // got[x]: word a of block a ^ x
-    got.x = tc_pick(b, a);
-    got.y = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 1), 4);
-    got.z = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 2), 8);
-    got.w = __shfl_xor_sync(0xffffffffu, tc_pick(b, a ^ 3), 12);
-#pragma unroll
-    for (int e = 0; e < 4; e++) w[e] = tc_pick(got, e ^ a);
+    for (int e = 0; e < 4; e++) w[e] = pick(got, e ^ a);
 }
 
 // what a caller passes for `words` when it has none (versions 2-4, S3: elem draws its own)
