@@ -45,6 +45,7 @@ _run = functools.partial(cudachild.run, timeout=900)
 
 def test_emu_every_cuda_c_version_matches_oracle():
     out = cudachild.check(_run(_env("""
+        import warnings
         import numpy as np
         from refbert_kernels.cuda import backend as B, versions as VV, cuda_c as K, emulate as E
         assert B.MODE == "emu"
@@ -112,8 +113,14 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 E.COUNTS.reset()
                 got = K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=rows)
                 K.ATTN_BWD16 = bwd or "6"
-                got_d = K.attention_backward_c5(dout, got[1]) if bwd else ref_d
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    got_d = K.attention_backward_c5(dout, got[1]) if bwd else ref_d
                 K.ATTN_BWD16 = "6"
+                said = [str(w.message) for w in said if "version 8" in str(w.message)]
+                assert said == ([] if bwd != "8" or mk == "pad" else      # (version 7's kernel, said once a case)
+                                ["refbert cuda: attention C5's backward version 8 (REFBERT_ATTN_BWD16=8) does not take "
+                                 "a mask that varies along the queries: version 7's kernel runs"]), said
                 assert f"attn_fwd_v{5 if rows == 128 else 4}_f16_hs64" in E.COUNTS.launches, E.COUNTS.launches
                 ran = {"5": {"attn_bwd_dkdv_v5_f16_hs64", "attn_bwd_dq_v5_f16_hs64"},
                        "6": {"attn_bwd_dkdv_v6_f16_hs64", "attn_bwd_dq_v6_f16_hs64"},
@@ -143,7 +150,14 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 E.COUNTS.reset()                     # (and the forward's version 6 without dropout: version 5's bits)
                 K.ATTN_FWD16 = "6"
                 fwd6 = K.attention_forward_c5(q, k, v, H, mask, 0.0, None, True, rows=128)
+                with warnings.catch_warnings(record=True) as said:  # (with dropout: version 5, said once)
+                    warnings.simplefilter("always")
+                    for _ in range(2):
+                        K.attention_forward_c5(q, k, v, H, mask, 0.1, DropoutRNG(9), True, rows=128)
                 K.ATTN_FWD16 = "5"
+                said = [str(w.message) for w in said if "version 6" in str(w.message)]
+                assert said == ["refbert cuda: attention C5's forward version 6 (REFBERT_ATTN_FWD16=6) does not take "
+                                "dropout: version 5's kernel runs"], said
                 assert set(E.COUNTS.launches) >= {"attn_fwd_v6_f16_hs64"}, E.COUNTS.launches
                 for a, b in ((fwd[0], fwd6[0]), (fwd[1][6], fwd6[1][6]), (fwd[1][7], fwd6[1][7])):
                     assert np.array_equal(a.get().view(np.uint16 if a.dtype == np.float16 else np.uint32),

@@ -228,9 +228,15 @@ def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version
     if tc and tc_version == 5:                                   # version 5: 128 query rows a block; 4: 64
         qrows = rows or (128 if (T + 127) // 128 * B * H >= 2 * _sm_count(xp) else 64)
         tc_version = 5 if qrows == 128 else 4
-        if (tc_version == 5 and C.variant("attention C5", "REFBERT_ATTN_FWD16", ATTN_FWD16, ATTN_FWD16S) == "6"
-                and int(_mask_strides(mask4)[2]) == 0 and not thresh):
-            tc_version = 6                                       # (without dropout, a mask constant along the rows)
+        if C.variant("attention C5", "REFBERT_ATTN_FWD16", ATTN_FWD16, ATTN_FWD16S) == "6":
+            along = int(_mask_strides(mask4)[2]) != 0
+            if tc_version == 5 and not along and not thresh:
+                tc_version = 6                                   # (without dropout, a mask constant along the rows)
+            else:
+                _say_once("attention C5's forward version 6 (REFBERT_ATTN_FWD16=6)",
+                          "a grid of 64-row blocks" if tc_version == 4 else
+                          "a mask that varies along the rows" if along else "dropout",
+                          f"version {tc_version}'s kernel")
     name = f"attn_fwd_v{tc_version}_{dt}_hs64" if tc else f"attn_fwd_v1_{dt}_hs{hs}"
     args = (q, k, v, m32, *_mask_strides(mask4), _i(B), _i(T), _i(H), _f(1.0 / math.sqrt(hs)), seed, stream, thresh,
             _f(dscale), out, m, linv)
@@ -303,13 +309,27 @@ def _attention_backward(dout, cache, version):
 def _one_pass_kernel(version, mask4, thresh, dscale, T):
     """The one-pass backward's kernel: version 8's where it applies, under a mask constant along the queries (or
     none): its kernel without dropout (thresh 0 and dscale 1) or with dropout's words a Philox call per 4 scores
-    (T % 4 == 0); version 7's otherwise (and for version 7)."""
-    if version == 8 and int(_mask_strides(mask4)[2]) == 0:
-        if not thresh and float(dscale) == 1.0:
-            return "attn_bwd_fused_v8_f16_hs64"
-        if T % 4 == 0:
-            return "attn_bwd_fused_v8d_f16_hs64"
+    (T % 4 == 0); version 7's otherwise (and for version 7), said once for each reason."""
+    if version != 8:
+        return "attn_bwd_fused_v7_f16_hs64"
+    along = int(_mask_strides(mask4)[2]) != 0
+    if not along and not thresh and float(dscale) == 1.0:
+        return "attn_bwd_fused_v8_f16_hs64"
+    if not along and T % 4 == 0:
+        return "attn_bwd_fused_v8d_f16_hs64"
+    _say_once("attention C5's backward version 8 (REFBERT_ATTN_BWD16=8)",
+              "a mask that varies along the queries" if along else "dropout at T % 4 != 0", "version 7's kernel")
     return "attn_bwd_fused_v7_f16_hs64"
+
+
+_SAID = set()
+
+
+def _say_once(who, what, instead):
+    """A variant that does not take a call's case, and what runs instead: a RuntimeWarning once per (who, what)."""
+    if (who, what) not in _SAID:
+        _SAID.add((who, what))
+        warnings.warn(f"refbert cuda: {who} does not take {what}: {instead} runs", RuntimeWarning, stacklevel=4)
 
 
 def attention_backward_c2(dout, cache):
