@@ -1,4 +1,5 @@
 """`refbert check` as a user runs it, and the README/CI contract."""
+import os
 import re
 import subprocess
 import sys
@@ -88,6 +89,54 @@ def test_readme_opens_with_the_two_setup_blocks():
 def test_ci_runs_the_readme_test_block():
     printed = subprocess.run(["bash", str(ROOT / ".ci/run"), "--print"], capture_output=True, text=True, check=True)
     assert printed.stdout.strip() == _bash_blocks()[1].strip()
+
+
+def _python_at_root(code, **env):
+    """`python -c code` from the repository's root, where Python puts the root first on sys.path."""
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_kernels_from_the_root_gets_the_installed_package(tmp_path):
+    """`kernels` is Hugging Face's PyPI package (transformers >= 5.25 requires it and imports it): from the root,
+    where `import kernels` finds this repository's kernels/ first, that folder hands over to the installed package.
+    A stand-in package on PYTHONPATH (after the root, before site-packages) plays the installed one, submodule
+    included; refbert_kernels still imports as itself beside it. Without the hand-over, `kernels` would be our
+    folder: no MARK."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+    (tmp_path / "kernels" / "layer.py").write_text("WHAT = 'a submodule'\n")
+    res = _python_at_root("import kernels, kernels.layer, refbert_kernels, refbert_kernels.layernorm as L\n"
+                          "print(kernels.MARK, kernels.layer.WHAT, kernels.__file__, refbert_kernels.__name__, "
+                          "L.__name__, sep='|')", PYTHONPATH=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    mark, what, where, ours, layernorm = res.stdout.strip().split("|")
+    assert (mark, what, Path(where)) == ("installed", "a submodule", tmp_path / "kernels" / "__init__.py")
+    assert (ours, layernorm) == ("refbert_kernels", "refbert_kernels.layernorm")
+
+
+def test_import_kernels_from_the_root_without_the_package_says_where_the_folder_belongs():
+    """No `kernels` installed (site-packages taken off sys.path): the import fails as a missing module's does
+    (transformers < 5.25 and other code test for it with ModuleNotFoundError), naming the name under which our
+    folder imports."""
+    res = _python_at_root("import sys\nsys.path = [p for p in sys.path if 'site-packages' not in p]\n"
+                          "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
+                          "    print(e.name, '|', e, sep='')\n    print('kernels' in sys.modules)")
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.strip().splitlines()
+    name, message = first.split("|")
+    assert name == "kernels" and "refbert_kernels" in message and str(ROOT / "kernels") in message, first
+    assert second == "False"                          # no half-made module left behind
+
+
+def test_transformers_imports_from_the_root():
+    """The failure that the hand-over fixes, as a user meets it: a BERT built by transformers from the repository's
+    root (transformers >= 5.25 imports `kernels` while it builds a model)."""
+    res = _python_at_root("from transformers import BertConfig, BertModel\n"
+                          "BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, "
+                          "intermediate_size=8, vocab_size=10))\nprint('built')")
+    assert res.returncode == 0 and res.stdout.strip() == "built", res.stderr[-2000:]
 
 
 def test_refbert_trace_prints_every_layer_and_passes():
