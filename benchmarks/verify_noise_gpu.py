@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_noise import HEAD, CHANGE, make_checkpoint, units  # noqa: E402
 
 from refbert import verify  # noqa: E402
+from refbert.fileio import write_text  # noqa: E402
 
 
 def cuda_dump(folder, batch, dtype, tf32=False, device="cuda"):
@@ -45,6 +46,10 @@ def main():
     ap.add_argument("--sizes", default="tiny,mini,base")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():        # a word, not torch's traceback (exit 2: skipped)
+        print(f"verify_noise_gpu: SKIPPED, --device cuda needs torch with CUDA and a GPU (torch {torch.__version__}: "
+              f"torch.cuda.is_available() is False); --device cpu runs this script's plumbing", file=sys.stderr)
+        sys.exit(2)
     work = tempfile.mkdtemp()
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     lines = ["# `refbert verify` against torch on a GPU", "", f"Device: {device}; torch {torch.__version__}. Method: "
@@ -81,8 +86,7 @@ def main():
                          f"{'yes' if worst[0] <= K else 'no'} | {det} |")
             print(lines[-1], f"{time.perf_counter() - t:.1f} s", flush=True)
             os.makedirs(a.out, exist_ok=True)          # after every row: a run stopped at its time limit keeps them
-            with open(os.path.join(a.out, "verify_noise_gpu.md"), "w") as f:
-                f.write("\n".join(lines) + "\n")
+            write_text(os.path.join(a.out, "verify_noise_gpu.md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -563,3 +563,21 @@ def test_self_check_catches_a_wrong_backward_and_skips_a_missing_torch(tmp_path,
     assert code == 1 and "skipped (transformers is not installed)" in out
     assert [line.split()[0] for line in out.splitlines() if line.endswith(" FAIL")] == [QUERY1]
     assert f"first failure: layer 1 ({QUERY1})" in out
+
+
+def test_verify_noise_gpu_without_cuda_says_so_and_exits_2(monkeypatch, capsys, tmp_path, torch):
+    """benchmarks/verify_noise_gpu.py (gpu_all.sh's verify step) on a torch without CUDA: one line that names what
+    is missing and the script's dry run, exit status 2, nothing written; not torch's AssertionError from inside
+    torch.cuda. (torch.cuda.is_available is made False, so this holds on a GPU machine too.)"""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("verify_noise_gpu", ROOT / "benchmarks" / "verify_noise_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["verify_noise_gpu.py", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "SKIPPED" in err and "torch.cuda.is_available() is False" in err and "--device cpu" in err, err
+    assert not (tmp_path / "out").exists()

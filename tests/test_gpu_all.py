@@ -1,0 +1,43 @@
+"""benchmarks/gpu_all.sh, the one script a lent GPU machine runs, exercised here in its DRY mode (no GPU): the steps
+that have a CPU stand-in run it (check's study in Numba's CUDA simulator, verify's dry run on the CPU), the bench
+says it has no GPU, and the summary, exit status and report come out as on a GPU, so that a device's few minutes
+are never spent on a broken script. The mains and the GPU tests, its other DRY steps, are the suite's own
+(tests/test_cuda_cpusim.py, the tests themselves)."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dry(out, steps, **env):
+    if shutil.which("nvcc") is None:          # (CI has the toolkit: .ci/run puts it on PATH, so this never skips there)
+        pytest.skip("gpu_all.sh's preflight needs nvcc on PATH, even in DRY mode")
+    full = {**os.environ, "DRY": "1", "OUT": str(out), "PYTHON": sys.executable, "STEPS": steps, **env}
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh")], env=full, capture_output=True,
+                         text=True, timeout=600)
+    return res, (out / "summary.txt").read_text()
+
+
+def test_dry_run_passes_and_writes_its_report(tmp_path):
+    res, summary = _dry(tmp_path, "verify check bench")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    for name in ("verify", "check"):
+        assert f"\n{name}: rc=0," in summary, summary
+    assert "bench: rc=2," in summary and "bench: SKIPPED without a GPU, as DRY expects" in summary, summary
+    assert "total:" in summary and " 0 step(s) failed" in summary, summary
+    with tarfile.open(tmp_path / "report.tgz") as t:
+        names = set(t.getnames())
+    assert {"report/precision.json", "report/verify/verify_noise_gpu.md", "report/bench.log"} <= names, names
+
+
+def test_dry_run_counts_a_step_that_runs_out_of_time(tmp_path):
+    """The exit status is the number of failed steps: verify given one second is cut off (rc 124), said so."""
+    res, summary = _dry(tmp_path, "verify", T_VERIFY="1")
+    assert res.returncode == 1, summary
+    assert "verify: rc=124," in summary and "(TIMED OUT)" in summary and " 1 step(s) failed" in summary, summary
