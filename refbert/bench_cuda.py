@@ -745,7 +745,15 @@ AB_BACKWARD = {
         "4": (({"attn_bwd_fused_v4_f32_hs64", "attn_bwd_dqsum_v4_f32"},
                {"attn_bwd_dkdv_v3_f32_hs64", "attn_bwd_dq_v3_f32_hs64"}),   # (where C4's dq partials do not fit)
               "attention_f32.cu v4, version 6's bits with the transposing pass's shared stores 8-way bank "
-              "conflicted (where the dq partials do not fit: version 3's dk, dv kernel against version 6's)")}),
+              "conflicted (where the dq partials do not fit: version 3's dk, dv kernel against version 6's)"),
+        # (version 8 runs its own kernel without dropout under a mask constant along the queries, as the bench's
+        # rows are; all key tiles at once, or in groups where the partials do not fit)
+        "8": (({"attn_bwd_fused_v8_f32_hs64", "attn_bwd_dqsum_v4_f32"},
+               {"attn_bwd_fused_v8_f32_hs64", "attn_bwd_dqsum_v7_f32"},
+               {"attn_bwd_dkdv_v6_f32_hs64", "attn_bwd_dq_v3_f32_hs64"}),    # (not one key tile's partials fit)
+              "attention_f32.cu v8, version 6's bits without dropout's pass: p and ds^T stored transposed from the "
+              "registers of S^T and dP^T (two barriers a tile pair where version 6 has four), the key columns' mask "
+              "read once per block, no bounds tests on the scores")}),
 }
 # (each entry: variable, {value: (the kernels that value launches, or a tuple of such sets where the launcher picks
 # one by shape: the row passes when every kernel of one set ran), note})
@@ -765,9 +773,9 @@ AB_FORWARD = {
 
 def ab_backward(rows, add, timer, spec, version, dtype, inputs, kwargs, base, side="backward"):
     """The A/B rows of `version`'s backward kernels (AB_BACKWARD) beside its default's row: C5's versions 5, 7 and 8
-    beside 6 (REFBERT_ATTN_BWD16), C6's version 4 beside 6 (REFBERT_F32_BWD), each validated against the oracle in
-    `dtype` first (a failure is a row saying so, never timed: status "FAIL", which fails the bench) and checked to
-    have launched its own kernels. side="forward": the forward's (AB_FORWARD: C5's version 6 beside 5,
+    beside 6 (REFBERT_ATTN_BWD16), C6's versions 4 and 8 beside 6 (REFBERT_F32_BWD), each validated against the
+    oracle in `dtype` first (a failure is a row saying so, never timed: status "FAIL", which fails the bench) and
+    checked to have launched its own kernels. side="forward": the forward's (AB_FORWARD: C5's version 6 beside 5,
     REFBERT_ATTN_FWD16)."""
     from refbert_kernels.cuda import versions as VV
     var, values = (AB_BACKWARD if side == "backward" else AB_FORWARD)[(version, np.dtype(dtype).name)]

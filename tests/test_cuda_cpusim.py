@@ -42,6 +42,7 @@ DONE = {"attention_forward.cu": ("v4 = v5 = v3 bit for bit (f16, bf16): yes",
                                   *(f"v8 = v7 bit for bit ({t} dk, dv; {how}): yes" for t in ("f16", "bf16")
                                     for how in ("its kernel, dropout", "its kernel, no dropout"))),
         "attention_f32.cu": ("v6 = v4 bit for bit (dq, dk, dv): yes", "v6 dk, dv = v3 dk, dv bit for bit: yes",
+                             "v8 = v6 bit for bit (dq, dk, dv; all key tiles, groups of 1 and 2): yes",
                              "attention_f32: every version ok"),
         "softmax.cu": "dx ok",
         "layernorm.cu": tuple(f"dw, db partials v{v} = v3 bit for bit (rk {rk}): yes" for v in (4, 5)
@@ -54,7 +55,8 @@ DONE = {"attention_forward.cu": ("v4 = v5 = v3 bit for bit (f16, bf16): yes",
 # (64 .. 66), so that the words of a tile other than the first are compared too (at 72 every key past 64 is
 # padding, skipped), with dropout and without (p = 0: the backward's version 8 and the forward's version 6 have
 # kernels of their own without dropout; the other versions' no-dropout path)
-AGAIN = {"attention_forward.cu": [["72"], ["72", "0"]], "attention_backward.cu": [["104"], ["104", "0"]]}
+AGAIN = {"attention_forward.cu": [["72"], ["72", "0"]], "attention_backward.cu": [["104"], ["104", "0"]],
+         "attention_f32.cu": [["72", "0"]]}
 
 
 def _gpp(src, exe, include=CSRC):
@@ -274,6 +276,12 @@ LATER_VERSIONS = {
     "f32 attention v7 carries dq": ("attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",
                                     "float4 s = first ? ld4(p) : make_float4(0.f, 0.f, 0.f, 0.f);",
                                     "v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): NO"),
+    # attention_f32.cu's backward version 8 stores p and ds^T from the registers of S^T and dP^T, claiming version
+    # 6's bits at p = 0 (its main compares them when run as `72 0`): ds with another query's D
+    "f32 attention v8 stores ds^T": ("attention_f32.cu", "Pb[cl * A3_LD + rl] = p * (dpt[i][j] - drow[rl]);",
+                                     "Pb[cl * A3_LD + rl] = p * (dpt[i][j] - drow[tx]);",
+                                     "v8 = v6 bit for bit (dq, dk, dv; all key tiles, groups of 1 and 2): NO",
+                                     ["72", "0"]),
     # cross_entropy.cu's version 3 finishes in the block holding the last ticket, which puts the counter back to 0:
     # without that the second call has no last block (its m and loss stay as the main poisoned them)
     "cross-entropy v3 resets its counter": ("cross_entropy.cu", "    if (t == 0) *done = 0u;", "",
@@ -285,9 +293,9 @@ LATER_VERSIONS = {
 def test_cpusim_catches_a_later_version_losing_its_predecessors_bits(tmp_path, case):
     """A version that claims its predecessor's bits is compared with it by its file's main; with the mutation that
     breaks the claim (LATER_VERSIONS) the main must say so and exit 1, or the comparison proves nothing."""
-    where, old, new, says = LATER_VERSIONS[case]
+    where, old, new, says, *argv = LATER_VERSIONS[case]              # (argv: the main's arguments, if any)
     exe = _mutant(tmp_path, where, old, new, where)
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(exe), *(argv[0] if argv else [])], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and says in run.stdout, run.stdout[-3000:]
 
 def test_cpusim_stops_at_a_misaligned_tensor_core_load(tmp_path):

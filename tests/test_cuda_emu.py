@@ -280,6 +280,46 @@ def test_emu_every_cuda_c_version_matches_oracle():
         assert len(said) == 1 and "version 4 has no groups" in said[0], said
         assert "attn_bwd_dq_v3_f32_hs64" in E.COUNTS.launches, E.COUNTS.launches
         print("C4 in groups (version 7) = version 6 bit for bit")
+        # C4's backward version 8 (REFBERT_F32_BWD=8): without dropout under the (B, 1, 1, T) mask, version 6's bits
+        # from its own kernel alone, all 3 key tiles at once and in groups of 1 and 2 (dq summed as version 6's and
+        # 7's); with dropout, or a mask that varies along the queries, version 6's kernels, said once for each
+        K._SAID.clear()
+        plain = K.attention_forward_c6(q, k, v, 2, E.cupy.asarray(host), 0.0, None, True)[1]
+        full = K.attention_forward_c6(q, k, v, 2, E.cupy.asarray(np.broadcast_to(host, (2, 1, 132, 132)).copy()),
+                                      0.0, None, True)[1]
+        ref = {name: K.attention_backward_c4(dout, c) for name, c in (("plain", plain), ("full", full))}
+        ref["dropout"] = both["6"]
+        K.F32_BWD = "8"
+        try:
+            for G in (None, 1, 2):
+                E.COUNTS.reset()
+                K.C4_PARTS_MAX = None if G is None else G * tile + tile // 2
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    got8 = K.attention_backward_c4(dout, plain)
+                assert not said, [str(w.message) for w in said]
+                assert E.COUNTS.launches.get("attn_bwd_fused_v8_f32_hs64") == (1 if G is None else -(-3 // G)) \
+                    and not any(n.startswith(("attn_bwd_fused_v6", "attn_bwd_fused_v7")) for n in E.COUNTS.launches), \
+                    (G, E.COUNTS.launches)
+                for a, b in zip(ref["plain"], got8):
+                    assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32)), G
+            K.C4_PARTS_MAX = None
+            for name, c, why in (("dropout", cache, "dropout"), ("full", full, "a mask that varies along the queries")):
+                for _ in range(2):                                    # (said the first time only)
+                    E.COUNTS.reset()
+                    with warnings.catch_warnings(record=True) as said:
+                        warnings.simplefilter("always")
+                        got = K.attention_backward_c4(dout, c)
+                    said = [str(w.message) for w in said if "REFBERT_F32_BWD=8" in str(w.message)]
+                    assert len(said) == (_ == 0) and all(f"does not take {why}: version 6's kernels runs" in w
+                                                         for w in said), said
+                    assert "attn_bwd_fused_v6_f32_hs64" in E.COUNTS.launches and \
+                        "attn_bwd_fused_v8_f32_hs64" not in E.COUNTS.launches, E.COUNTS.launches
+                    for a, b in zip(ref[name], got):
+                        assert np.array_equal(a.get().view(np.uint32), b.get().view(np.uint32)), name
+        finally:
+            K.F32_BWD, K.C4_PARTS_MAX = "6", None
+        print("C4 backward version 8 = version 6 bit for bit")
         # the layernorms' C4 (layernorm.cu v6: dx and the dw, db partials in one pass) over a grid of 2 blocks, so
         # each warp takes 2-3 of the 37 rows (the grid stride and its tail): dx, da C2's bits (version 2's code per
         # row); dw, db the same terms in another order, so within twice the float32 rounding bound of a sum of R
@@ -330,7 +370,8 @@ def test_emu_every_cuda_c_version_matches_oracle():
     assert "C4 over its limit = C3 bit for bit, said once" in out, out
     assert "C4 backward v6 = v4 bit for bit" in out, out
     assert "C4 in groups (version 7) = version 6 bit for bit" in out, out
-    assert "ERR attention C4: REFBERT_F32_BWD expected one of 4, 6, got '5'" in out, out
+    assert "C4 backward version 8 = version 6 bit for bit" in out, out
+    assert "ERR attention C4: REFBERT_F32_BWD expected one of 4, 6, 8, got '5'" in out, out
     assert "OK attention C4 float32" in out and "attn_bwd_fused_v6_f32_hs64" in out and "attn_bwd_dqsum_v4_f32" in out, out
     assert "OK attention C2 float16" in out and "attn_bwd_dkdv_v3_f16_hs64" in out and "attn_fwd_v3_f16_hs64" in out, out
     for kind in ("ln", "res", "drop"):                    # C3's row-in-registers forward ran (C <= 1024, float4)
@@ -578,11 +619,10 @@ def test_emu_bench_backward_ab_rows():
     the launchers, each seeing its own kernels launched (a row whose kernels did not run is a FAIL row): C5's
     versions 5, 7 and 8 beside its default, 6, and its forward's version 6 beside 5 (float16 is not the emulator's
     to validate, so their err/tol here is of nothing; the GPU run's is real: 0.88 on the H100; at this shape the
-    forward's grid takes 64 rows a block, version 4, the row's second kernel set), and C6's version 4 beside its
-    default, 6, validated here in
-    float32 against the oracle, also where C4's dq partials do not fit (version 3's dk, dv kernel then runs for
-    version 4, as at T=2048 on the H200 at b87c638, where the row failed by naming only the fused kernels). The
-    variables are put back after the rows."""
+    forward's grid takes 64 rows a block, version 4, the row's second kernel set), and C6's versions 4 and 8 beside
+    its default, 6, validated here in float32 against the oracle, also where C4's dq partials do not fit (version
+    3's dk, dv kernel then runs for version 4, and version 6's for version 8, as at T=2048 on the H200 at b87c638,
+    where the row failed by naming only the fused kernels). The variables are put back after the rows."""
     code = """
         import numpy as np
         from refbert import bench_cuda as BC
@@ -606,11 +646,12 @@ def test_emu_bench_backward_ab_rows():
     rows = [line for line in out.splitlines() if line.startswith("ROW")]
     assert [r.split(" | ")[0] for r in rows] == ["ROW vC5 (backward v5)", "ROW vC5 (backward v7)",
                                                  "ROW vC5 (backward v8)", "ROW vC5 (forward v6)",
-                                                 "ROW vC6 (backward v4)", "ROW vC6 (backward v4)"], out
+                                                 "ROW vC6 (backward v4)", "ROW vC6 (backward v8)",
+                                                 "ROW vC6 (backward v4)", "ROW vC6 (backward v8)"], out
     assert all(" | None | C5 with its backward's version" in r for r in rows[:3]), out
     assert " | None | C5 with its forward's version 6" in rows[3], out
-    for r in rows[4:]:
-        assert " | None | C6 with its backward's version 4 (err/tol 0." in r, out         # (validated: err/tol < 1)
+    for r, v in zip(rows[4:], "4848"):                                                 # (validated: err/tol < 1)
+        assert f" | None | C6 with its backward's version {v} (err/tol 0." in r, out
     assert "DEFAULTS 6 6" in out, out
 
 

@@ -120,7 +120,7 @@ def test_cu_compiles():
                     r"adamw_v1|scale_v1|grad_stats_)", k):
             assert stack == 0 and regs <= (128 if k.startswith("bias_gelu_bwd_v2_") else 64), (k, report[k])
             checked.add(k)
-        if re.match(r"(attn_.*v[3467]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
+        if re.match(r"(attn_.*v[34678]_f32|layernorm_fwd_v3_|layernorm_bwd_fused_v6_|round|bias_round|heads_v|merge_v|"
                     r"D_v1|attn_rows_|s[34]_|attn_fwd_v[456]_|attn_bwd_d\w*_v[45]_|attn_bwd_dq_v6_|attn_bwd_fused_v8_)",
                     k):  # no stack
             assert stack == 0, (k, report[k])
@@ -134,7 +134,7 @@ def test_cu_compiles():
             "grad_stats_partial_v1_f32", "grad_stats_final_v1", "scale_v1_f64", "layernorm_bwd_fused_v6_drop_nv6",
             "column_sum2_v6", "bias_gelu_bwd_v2_erf", "attn_bwd_fused_v7_f32_hs64",
             "attn_bwd_dqsum_v7_f32", "attn_bwd_fused_v8_f16_hs64", "attn_bwd_fused_v8_bf16_hs64",
-            "attn_fwd_v6_f16_hs64", "attn_fwd_v6_bf16_hs64"} <= checked, checked
+            "attn_fwd_v6_f16_hs64", "attn_fwd_v6_bf16_hs64", "attn_bwd_fused_v8_f32_hs64"} <= checked, checked
 
 
 def _nvrtc_include():

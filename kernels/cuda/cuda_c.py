@@ -462,16 +462,30 @@ def attention_backward_c4(dout, cache):
     time with dq's sum carried over in dq (the same bits; as many tiles a group as fit), or, where not even one key
     tile's partials fit or under REFBERT_F32_BWD=4, version 3's dq kernel, saying so once per shape. The kernels are
     version 6's by default (F32_BWD: version 4's and version 3's dk, dv kernel with conflict-free shared stores in
-    their transposing pass, the same bits), version 4's own with REFBERT_F32_BWD=4."""
+    their transposing pass, the same bits), version 4's own with REFBERT_F32_BWD=4, version 8's with
+    REFBERT_F32_BWD=8 (version 6's bits without dropout's pass, for calls without dropout under a mask constant along
+    the queries; version 6's kernels otherwise, said once)."""
     return _attention_backward_f32(dout, cache, 4)
 
 
 # C4's (and C6's) backward kernels: "6" (the default: attention_f32.cu version 6, version 4's bits with the
-# transposing pass's shared stores free of bank conflicts, where ncu measured version 4's 4.5-way on the H100) or
-# "4" (version 4's own kernels, for A/B runs); where the partials do not fit, version 3's dk, dv kernel or version
-# 6's, the same way
+# transposing pass's shared stores free of bank conflicts, where ncu measured version 4's 4.5-way on the H100),
+# "4" (version 4's own kernels, for A/B runs) or "8" (version 8: version 6's bits without dropout's pass between
+# the scores and the products, under no dropout and a mask constant along the queries; version 6 elsewhere, said
+# once); where the partials do not fit, version 3's dk, dv kernel or version 6's, the same way
 F32_BWD = C.variant_env("REFBERT_F32_BWD")
-F32_BWDS = ("4", "6")
+F32_BWDS = ("4", "6", "8")
+
+
+def _f32_lean(mask4, thresh, dscale):
+    """"8" where C4's version 8 takes the call (no dropout: thresh 0 and dscale 1; a mask constant along the
+    queries, or none), else "6", said once for each reason."""
+    along = int(_mask_strides(mask4)[2]) != 0
+    if not along and not thresh and float(dscale) == 1.0:
+        return "8"
+    _say_once("attention C4's backward version 8 (REFBERT_F32_BWD=8)",
+              "a mask that varies along the queries" if along else "dropout", "version 6's kernels")
+    return "6"
 
 
 def _attention_backward_f32(dout, cache, version):
@@ -498,23 +512,26 @@ def _attention_backward_f32(dout, cache, version):
     nkt = (T + 63) // 64
     grid = (nkt, B * H)
     bwd = C.variant("attention C4", "REFBERT_F32_BWD", F32_BWD, F32_BWDS) if version == 4 else "3"
-    kv = "v6" if bwd == "6" else "v3"                                 # (version 3, C3's own: its own kernels)
+    if bwd == "8":
+        bwd = _f32_lean(mask4, thresh, dscale)
+    kv = "v6" if bwd in ("6", "8") else "v3"                          # (version 3, C3's own: its own kernels)
     if version == 4:
         nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
         sum_grid = (-(-(B * T * Cc // 4) // 256),)
         if nbytes <= limit:
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
             kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{bwd}_f32_hs64", xp, A3_BWD_SMEM)(
-                grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
+                grid, (128,), args + (dk, dv, parts) + ((_i(0),) if bwd == "8" else ()), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
                 sum_grid, (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
             return dq, dk, dv
         G = limit // (nbytes // nkt)                    # key tiles whose partials fit at once
-        if bwd == "6" and G >= 1:                       # version 7: version 6 a group of G key tiles at a time
-            parts = xp.empty((G, B * H, T, 64), np.float32)
+        if bwd in ("6", "8") and G >= 1:                # version 7: version 6 a group of G key tiles at a time
+            parts = xp.empty((G, B * H, T, 64), np.float32)   # (version 8's kernel takes groups as version 7's)
             for kt0 in range(0, nkt, G):
                 ng = min(G, nkt - kt0)
-                kernel_smem("attention_f32.cu", "attn_bwd_fused_v7_f32_hs64", xp, A3_BWD_SMEM)(
+                kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{7 if bwd == '6' else 8}_f32_hs64", xp,
+                            A3_BWD_SMEM)(
                     (ng, B * H), (128,), args + (dk, dv, parts, _i(kt0)), shared_mem=A3_BWD_SMEM)
                 kernel("attention_f32.cu", "attn_bwd_dqsum_v7_f32", xp)(
                     sum_grid, (256,), (parts, _i(ng), _i(kt0 == 0), _i(kt0 + ng >= nkt), _i(B), _i(T), _i(H), scale,

@@ -264,8 +264,8 @@ def _build():
               "forward and backward, 64 x 64 tiles, 4 x 8 products per thread (attention_f32.cu v3)"),
              ("attention", "C4", K.attention_forward_c3, K.attention_backward_c4, f32, "C3's forward; the backward "
               "in one pass over the scores, dq partials summed in key-tile order (attention_f32.cu v6: v4's bits "
-              "with conflict-free shared stores; v4 by REFBERT_F32_BWD=4; v7, v6 in groups of key tiles, where the "
-              "partials do not fit)"),
+              "with conflict-free shared stores; v4 by REFBERT_F32_BWD=4, v8 (no dropout) by REFBERT_F32_BWD=8; v7, v6 "
+              "in groups of key tiles, where the partials do not fit)"),
              ("attention", "C6", K.attention_forward_c6, K.attention_backward_c4, f32, "C4 with the forward's "
               "loads off its critical path: cp.async, K and V double-buffered, the mask row staged; C3's forward "
               "bits (attention_f32.cu v5, v6 or v4 as C4)"),

@@ -58,8 +58,19 @@ Version 7 (the backward, where version 4's / 6's partials would not fit: the lau
   partials instead of nkt x; ceil(nkt / G) pairs of launches where version 6 makes one, and dq read and written
   once more per group.
 
+Version 8 (the backward without dropout, under a mask constant along the queries or none; version 6 elsewhere):
+  version 7's kernel (so all nkt key tiles at once where the partials fit, as version 6, or a group at a time)
+  compiled without the dropout pass. Version 6 writes P and dP as tiles [query][key], reads them back row-wise to
+  apply z, dscale and D, and writes p z and ds transposed: four barriers and three passes over shared memory a
+  tile pair. With z = 1 and dscale = 1, the thread that holds S^T and dP^T in registers computes p and
+  ds = p (dp - D) (version 6's arithmetic: p 1 and dp 1 are exact, so the same bits) and stores them transposed
+  itself: two barriers a tile pair, the key columns' mask terms read once per block (-inf past T, and m = +inf on
+  query rows past T, so exp gives 0 there without a bounds test). Its direct stores meet 2-way bank conflicts
+  where version 6's passes had none: 64 stores at two wavefronts against 192 wavefronts of stores and loads.
+
 Build and run standalone (validates against the CPU reference, then times):
-    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T]
+    nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T [p]]
+  (T: the last shape's length, 2048 by default; p: the dropout rate, 0.1 by default; at p = 0 version 8 runs too)
 On CPU threads:  g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -x c++ attention_f32.cu
 */
 #include "common.cuh"
@@ -415,12 +426,14 @@ __device__ __forceinline__ void a3_xt_cell(int g, int& r, int& c4) {
     else { r = g >> 4; c4 = (g & 15) * 4; }
 }
 
-// dk, dv of the block's 64 keys (versions 3, 4, 6 and 7); PARTS (versions 4, 6 and 7): also the block's share of
-// dq for every query tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt =
-// blockIdx.x; XT (versions 6 and 7): the transposing pass's cells laid out for conflict-free shared stores
-// (a3_xt_cell); kt0 (version 7; 0 elsewhere): the block's keys are tile kt0 + blockIdx.x (its partials still at
-// blockIdx.x); sm: the kernel's dynamic shared memory (A3_BWD_SMEM bytes)
-template <bool PARTS, bool XT>
+// dk, dv of the block's 64 keys (versions 3, 4, 6, 7 and 8); PARTS (versions 4, 6, 7 and 8): also the block's
+// share of dq for every query tile, dq_part[kt][b H + h][i][:] = sum over its keys of ds_ij k_j (unscaled), kt =
+// blockIdx.x; XT (versions 6, 7 and 8): the transposing pass's cells laid out for conflict-free shared stores
+// (a3_xt_cell); kt0 (versions 7 and 8; 0 elsewhere): the block's keys are tile kt0 + blockIdx.x (its partials
+// still at blockIdx.x); LEAN (version 8): no dropout (thresh 0, dscale 1) and a mask constant along the queries
+// (si = 0): p and ds^T written transposed from the registers that hold S^T and dP^T, no pass between; sm: the
+// kernel's dynamic shared memory (A3_BWD_SMEM bytes)
+template <bool PARTS, bool XT, bool LEAN = false>
 __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv,
                                         const float* __restrict__ dout, const float* __restrict__ Dr,
                                         float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
@@ -437,13 +450,23 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 8; j++) { dka[i][j] = 0.f; dva[i][j] = 0.f; }
+    // LEAN: the additive term of each of the thread's key columns ty + 16 i, read once for every query tile (the
+    // mask, or 0 where there is none; -inf past T, so that p = exp(-inf) 1/l = 0 there without a test)
+    float madd[4];
+    if constexpr (LEAN) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = k0 + ty + 16 * i;
+            madd[i] = c < Tn ? a3_mask(mask, sb, sh, 0, sj, b, h, 0, c) : -INFINITY;
+        }
+    }
     for (int q0 = 0; q0 < Tn; q0 += 64) {
         __syncthreads();
         a3_load(Qs, q, base, q0, Tn, C);
         a3_load(dOs, dout, base, q0, Tn, C);
-        if (tid < 64) {
+        if (tid < 64) {                      // (LEAN: m = +inf past T, so exp(s - m) = 0 there without a test)
             const int r = q0 + tid;
-            mrow[tid] = r < Tn ? m[(size_t)bh * Tn + r] : 0.f;
+            mrow[tid] = r < Tn ? m[(size_t)bh * Tn + r] : (LEAN ? INFINITY : 0.f);
             lrow[tid] = r < Tn ? linv[(size_t)bh * Tn + r] : 0.f;
             drow[tid] = r < Tn ? Dr[(size_t)bh * Tn + r] : 0.f;
         }
@@ -457,13 +480,23 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     const int cl = ty + 16 * i, rl = tx + 8 * j, c = k0 + cl, r = q0 + rl;
-                    const float p = (c < Tn && r < Tn)
-                        ? __expf(st[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, r, c) - mrow[rl]) * lrow[rl]
-                        : 0.f;
-                    Pa[rl * A3_LD + cl] = p;                          // [query][key]: 4 keys share a Philox call
-                    Pb[rl * A3_LD + cl] = dpt[i][j];
+                    if constexpr (LEAN) {
+                        // version 6's p and ds with z = 1, dscale = 1 (its p z = p 1 and ds = p (dp 1 - D): the
+                        // same bits), stored where its transposing pass stores them, [key][query]
+                        const float p = __expf(st[i][j] * scale + madd[i] - mrow[rl]) * lrow[rl];
+                        Pa[cl * A3_LD + rl] = p;                      // (p z)^T
+                        Pb[cl * A3_LD + rl] = p * (dpt[i][j] - drow[rl]);   // ds^T
+                    } else {
+                        const float p = (c < Tn && r < Tn)
+                            ? __expf(st[i][j] * scale + a3_mask(mask, sb, sh, si, sj, b, h, r, c) - mrow[rl]) *
+                                  lrow[rl]
+                            : 0.f;
+                        Pa[rl * A3_LD + cl] = p;                      // [query][key]: 4 keys share a Philox call
+                        Pb[rl * A3_LD + cl] = dpt[i][j];
+                    }
                 }
         }
+        if constexpr (!LEAN) {                                        // (versions 3-7: the pass between)
         __syncthreads();
         float pz[8][4], ds[8][4];
 #pragma unroll
@@ -493,6 +526,7 @@ __device__ __forceinline__ void a3_dkdv(A3_ARGS, const float* __restrict__ m, co
                 Pb[(c4 + e) * A3_LD + r] = ds[t][e];                  // ds^T
             }
         }
+        }                                                             // (!LEAN)
         __syncthreads();
         tile_pv(dva, Pa, dOs);                                        // dv[key][:] += sum_r (p z)[r][key] dout_r
         tile_pv(dka, Pb, Qs);                                         // dk[key][:] += sum_r ds[r][key] q_r
@@ -683,6 +717,23 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_dqsum_v7_f32(const fl
 }
 
 // ----------------------------------------------------------------------------------------------------------------
+// backward version 8: version 7's kernel (any group of key tiles, all nkt of them from kt0 = 0 where the partials
+// fit) compiled for no dropout and a mask constant along the queries (a3_dkdv LEAN): p and ds^T stored transposed
+// straight from the registers of S^T and dP^T, two barriers a tile pair where version 6 has four, the key columns'
+// mask read once per block, no bounds tests on the scores. Version 6's bits (its z = 1, dscale = 1 arithmetic).
+
+// grid (ng, B * H): key tiles kt0 .. kt0 + ng - 1, 128 threads, A3_BWD_SMEM bytes; parts: (ng, B H, T, 64) float32;
+// thresh 0 and dscale 1 (no dropout), si = 0 (the launcher's conditions; dq summed by attn_bwd_dqsum_v4_f32 over
+// all nkt tiles, or by attn_bwd_dqsum_v7_f32 group by group)
+extern "C" __global__ void __launch_bounds__(A3_NT) attn_bwd_fused_v8_f32_hs64(
+    A3_ARGS, const float* __restrict__ m, const float* __restrict__ linv, const float* __restrict__ dout,
+    const float* __restrict__ Dr, float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ parts,
+    int kt0) {
+    DYN_SHARED(float, sm);
+    a3_dkdv<true, true, true>(A3_PASS, m, linv, dout, Dr, dk, dv, parts, sm, kt0);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
 // CPU reference (double sums), launcher, main
 
 #ifdef HOST_CODE
@@ -760,7 +811,7 @@ int main(int argc, char** argv) {
     for (auto& sh : shapes) {
         const int B = sh[0], T = sh[1], H = sh[2], C = H * A3_HS;
         const size_t n = (size_t)B * T * C, nr = (size_t)B * H * T;
-        const float p = 0.1f, dscale = 1.f / (1.f - p), scale = 0.125f;
+        const float p = argc > 2 ? (float)atof(argv[2]) : 0.1f, dscale = 1.f / (1.f - p), scale = 0.125f;
         const u64 seed = 1234, stream = 7, thresh = (u64)llround(p * 4294967296.0);
         float *q = make_random_float(n, 1), *k = make_random_float(n, 2), *v = make_random_float(n, 3);
         float* dout = make_random_float(n, 4);
@@ -786,6 +837,8 @@ int main(int argc, char** argv) {
         cudaCheck(cudaFuncSetAttribute(attn_bwd_dkdv_v6_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        A3_BWD_SMEM));
         cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v7_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       A3_BWD_SMEM));
+        cudaCheck(cudaFuncSetAttribute(attn_bwd_fused_v8_f32_hs64, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        A3_BWD_SMEM));
         const int nkt = (T + 63) / 64;
         float* parts = dalloc(nullptr, (size_t)nkt * nr * A3_HS);
@@ -821,14 +874,20 @@ int main(int argc, char** argv) {
                         0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_, gk, gv, parts);
             LAUNCH(attn_bwd_dqsum_v4_f32, (int)((n / 4 + 255) / 256), 256, parts, nkt, B, T, H, scale, gq);
         };
-        int G7 = 1;                                                   // version 7's key tiles a group
+        int G7 = 1;                                                   // the key tiles a group
+        bool v8 = false;                                              // version 8's kernel (no dropout) or 7's
         auto bwd7 = [&]() {                                           // version 6 in groups of G7 key tiles
             LAUNCH(attn_bwd_D_v3_f32, (int)((nr + 7) / 8), 256, ddo, o_, B, T, H, D_);
             for (int kt0 = 0; kt0 < nkt; kt0 += G7) {
                 const int ng = std::min(G7, nkt - kt0);
-                LAUNCH_SMEM(attn_bwd_fused_v7_f32_hs64, dim3(ng, B * H), A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm,
-                            (long long)T, 0LL, 0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo, D_,
-                            gk, gv, parts, kt0);
+                if (v8)
+                    LAUNCH_SMEM(attn_bwd_fused_v8_f32_hs64, dim3(ng, B * H), A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm,
+                                (long long)T, 0LL, 0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo,
+                                D_, gk, gv, parts, kt0);
+                else
+                    LAUNCH_SMEM(attn_bwd_fused_v7_f32_hs64, dim3(ng, B * H), A3_NT, A3_BWD_SMEM, dq_, dk_, dv_, dm,
+                                (long long)T, 0LL, 0LL, 1LL, B, T, H, scale, seed, stream, thresh, dscale, m_, l_, ddo,
+                                D_, gk, gv, parts, kt0);
                 LAUNCH(attn_bwd_dqsum_v7_f32, (int)((n / 4 + 255) / 256), 256, parts, ng, (int)(kt0 == 0),
                        (int)(kt0 + ng >= nkt), B, T, H, scale, gq);
             }
@@ -875,6 +934,23 @@ int main(int argc, char** argv) {
         }
         printf("  v7 = v6 bit for bit (dq, dk, dv; groups of 1 and 2 key tiles): %s\n", same7 ? "yes" : "NO");
         if (!same7) exit(EXIT_FAILURE);
+        // version 8 (no dropout, the mask constant along the queries) against version 6: the same bits, all key
+        // tiles at once and in groups of 1 and 2, or its p, ds or their transposed cells are not version 6's
+        // (one group of all nkt: dqsum_v7's first and last sum is dqsum_v4's, as the launcher runs it)
+        if (thresh == 0) {
+            bool same8 = true;
+            const std::vector<float> g6p = grads(bwd6);
+            v8 = true;
+            for (int g : {nkt, 1, 2}) {
+                G7 = g;
+                same8 &= std::memcmp(grads(bwd7).data(), g6p.data(), 3 * n * 4) == 0;
+            }
+            v8 = false;
+            printf("  v8 = v6 bit for bit (dq, dk, dv; all key tiles, groups of 1 and 2): %s\n", same8 ? "yes" : "NO");
+            if (!same8) exit(EXIT_FAILURE);
+        } else {
+            printf("  v8 skipped: its kernel runs without dropout (./attention_f32 T 0 runs it)\n");
+        }
         const std::vector<float> g6 = grads(bwd6), g4 = grads(bwd4);   // (version 4 last: its results kept below)
         const std::vector<float> g6kv = grads(dkdv6);                 // (gq: still version 4's)
         const bool same6 = std::memcmp(g6.data(), g4.data(), 3 * n * 4) == 0;
@@ -923,6 +999,14 @@ int main(int argc, char** argv) {
         const float ms_b7 = benchmark_kernel(10, bwd7);
         printf("  v7 f32: backward %.4f ms %.1f TFLOP/s (version 6 in %d groups of %d key tiles)\n", ms_b7,
                2.5 * fl / ms_b7 / 1e9, (nkt + G7 - 1) / G7, G7);
+        if (thresh == 0) {
+            G7 = nkt;                                                 // (all key tiles at once, as at T = 512)
+            v8 = true;
+            const float ms_b8 = benchmark_kernel(10, bwd7);
+            v8 = false;
+            printf("  v8 f32: backward %.4f ms %.1f TFLOP/s (version 6 without dropout's pass)\n", ms_b8,
+                   2.5 * fl / ms_b8 / 1e9);
+        }
 #ifdef HALF_TYPES
         const float ms_f5 = benchmark_kernel(10, fwd5);
         printf("  v5 f32: forward %.4f ms %.1f TFLOP/s\n", ms_f5, fl / ms_f5 / 1e9);
