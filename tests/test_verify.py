@@ -570,6 +570,9 @@ def test_verify_noise_gpu_without_cuda_says_so_and_exits_2(monkeypatch, capsys, 
     is missing and the script's dry run, exit status 2, nothing written; not torch's AssertionError from inside
     torch.cuda. (torch.cuda.is_available is made False, so this holds on a GPU machine too.)"""
     import importlib.util
+    monkeypatch.setattr(sys, "path", list(sys.path))             # (the script puts benchmarks/ on it: put back after)
+    monkeypatch.setitem(sys.modules, "verify_noise", None)       # (and imports verify_noise: as it was, after)
+    del sys.modules["verify_noise"]                               # (so that the script's import runs)
     spec = importlib.util.spec_from_file_location("verify_noise_gpu", ROOT / "benchmarks" / "verify_noise_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -484,7 +484,7 @@ def _f32_lean(mask4, thresh, dscale):
     if not along and not thresh and float(dscale) == 1.0:
         return "8"
     _say_once("attention C4's backward version 8 (REFBERT_F32_BWD=8)",
-              "a mask that varies along the queries" if along else "dropout", "version 6's kernels")
+              "a mask that varies along the queries" if along else "dropout", "version 6's backward")
     return "6"
 
 

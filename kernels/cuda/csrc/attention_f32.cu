@@ -61,12 +61,16 @@ Version 7 (the backward, where version 4's / 6's partials would not fit: the lau
 Version 8 (the backward without dropout, under a mask constant along the queries or none; version 6 elsewhere):
   version 7's kernel (so all nkt key tiles at once where the partials fit, as version 6, or a group at a time)
   compiled without the dropout pass. Version 6 writes P and dP as tiles [query][key], reads them back row-wise to
-  apply z, dscale and D, and writes p z and ds transposed: four barriers and three passes over shared memory a
-  tile pair. With z = 1 and dscale = 1, the thread that holds S^T and dP^T in registers computes p and
-  ds = p (dp - D) (version 6's arithmetic: p 1 and dp 1 are exact, so the same bits) and stores them transposed
-  itself: two barriers a tile pair, the key columns' mask terms read once per block (-inf past T, and m = +inf on
-  query rows past T, so exp gives 0 there without a bounds test). Its direct stores meet 2-way bank conflicts
-  where version 6's passes had none: 64 stores at two wavefronts against 192 wavefronts of stores and loads.
+  apply z, dscale and D, and writes p z and ds transposed: five barriers a tile pair (tiles free, tiles loaded, P
+  and dP written, read, transposed) and three passes over shared memory. With z = 1 and dscale = 1, the thread
+  that holds S^T and dP^T in registers computes p and ds = p (dp - D) and stores them transposed itself: three
+  barriers a tile pair, the key columns' mask terms read once per block (-inf past T, and m = +inf on query rows
+  past T, so exp gives 0 there without a bounds test). The same bits as version 6: p is the same expression
+  (fma(s, scale, mask), minus m, exp, times 1/l), p z = p 1 = p exactly, and version 6's dp zs - D, whether ptxas
+  fuses it into an fma or not, is dp 1 - D rounded once, which is dp - D rounded once. (The CPU-thread builds compile
+  with -ffp-contract=off, so that argument, not they, covers the fma.) Its direct stores meet 2-way bank conflicts
+  where version 6's passes had none: 64 stores of 2 wavefronts each (128) against version 6's 192 (64 stores, 64
+  loads, 64 stores).
 
 Build and run standalone (validates against the CPU reference, then times):
     nvcc -O3 -arch=sm_90 -std=c++17 -o attention_f32 attention_f32.cu && ./attention_f32 [T [p]]
@@ -719,7 +723,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_bwd_dqsum_v7_f32(const fl
 // ----------------------------------------------------------------------------------------------------------------
 // backward version 8: version 7's kernel (any group of key tiles, all nkt of them from kt0 = 0 where the partials
 // fit) compiled for no dropout and a mask constant along the queries (a3_dkdv LEAN): p and ds^T stored transposed
-// straight from the registers of S^T and dP^T, two barriers a tile pair where version 6 has four, the key columns'
+// straight from the registers of S^T and dP^T, three barriers a tile pair where version 6 has five, the key columns'
 // mask read once per block, no bounds tests on the scores. Version 6's bits (its z = 1, dscale = 1 arithmetic).
 
 // grid (ng, B * H): key tiles kt0 .. kt0 + ng - 1, 128 threads, A3_BWD_SMEM bytes; parts: (ng, B H, T, 64) float32;
