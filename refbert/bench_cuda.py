@@ -747,11 +747,10 @@ AB_BACKWARD = {
               "attention_f32.cu v4, version 6's bits with the transposing pass's shared stores 8-way bank "
               "conflicted (where the dq partials do not fit: version 3's dk, dv kernel against version 6's)"),
         # (version 8 runs its own kernel without dropout under a mask constant along the queries, as the bench's
-        # rows are; all key tiles at once, or in groups where the partials do not fit. Where not one key tile's
-        # partials fit it runs the default's kernels, version 6's dk, dv and version 3's dq: a row timing those
-        # would time the default under version 8's name, so it fails instead)
-        "8": (({"attn_bwd_fused_v8_f32_hs64", "attn_bwd_dqsum_v4_f32"},
-               {"attn_bwd_fused_v8_f32_hs64", "attn_bwd_dqsum_v7_f32"}),
+        # rows are; all key tiles in one group, or in several where the partials do not fit. Where not one key
+        # tile's partials fit it runs the default's kernels, version 6's dk, dv and version 3's dq: a row timing
+        # those would time the default under version 8's name, so it fails instead)
+        "8": ({"attn_bwd_fused_v8_f32_hs64", "attn_bwd_dqsum_v7_f32"},
               "attention_f32.cu v8, version 6's bits without dropout's pass: p and ds^T stored transposed from the "
               "registers of S^T and dP^T (three barriers a tile pair where version 6 has five), the key columns' mask "
               "read once per block, no bounds tests on the scores")}),

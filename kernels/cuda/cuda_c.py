@@ -518,16 +518,16 @@ def _attention_backward_f32(dout, cache, version):
     if version == 4:
         nbytes, limit = nkt * B * H * T * 64 * 4, C4_PARTS_MAX if C4_PARTS_MAX is not None else _parts_max()
         sum_grid = (-(-(B * T * Cc // 4) // 256),)
-        if nbytes <= limit:
+        if nbytes <= limit and bwd != "8":
             parts = xp.empty((nkt, B * H, T, 64), np.float32)
             kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{bwd}_f32_hs64", xp, A3_BWD_SMEM)(
-                grid, (128,), args + (dk, dv, parts) + ((_i(0),) if bwd == "8" else ()), shared_mem=A3_BWD_SMEM)
+                grid, (128,), args + (dk, dv, parts), shared_mem=A3_BWD_SMEM)
             kernel("attention_f32.cu", "attn_bwd_dqsum_v4_f32", xp)(
                 sum_grid, (256,), (parts, _i(nkt), _i(B), _i(T), _i(H), scale, dq))
             return dq, dk, dv
-        G = limit // (nbytes // nkt)                    # key tiles whose partials fit at once
-        if bwd in ("6", "8") and G >= 1:                # version 7: version 6 a group of G key tiles at a time
-            parts = xp.empty((G, B * H, T, 64), np.float32)   # (version 8's kernel takes groups as version 7's)
+        G = min(nkt, limit // (nbytes // nkt))          # key tiles whose partials fit at once
+        if bwd in ("6", "8") and G >= 1:                # version 7: version 6 a group of G key tiles at a time;
+            parts = xp.empty((G, B * H, T, 64), np.float32)   # version 8's kernel is version 7's, all nkt if they fit
             for kt0 in range(0, nkt, G):
                 ng = min(G, nkt - kt0)
                 kernel_smem("attention_f32.cu", f"attn_bwd_fused_v{7 if bwd == '6' else 8}_f32_hs64", xp,
