@@ -36,7 +36,8 @@
 #               training step at B=32 T=128 and B=8 T=512 against HF sdpa / eager with the GEMM floor and memory,
 #               the mixed-precision step (bf16-mixed, fp16-mixed) against HF sdpa under torch.autocast with the
 #               16-bit GEMM floor, the optimizer step (clip + AdamW: refbert's multi-tensor kernels and per-array
-#               code against torch.optim.AdamW foreach / fused), the launch probe with the step's own arguments,
+#               code against torch.optim.AdamW foreach / fused), the launch probe with the step's own arguments
+#               (each kernel as the model launches it, launch version 2, and through CuPy's RawKernel call),
 #               the torch.profiler table
 #               (The mixed section's A/B rows time the bf16-mixed graph step with the attention as S3's and S4's
 #               tensor-core flash kernels, csrc/mixed.cu s3_* / s4_*, beside the default S2: in the same run, where
@@ -178,6 +179,23 @@ try:
     K.module("colsum.cu")                              # NVRTC compiles a CUDA C file through CuPy
 except Exception as e:
     problems.append(f"refbert's cuda backend: {type(e).__name__}: {e}")
+try:                            # launch version 2 (packed parameters) against CuPy's call on one kernel: the same sums
+    import numpy as np
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((300, 70)).astype(np.float32))
+    got = {}
+    for v in ("1", "2"):
+        K.LAUNCH = v
+        parts = cupy.zeros((3, 70), cupy.float32)
+        K.kernel("colsum.cu", "colsum_partial_v1")((1, 3), (256,), (x, np.int32(300), np.int32(70), np.int32(100),
+                                                                     parts))
+        got[v] = parts.get()
+    K.LAUNCH = "2"
+    if got["1"].tobytes() != got["2"].tobytes() or not np.isfinite(got["2"]).all() or not got["2"].any():
+        raise RuntimeError(f"the packed launch's sums differ from CuPy's (max |diff| "
+                           f"{float(np.abs(got['1'] - got['2']).max())})")
+    print("launch version 2: ok (the same bits as CuPy's RawKernel call)")
+except Exception as e:
+    print(f"launch version 2: FAILED ({type(e).__name__}: {e})")
 if problems:
     print("PREFLIGHT PROBLEMS:\n  " + "\n  ".join(problems))
     sys.exit(1)
@@ -188,6 +206,11 @@ then
     finish; exit 3
 fi
 echo "preflight: ok, $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
+if grep -q "^launch version 2: FAILED" "$R/env.txt"; then     # the rest of the run launches as CuPy does
+    export REFBERT_LAUNCH=1
+    echo "preflight: $(grep '^launch version 2: FAILED' "$R/env.txt"); the run pins REFBERT_LAUNCH=1" \
+        | tee -a "$SUMMARY"
+fi
 fi
 
 # ---- the standalone mains, the GPU tests and the GPU half of check, side by side, each process's CPU threads capped

@@ -10,6 +10,8 @@ twins, imports inside functions, array-module lookups). This script measures the
 It builds BertForPreTraining (tiny widths, so the arrays cost nothing) on backend="cuda" over the emulated CuPy
 (kernels/cuda/emulate.py), runs two real steps (versions chosen, kernels built), then replaces every kernel launch
 by a counter and times forward + backward (fp32 and bf16-mixed): no device work is left, only the host code. The
+launch call itself is what the counter replaces, in either launch version (kernels/cuda/cuda_c.py: CuPy's RawKernel
+call, or version 2's packing and cuLaunchKernel): the bench's launch probe times that on a GPU. The
 step reads nothing back from the device (tests/test_cuda_emu.py asserts it), so values cannot change its path.
 cProfile then splits one step's time by where the code lives: refbert and refbert_kernels (ours), the emulated
 CuPy and NumPy (stand-ins for CuPy's own cost, which on a GPU is CuPy's C code instead), import statements run
@@ -48,13 +50,15 @@ def main(argv=None):
     print("| precision | layers | host ms / step | launches / step (kernels + GEMMs) | us / launch | Python calls "
           "/ launch | ours: refbert + refbert_kernels | emulated CuPy + NumPy | imports in functions |")
     print("|---|---|---|---|---|---|---|---|---|")
+    from refbert_kernels.cuda import cuda_c as K
     real_call, real = E.RawKernel.__call__, {n: getattr(BL, n) for n in ("gemm", "gemm_batched")}
+    real_packed = K.Packed.__call__
     for prec in args.precisions:
         cfg = tiny_config("BertForPreTraining", num_hidden_layers=args.layers, hidden_size=128,
                           num_attention_heads=2, intermediate_size=96)
         m = refbert.BertForPreTraining(cfg, seed=1, backend="cuda", precision=prec).train(True)
         x = model_batch(cfg, "BertForPreTraining", B=2, T=8)
-        E.RawKernel.__call__ = real_call
+        E.RawKernel.__call__, K.Packed.__call__ = real_call, real_packed
         for n, f in real.items():
             setattr(BL, n, f)
         for _ in range(2):                                   # real steps first: versions chosen, kernels built
@@ -64,7 +68,7 @@ def main(argv=None):
 
         def stub(self, grid, block, args, shared_mem=0, stream=None):
             count[0] += 1
-        E.RawKernel.__call__ = stub
+        E.RawKernel.__call__ = K.Packed.__call__ = stub          # (launch version 1 or 2: the call replaced)
         for n, f in real.items():                            # (the GEMM still runs: a tiny NumPy matmul)
             def counted(*a, _f=f, **k):
                 count[0] += 1
@@ -101,7 +105,7 @@ def main(argv=None):
         print(f"| {prec} | {args.layers} | {dt * 1e3:.2f} | {launches:.0f} | {dt / launches * 1e6:.1f} | "
               f"{calls / launches:.0f} | {share.get('ours', '0%')} | {share.get('emu', '0%')} | "
               f"{share.get('import', '0%')} |", flush=True)
-    E.RawKernel.__call__ = real_call
+    E.RawKernel.__call__, K.Packed.__call__ = real_call, real_packed
     for n, f in real.items():
         setattr(BL, n, f)
     if args.optimizer:

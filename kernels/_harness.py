@@ -35,6 +35,15 @@ class KernelSpec:
     notes: dict = field(default_factory=dict)  # {version: one-line idea}, printed by main()
 
 
+def read_only(a):
+    """A read-only view of `a` (the array itself is left as it was). The kernels take their masks so: Numba compiles
+    a kernel once per argument type, and a writable and a read-only array are two types (a user's mask may come
+    either way), so one compile per dtype."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _fresh(kwargs, seed=1234):
     """kwargs with a fresh DropoutRNG, so oracle and kernel draw the same dropout streams."""
     return {k: (DropoutRNG(seed) if k == "rng" else v) for k, v in kwargs.items()}

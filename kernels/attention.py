@@ -56,7 +56,7 @@ from refbert.philox import DropoutRNG, threshold
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ._harness import KernelSpec, main
+from ._harness import KernelSpec, main, read_only
 from ._math import bits_to_f32, fmaximum, philox_block, philox_word
 from ._math import fexp as fexp_lanes
 
@@ -444,9 +444,7 @@ def _compact_mask(mask4):
     Always read-only (a copy is made read-only too): Numba compiles a kernel once per argument type, and a
     writable and a read-only mask are two types, so this keeps one compiled kernel per dtype."""
     cut = tuple(slice(0, 1) if mask4.strides[a] == 0 else slice(None) for a in range(3))
-    m = np.ascontiguousarray(mask4[cut]).view()
-    m.flags.writeable = False
-    return m
+    return read_only(np.ascontiguousarray(mask4[cut]))
 
 
 @njit(cache=True, inline="always")

@@ -41,7 +41,7 @@ from numba.extending import overload
 from refbert import ops
 from refbert import validate as V
 
-from ._harness import KernelSpec, main
+from ._harness import KernelSpec, main, read_only
 from ._math import bits_to_f32, exp, fmaximum
 from .dropout import like
 
@@ -208,18 +208,11 @@ def _rows(x, mask):
     T = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, T)                 # (R, T)
     if mask is None:
-        return x2, _read_only(np.zeros((1, T), x.dtype)), _read_only(np.zeros(len(x2), np.int64))
+        return x2, read_only(np.zeros((1, T), x.dtype)), read_only(np.zeros(len(x2), np.int64))
     m = mask.reshape((1,) * (x.ndim - mask.ndim) + mask.shape)  # left-pad to x.ndim dims
     m2 = np.ascontiguousarray(np.broadcast_to(m, m.shape[:-1] + (T,))).reshape(-1, T)  # (Rm, T)
     mrow = np.broadcast_to(np.arange(len(m2)).reshape(m.shape[:-1]), x.shape[:-1]).reshape(-1)  # (R,)
-    return x2, _read_only(m2), _read_only(np.ascontiguousarray(mrow, np.int64))
-
-
-def _read_only(a):
-    """A read-only view of `a` (the array itself is left as it was)."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
+    return x2, read_only(m2), read_only(np.ascontiguousarray(mrow, np.int64))
 
 
 def _forward(kernel, x, scale, mask):

@@ -1410,7 +1410,9 @@ def mixed_md(rows):
 def launch_probe(step, repeats=200):
     """Every CUDA C kernel one call of step() launches, replayed `repeats` times back to back with the step's own
     arguments: host microseconds per launch (the wall time of the loop / repeats, the device drained before and
-    after). -> rows [dict(kernel, calls_per_step, host_us)]."""
+    after), as the model launches it (cuda_c.LAUNCH: version 2, packed parameters, unless pinned) and through CuPy's
+    RawKernel call (version 1), the two interleaved kernel by kernel. -> rows [dict(kernel, calls_per_step, host_us,
+    launch, rawkernel_us)] (rawkernel_us None where the model's launch is version 1 already)."""
     cp = _xp()
     repeats = repeats if not emulated() else 2
     recorded = _recorded(step)
@@ -1418,15 +1420,21 @@ def launch_probe(step, repeats=200):
     for name, fn, grid, block, args, kw in recorded:
         calls[name] = calls.get(name, 0) + 1
         first.setdefault(name, (fn, grid, block, args, kw))
-    rows = []
-    for name, (fn, grid, block, args, kw) in first.items():
+
+    def timed(fn, grid, block, args, kw):
         cp.cuda.Device().synchronize()
         t = time.perf_counter()
         for _ in range(repeats):
             fn(grid, block, args, **kw)               # kw: shared_mem (the attention kernels' ~100 KB) and the like
         host = (time.perf_counter() - t) / repeats * 1e6
         cp.cuda.Device().synchronize()
-        rows.append(dict(kernel=name, calls_per_step=calls[name], host_us=host))
+        return host
+    rows = []
+    for name, (fn, grid, block, args, kw) in first.items():
+        raw = getattr(fn, "raw", None)                # cuda_c.Packed keeps the RawKernel it launches
+        rows.append(dict(kernel=name, calls_per_step=calls[name], host_us=timed(fn, grid, block, args, kw),
+                         launch="v2 packed" if raw is not None else "v1 RawKernel",
+                         rawkernel_us=timed(raw, grid, block, args, kw) if raw is not None else None))
     return sorted(rows, key=lambda r: -r["calls_per_step"])
 
 
@@ -1602,9 +1610,12 @@ def step_md(rows):
 
 def launch_md(rows):
     lines = ["Host time per launch of every CUDA C kernel one step runs (the first shape, decode all), replayed "
-             "with the step's own arguments (target: <= 10 us):", ""]
-    return lines + md_table(("kernel", "launches / step", "host us / launch"),
-                            [(r["kernel"], r["calls_per_step"], fmt(r["host_us"])) for r in rows])
+             "with the step's own arguments (target: <= 10 us), as the model launches it (launch version 2: "
+             "parameters packed once a call, cuLaunchKernel; REFBERT_LAUNCH=1 pins version 1) and through CuPy's "
+             "RawKernel call (version 1):", ""]
+    return lines + md_table(("kernel", "launches / step", "launch", "host us / launch", "v1 RawKernel us"),
+                            [(r["kernel"], r["calls_per_step"], r.get("launch", "v1 RawKernel"), fmt(r["host_us"]),
+                              fmt(r.get("rawkernel_us"))) for r in rows])
 
 
 def profile_md(prof):

@@ -593,8 +593,12 @@ def test_bench_cuda_tables():
     assert step[0] == ("| impl | shape | ms (fwd + bwd) | tokens/s | x HF sdpa | GEMM floor ms | x floor | "
                        "MiB held after fwd | note |")
     assert "| refbert cuda fp32 (all) | B=4 T=128 | 50 | 10240 | 1.25 | 40 | 1.25 | 900 |  |" in step
-    launch = BC.launch_md([dict(kernel="ce_fwd_v1", calls_per_step=2, host_us=4.25)])
-    assert "| ce_fwd_v1 | 2 | 4.25 |" in launch
+    launch = BC.launch_md([dict(kernel="ce_fwd_v1", calls_per_step=2, host_us=4.25, launch="v2 packed",
+                                rawkernel_us=7.5),
+                           dict(kernel="ce_bwd_v1", calls_per_step=2, host_us=6.5, launch="v1 RawKernel",
+                                rawkernel_us=None)])
+    assert "| ce_fwd_v1 | 2 | v2 packed | 4.25 | 7.5 |" in launch, launch
+    assert "| ce_bwd_v1 | 2 | v1 RawKernel | 6.5 | — |" in launch, launch
     probes = BC.probes_md(3.2e12, {"numba empty kernel, no arguments": (4.5, 2.0)})
     assert "| numba empty kernel, no arguments | 4.5 | 2 |" in probes
 

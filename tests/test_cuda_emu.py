@@ -710,6 +710,9 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
             "layernorm_bwd_fused_v6_drop_nv2", "column_sum2_v6", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf",
             "dropout_v1", "colsum_partial_v1",
             "attn_fwd_v5_f32_hs64", "attn_bwd_fused_v6_f32_hs64"} <= kernels, sorted(kernels)
+    # each kernel replayed as the model launches it (version 2, packed parameters) and through CuPy's RawKernel call
+    assert all(r["launch"] == "v2 packed" and r["host_us"] > 0 and r["rawkernel_us"] > 0 for r in data["launch"]), \
+        data["launch"]
     optim = json.loads((tmp_path / "cuda_optim.json").read_text())["rows"]     # the optimizer section
     assert [r["impl"] for r in optim] == ["check", "refbert multi-tensor kernels (optim.cu v1)",
                                           "refbert per-array code"], optim

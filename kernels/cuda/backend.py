@@ -665,6 +665,17 @@ from .mixed import (round_compute, linear_forward_mixed, linear_backward_mixed, 
                     cross_entropy_backward_mixed, embedding_forward_mixed, embedding_backward_mixed)
 
 
+def _launch_line():
+    """How the CUDA C kernels are launched (cuda_c.py's launch versions) and every kernel that could not be."""
+    from . import cuda_c
+    line = ("  launches:  CUDA C kernels with parameters packed once a call, cuLaunchKernel (launch version 2; "
+            "REFBERT_LAUNCH=1 pins CuPy's RawKernel call)" if cuda_c.LAUNCH == "2" else
+            "  launches:  CUDA C kernels through CuPy's RawKernel call (launch version 1, REFBERT_LAUNCH=1)")
+    for name, why in sorted(cuda_c.LAUNCH_FELL_BACK.items()):
+        line += f"\n  FALLBACK  launch of {name}: CuPy's RawKernel call ({why})"
+    return line
+
+
 def describe():
     """The device, which version of each op runs (per dtype, once chosen) and why, every fallback."""
     lines = [f"cuda backend on {device_name()} (array module: {xp.__name__}; mode {MODE})",
@@ -672,6 +683,7 @@ def describe():
              *([f"  cublasLt:  linear's bias in the GEMM epilogue (float32)" if blas.lt_usable()[0] else
                 f"  cublasLt:  not used, the bias added after the GEMM ({blas.lt_usable()[1]})"] if MODE == "gpu" else []),
              "  array ops: embedding lookup, gather_rows, tanh, add, mse, bce_with_logits",
+             *([_launch_line()] if MODE != "sim" else []),
              "  versions (chosen per dtype at the first call; order: pinned, measured, or built in):"]
     lines += versions.describe()
     for op, why in FALLBACKS.items():

@@ -46,15 +46,19 @@ m, linv, drop), so attention_probs and either backward read it.
 
 Launch arguments are NumPy scalars of the kernel's exact C type (np.int32 for int, np.float32 for float, np.int64
 for long long, np.uint64 for u64): CuPy packs a Python int as 8 bytes and a float as a double, which a kernel
-would misread. refbert_kernels.cuda.emulate checks every launch against the kernel's signature.
+would misread, and launch version 2 (the default: `Packed`, the section "launches" below) refuses anything else.
+refbert_kernels.cuda.emulate checks every launch against the kernel's signature.
 
 No device-to-host reads: checks that need values (a NaN logit, a row of -inf scores) run only on host arrays or
 with REFBERT_CUDA_CHECKS=1 (_common.STRICT). Each .cu is compiled once per process by NVRTC through
 xp.RawModule with -DNO_MAIN (the standalone validating main and every host header sit behind it) and -I csrc.
 """
+import ctypes
 import functools
 import math
 import os
+import struct
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -99,14 +103,135 @@ RECORD = None       # a list while the bench's launch probe records: (name, kern
                     # (kw: the launch's keywords, shared_mem above all: a replay without it reads outside shared memory)
 
 
-_FUNCTIONS = {}     # (source, name, xp) -> the kernel: get_function once, not at every launch
+_FUNCTIONS = {}     # (source, name, xp, launch version) -> the kernel: made once, not at every launch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launches: how the host hands a kernel its arguments (issue 13: at most 10 us of host time a launch)
+#
+# version 1  CuPy's RawKernel call, kernel(grid, block, args, shared_mem=...): at every call CuPy looks at each
+#            argument's Python type, wraps it (an array: its pointer; an np.int32: 4 bytes) and launches. On the
+#            H200 (2f0feb7) 12-21 us a launch with the step's own arguments, 8.7-13.3 us for an empty kernel with
+#            16 arguments (benchmarks/launch_cost.py).
+# version 2  Packed: the kernel's argument layout is fixed at its first call (one 8-byte slot an argument: a pointer
+#            or u64 / long long / double fills it, an int or float its low 4 bytes, as CUDA reads a kernelParams
+#            entry of that type on a little-endian host), each later call writes all values with one
+#            struct.pack_into into this thread's slots and calls cuLaunchKernel (cupy.cuda.driver.launchKernel)
+#            with the slots' addresses, made once. launch_cost.py timed that call alone at 4.3-5.5 us (its "driver,
+#            no repack" column). CUDA copies the values during cuLaunchKernel, so the slots are free again when it
+#            returns (and a CUDA graph capture records the values, not the slots).
+# REFBERT_LAUNCH=1 pins version 1 (A/B runs; the bench's launch probe times both on the step's own launches).
+# The emulator (emulate.py) runs version 2 for real: its launchKernel hands the same slot addresses to the kernel's
+# trampoline, which reads each argument by the kernel's C signature, after RawKernel.refbert_check has checked the
+# call's argument types against that signature, so CI proves the layout the GPU is given.
+
+LAUNCH = os.environ.get("REFBERT_LAUNCH", "2")
+if LAUNCH not in ("1", "2"):
+    raise ValueError(f"REFBERT_LAUNCH: expected 1 (CuPy's RawKernel call) or 2 (packed parameters), got {LAUNCH!r}")
+LAUNCH_FELL_BACK = {}   # kernel name -> why version 2 could not be used for it (version 1 runs; warned once)
+
+# an argument's slot by its Python type, as a struct format of 8 bytes: int, unsigned, float (4 bytes, 4 of padding),
+# long long, u64, double (8); a device array's pointer is "Q"
+_SLOT = {np.int32: "i4x", np.uint32: "I4x", np.float32: "f4x", np.int64: "q", np.uint64: "Q", np.float64: "d"}
+
+
+def _dims3(d, _cache={}):
+    """A grid or block as CuPy takes it (an int, or a tuple of 1 to 3) -> three ints (cached: the same few come back
+    at every launch)."""
+    try:
+        return _cache[d]
+    except (KeyError, TypeError):
+        pass
+    t = (d,) if isinstance(d, (int, np.integer)) else tuple(d)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"launch: grid and block expected an int or 1 to 3 ints, got {d!r}")
+    out = tuple(int(v) for v in t) + (1,) * (3 - len(t))
+    if isinstance(d, (int, np.integer, tuple)):
+        _cache[d] = out
+    return out
+
+
+class Packed:
+    """Launch version 2 of one kernel (the section's comment): packed(grid, block, args, shared_mem=0, stream=None)
+    as CuPy's RawKernel takes it. `raw` is the RawKernel (version 1), kept for the launch probe's comparison."""
+
+    def __init__(self, raw, name, xp):
+        self.raw, self.name, self.xp = raw, name, xp
+        self.fptr = getattr(raw, "kernel", raw).ptr            # the CUfunction (CuPy: RawKernel.kernel.ptr)
+        self._launch = xp.cuda.driver.launchKernel
+        self._stream = xp.cuda.get_current_stream
+        self._check = getattr(raw, "refbert_check", None)      # the emulator's signature check; None on a GPU
+        self._pack = None
+        self._tls = threading.local()
+
+    def _layout(self, args):
+        """The slot format and packer for this kernel, from its first call's argument types."""
+        fmt, vals = ["<"], []
+        for i, a in enumerate(args):
+            if C.on_device(a):
+                fmt.append("Q")
+                vals.append(f"a[{i}].data.ptr")
+                continue
+            code = _SLOT.get(type(a))
+            if code is None:
+                raise TypeError(f"launch of {self.name}: argument {i} expected a device array or a NumPy scalar of "
+                                f"the parameter's C type (np.int32, np.uint32, np.float32, np.int64, np.uint64, "
+                                f"np.float64), got {type(a).__name__}")
+            fmt.append(code)
+            vals.append(f"a[{i}]")
+        st = struct.Struct("".join(fmt))
+        ns = {"pack_into": st.pack_into}
+        exec(f"def pack(buf, a):\n    pack_into(buf, 0, {', '.join(vals)})\n", ns)     # one call, no loop
+        self.n = len(args)
+        self._pack = ns["pack"]
+
+    def _slots(self):
+        """This thread's slots and the address of their address array (made at the thread's first launch)."""
+        tls = self._tls
+        slots = (ctypes.c_uint64 * max(self.n, 1))()
+        base = ctypes.addressof(slots)
+        addrs = (ctypes.c_void_p * max(self.n, 1))(*[base + 8 * i for i in range(max(self.n, 1))])
+        tls.slots, tls.addrs, tls.ptr = slots, addrs, ctypes.addressof(addrs) if self.n else 0
+        return slots
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        if self._check is not None:
+            self._check(grid, block, args, shared_mem)
+        if self._pack is None:
+            self._layout(args)
+        elif len(args) != self.n:
+            raise TypeError(f"launch of {self.name}: {len(args)} arguments, its first launch had {self.n}")
+        tls = self._tls
+        slots = getattr(tls, "slots", None)
+        if slots is None:
+            slots = self._slots()
+        self._pack(slots, args)
+        g, b = _dims3(grid), _dims3(block)
+        s = (stream if stream is not None else self._stream()).ptr
+        self._launch(self.fptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), s, tls.ptr, 0)
+
+
+def _packed(raw, name, xp):
+    """Version 2 of raw's launch, or raw itself (version 1) where version 2 cannot be made, said once."""
+    try:
+        return Packed(raw, name, xp)
+    except (AttributeError, TypeError) as e:          # no driver.launchKernel / no function pointer in this CuPy
+        why = f"{type(e).__name__}: {e}"
+        if name not in LAUNCH_FELL_BACK:
+            warnings.warn(f"refbert cuda: {name} launches through CuPy's RawKernel call (launch version 1), not "
+                          f"packed parameters ({why})", RuntimeWarning, stacklevel=3)
+        LAUNCH_FELL_BACK[name] = why
+        return raw
 
 
 def kernel(source, name, xp=None):
-    key = (source, name, xp)
+    if xp is None:
+        import cupy as xp
+    key = (source, name, xp, LAUNCH)
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _FUNCTIONS[key] = module(source, xp).get_function(name)
+        raw = module(source, xp).get_function(name)
+        fn = _FUNCTIONS[key] = _packed(raw, name, xp) if LAUNCH == "2" else raw
     if RECORD is None:
         return fn
 

@@ -212,7 +212,7 @@ class DevArray(np.ndarray):
 
     @property
     def data(self):
-        return _Ptr(self.ctypes.data)
+        return _Ptr(self.ctypes.data if self.size else 0)     # CuPy: an empty array's pointer is 0 (NULL)
 
     @property
     def __cuda_array_interface__(self):
@@ -339,15 +339,22 @@ def _dims(d, what, name):
     return d
 
 
+_BY_PTR = {}            # an emulated kernel's "function pointer" (RawKernel.ptr) -> the kernel: driver.launchKernel
+
+
 class RawKernel:
-    """One kernel of an emulated RawModule: kernel(grid, block, args) checks the launch, then runs it."""
+    """One kernel of an emulated RawModule: kernel(grid, block, args) checks the launch, then runs it. Its `ptr`
+    stands for the CUfunction that cuda.driver.launchKernel takes (launch version 2 of cuda_c.py)."""
 
     def __init__(self, lib, name, params, bound, source):
         self.lib, self.name, self.params, self.bound, self.source = lib, name, params, bound, source
         self.tramp = ctypes.cast(getattr(lib, f"refbert_tramp_{name}"), ctypes.c_void_p).value
         self.max_dynamic_shared_size_bytes = 48 * 1024      # CUDA's default; more must be asked for, as on a GPU
+        self.ptr = id(self)
+        _BY_PTR[self.ptr] = self
 
-    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+    def _config(self, grid, block, shared_mem):
+        """grid, block as three ints each, after the checks a GPU makes of a launch's configuration."""
         grid, block = _dims(grid, "grid", self.name), _dims(block, "block", self.name)
         if shared_mem > self.max_dynamic_shared_size_bytes or shared_mem > 227 * 1024:
             raise ValueError(f"emulated launch of {self.name}: {shared_mem} bytes of dynamic shared memory, beyond "
@@ -359,11 +366,15 @@ class RawKernel:
         if self.bound is not None and threads > self.bound:
             raise ValueError(f"emulated launch of {self.name}: {threads} threads per block, beyond its "
                              f"__launch_bounds__({self.bound}) (CUDA: too many resources requested for launch)")
+        return grid, block
+
+    def _values(self, args):
+        """Every argument checked against the kernel's signature -> its ctypes values (the slots' contents)."""
         args = tuple(args)
         if len(args) != len(self.params):
             raise TypeError(f"emulated launch of {self.name}: {len(args)} arguments, the kernel takes "
                             f"{len(self.params)} ({', '.join(p.text for p in self.params)})")
-        keep, slots = [], (ctypes.c_void_p * max(1, len(args)))()
+        values = []
         for i, (p, a) in enumerate(zip(self.params, args)):
             where = f"{self.name} argument {i} ({p.text})"
             if p.pointer:
@@ -378,17 +389,57 @@ class RawKernel:
                                      f"its memory as rows; strides {a.strides})")
                 if not p.const and not a.flags.writeable:
                     raise ValueError(f"emulated launch of {where}: a read-only array for an output")
-                v = ctypes.c_void_p(a.ctypes.data if a.size else 0)
+                values.append(ctypes.c_void_p(a.ctypes.data if a.size else 0))
             else:
                 if not isinstance(a, np.generic) or a.dtype != p.dtype:
                     raise TypeError(f"emulated launch of {where}: expected numpy.{p.dtype.name}, got "
                                     f"{type(a).__name__}" + (f" {a.dtype}" if isinstance(a, np.generic) else "")
                                     + " (CuPy passes a Python int as 8 bytes, a float as a double)")
-                v = _CTYPES[p.dtype.type](a.item())
-            keep.append(v)
-            slots[i] = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+                values.append(_CTYPES[p.dtype.type](a.item()))
+        return values
+
+    def refbert_check(self, grid, block, args, shared_mem=0):
+        """Launch version 2's check (cuda_c.Packed calls it before packing): what __call__ checks, nothing run."""
+        self._config(grid, block, shared_mem)
+        self._values(args)
+
+    def _run(self, grid, block, shared_mem, slots):
         COUNTS.launches[self.name] = COUNTS.launches.get(self.name, 0) + 1
         self.lib.cpusim_launch(self.tramp, slots, *grid, *block, int(shared_mem))
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        grid, block = self._config(grid, block, shared_mem)
+        values = self._values(args)
+        slots = (ctypes.c_void_p * max(1, len(values)))()
+        for i, v in enumerate(values):
+            slots[i] = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+        self._run(grid, block, shared_mem, slots)
+
+
+def _launch_kernel(f, gx, gy, gz, bx, by, bz, shared_mem, stream, kernel_params, extra):
+    """cupy.cuda.driver.launchKernel emulated: the kernel `f` (a RawKernel's ptr) on the argument values whose
+    addresses sit at kernel_params (one per parameter, as cuLaunchKernel reads them: the kernel's trampoline casts
+    each to its parameter's C type)."""
+    k = _BY_PTR.get(f)
+    if k is None:
+        raise ValueError(f"emulated launchKernel: {f!r} is no emulated kernel's ptr")
+    if extra:
+        raise ValueError("emulated launchKernel: `extra` is not emulated (pass kernel_params)")
+    if kernel_params == 0 and k.params:
+        raise ValueError(f"emulated launchKernel of {k.name}: no kernel_params for its {len(k.params)} parameters")
+    grid, block = k._config((gx, gy, gz), (bx, by, bz), shared_mem)
+    k._run(grid, block, shared_mem, ctypes.c_void_p(kernel_params or None))
+
+
+class _Stream:
+    """The current stream: the null stream (ptr 0); the emulated device runs each launch as it comes."""
+    ptr = 0
+
+    def synchronize(self):
+        COUNTS.note("syncs", f"Stream.synchronize {_where()}")
+
+
+_STREAM = _Stream()
 
 
 class RawModule:
@@ -542,7 +593,8 @@ def _make_cupy():
     cp.RawModule = RawModule
     cp.cuda = types.SimpleNamespace(Device=_Device, Event=_Event, runtime=_Runtime,
                                     get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
-                                    get_current_stream=lambda: None,
+                                    get_current_stream=lambda: _STREAM,
+                                    driver=types.SimpleNamespace(launchKernel=_launch_kernel),
                                     alloc_pinned_memory=None)
     pool = _Pool()
     cp.get_default_memory_pool = lambda: pool

@@ -140,16 +140,9 @@ def _ran(op, compute, key):
     versions.RAN[k] = versions.RAN.get(k, 0) + 1
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(name, xp):
-    return cuda_c.module("mixed.cu", xp).get_function(name)
-
-
 def _launch(name, threads, args, xp):
     grid = (min(C.grid_for(threads, 256), 65536),)
-    if cuda_c.RECORD is not None:                      # the bench's launch probe records (cuda_c.kernel)
-        return cuda_c.kernel("mixed.cu", name, xp)(grid, (256,), args)
-    _kernel(name, xp)(grid, (256,), args)
+    cuda_c.kernel("mixed.cu", name, xp)(grid, (256,), args)
 
 
 ROUND_VERSION = os.environ.get("REFBERT_CUDA_ROUND", "2")   # the rounding kernels' version: "1" pins version 1
@@ -596,8 +589,7 @@ def _rows_v(T):
 def _warps(name, rows, args, xp):
     """A kernel with a warp per row, 8 rows a block (no grid-stride: as many blocks as it takes)."""
     if rows:
-        fn = cuda_c.kernel("mixed.cu", name, xp) if cuda_c.RECORD is not None else _kernel(name, xp)
-        fn((-(-rows // 8),), (256,), args)
+        cuda_c.kernel("mixed.cu", name, xp)((-(-rows // 8),), (256,), args)
 
 
 def _buffers(xp, shape, as16):
@@ -781,8 +773,7 @@ def _storage16(x, compute):
 
 def _s3(name, compute, grid, args, xp):
     fn = f"{name}_{'bf16' if compute == 'bfloat16' else 'f16'}"
-    k = cuda_c.kernel("mixed.cu", fn, xp) if cuda_c.RECORD is not None else _kernel(fn, xp)
-    k(grid, (128,), args)
+    cuda_c.kernel("mixed.cu", fn, xp)(grid, (128,), args)
 
 
 def attention_forward_s3(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None, train=True, compute="bfloat16",

@@ -1,0 +1,161 @@
+"""How the CUDA C kernels are launched (kernels/cuda/cuda_c.py, "launches"): version 2 packs each call's arguments
+into 8-byte slots and calls cuLaunchKernel; version 1 is CuPy's RawKernel call. On the emulator (CI) and on a GPU
+when one is present.
+
+What must hold, and why:
+  * The two versions launch the same kernels on the same arguments, so a training step (fp32 and bf16-mixed, train
+    mode: dropout, the masked rows, every CUDA C kernel of the step) gives the same bits under either: any
+    difference is a misread argument. What ran is asserted: the version 2 step's launches went through the packed
+    path and the version 1 step's did not.
+  * On the emulator, every slot holds exactly the bytes the kernel's C signature reads there (the emulator checks
+    each argument's type against the signature, then its trampoline reads the slots by that signature): compared
+    byte for byte for every launch of both steps, with a negative control (a float packed as a double is caught).
+  * A call the layout cannot take is a TypeError naming the kernel and the argument; a CuPy without
+    driver.launchKernel is a warned, recorded fallback to version 1, which describe() names.
+"""
+import functools
+import importlib.util
+import shutil
+import textwrap
+
+import pytest
+
+import cudachild
+from test_cuda_emu import _env
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")]
+_run = functools.partial(cudachild.run, timeout=900)
+
+
+def _child(code, mode, prelude=""):
+    code = prelude + textwrap.dedent(code)
+    if mode == "emu":
+        if shutil.which("g++") is None:
+            pytest.skip("needs g++ (the CUDA C kernels on CPU threads)")
+        return cudachild.check(_run(_env(code)))
+    r = _run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120)
+    if r.returncode != 0:
+        pytest.skip("needs a CUDA GPU with CuPy")
+    return cudachild.check(_run(code, sim=False))
+
+
+_STEP = """
+import numpy as np, refbert
+from refbert.check import model_batch, tiny_config
+from refbert_kernels.cuda import backend as B, cuda_c as K
+
+PACKED = [0]
+_call = K.Packed.__call__
+def counted(self, *a, **k):
+    PACKED[0] += 1
+    return _call(self, *a, **k)
+K.Packed.__call__ = counted
+
+cfg = tiny_config("BertForPreTraining", num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
+                  intermediate_size=96)                  # head size 64: the attention runs C6, as BERT-base's
+x = model_batch(cfg, "BertForPreTraining", B=2, T=8)
+
+def step(launch, precision):
+    K.LAUNCH = launch
+    PACKED[0] = 0
+    m = refbert.BertForPreTraining(cfg, seed=1, backend="cuda", precision=precision).train(True)
+    out = m(**x)
+    g = m.backward()
+    host = lambda a: np.asarray(a.get() if hasattr(a, "get") else a)
+    return host(out.loss), {k: host(v) for k, v in g.items()}, PACKED[0]
+"""
+
+
+@pytest.mark.parametrize("mode", ["emu", "gpu"])
+def test_launch_versions_give_the_same_bits(mode):
+    out = _child("""
+        for precision in ("fp32", "bf16-mixed"):
+            l1, g1, p1 = step("1", precision)
+            l2, g2, p2 = step("2", precision)
+            assert p1 == 0 and p2 > 50, (precision, p1, p2)                # what ran is what was meant
+            assert l1.tobytes() == l2.tobytes(), (precision, l1, l2)
+            assert g1.keys() == g2.keys() and len(g1) > 20, sorted(g1)
+            diff = [k for k in g1 if g1[k].tobytes() != g2[k].tobytes()]
+            assert not diff, (precision, diff)
+            print(f"OK {precision}: loss {float(l2):.6f}, {len(g2)} gradients the same bits, {p2} packed launches")
+        assert "launch version 2" in B.describe(), B.describe()
+    """, mode, _STEP)
+    assert out.count("OK ") == 2, out
+
+
+def test_emu_packed_slots_hold_what_the_signature_reads():
+    out = _child("""
+        import ctypes
+
+        def compare(launches):
+            def checked(self, grid, block, args, shared_mem=0, stream=None):
+                want = self.raw._values(args)                        # the emulator's typed values of this call
+                r = _call(self, grid, block, args, shared_mem, stream)
+                got = bytes(self._tls.slots)
+                for i, v in enumerate(want):
+                    if got[8 * i: 8 * i + ctypes.sizeof(v)] != bytes(v):
+                        launches.setdefault("mismatch", []).append((self.name, i, self.raw.params[i].text))
+                launches[self.name] = launches.get(self.name, 0) + 1
+                return r
+            return checked
+
+        for precision in ("fp32", "bf16-mixed"):
+            seen = {}
+            K.Packed.__call__ = compare(seen)
+            K._FUNCTIONS.clear()                                     # layouts made anew under the check
+            step("2", precision)
+            assert "mismatch" not in seen, seen["mismatch"][:5]
+            assert len(seen) > 10 and sum(seen.values()) > 50, seen
+            print(f"OK {precision}: {sum(seen.values())} launches of {len(seen)} kernels, every slot as read")
+        # the negative control: a float packed as a double (what CuPy does with a Python float) is caught
+        K._SLOT[np.float32] = "d"
+        K._FUNCTIONS.clear()
+        seen = {}
+        K.Packed.__call__ = compare(seen)
+        try:
+            step("2", "fp32")
+        except Exception as e:                                        # a misread size may also fail a kernel
+            print("control raised", type(e).__name__)
+        assert seen.get("mismatch"), "the comparison saw no difference"
+        print("OK control:", seen["mismatch"][0])
+    """, "emu", _STEP)
+    assert out.count("OK ") == 3, out
+
+
+def test_emu_packed_launch_errors_and_fallback():
+    out = _child("""
+        import warnings
+        import numpy as np
+        from refbert_kernels.cuda import backend as B, cuda_c as K, emulate as E
+        cp = E.cupy
+        raw = K.module("colsum.cu", cp).get_function("colsum_partial_v1")
+        x, parts = cp.ones((5, 7), np.float32), cp.empty((5, 7), np.float32)
+        good = (x, np.int32(5), np.int32(7), np.int32(1), parts)
+        p = K.Packed(raw, "colsum_partial_v1", cp)
+        p((1, 5), (256,), good)
+        assert float(parts.sum()) == 35.0                              # the kernel ran on the packed slots
+        p._check = None                                                # as on a GPU: Packed's own checks alone
+        q = K.Packed(raw, "colsum_partial_v1", cp)
+        q._check = None
+        for what, call in {"Python int": lambda: q((1, 5), (256,), (x, 5, *good[2:])),
+                           "argument count": lambda: p((1, 5), (256,), good[:4]),
+                           "grid of four": lambda: p((1, 5, 1, 1), (256,), good)}.items():
+            try:
+                call()
+            except (TypeError, ValueError) as e:
+                assert "colsum_partial_v1" in str(e) or "grid" in str(e), e
+                print("OK", what, "->", e)
+            else:
+                raise SystemExit(f"{what}: accepted")
+        # a CuPy without driver.launchKernel: version 1, warned once and recorded, describe() names it
+        class NoDriver:
+            cuda = type("cuda", (), {"get_current_stream": staticmethod(cp.cuda.get_current_stream)})
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            fn = K._packed(raw, "colsum_partial_v1", NoDriver)
+        assert fn is raw and "colsum_partial_v1" in K.LAUNCH_FELL_BACK, K.LAUNCH_FELL_BACK
+        assert any("RawKernel call" in str(m.message) for m in w), [str(m.message) for m in w]
+        assert "FALLBACK  launch of colsum_partial_v1" in B.describe(), B.describe()
+        print("OK fallback")
+    """, "emu")
+    assert out.count("OK ") == 4, out
