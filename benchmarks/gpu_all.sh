@@ -13,6 +13,10 @@
 #   mains       every kernels/cuda/csrc/*.cu built standalone (nvcc -O3 -arch=sm_90) and run: each main validates
 #               every version against its CPU reference, then times it (the kernels' own report); the 16-bit
 #               attention mains a second time without dropout ("512 0": their kernels for p = 0)
+#   warm        (while mains builds with nvcc) benchmarks/warm_cache.py: every csrc/*.cu compiled once by NVRTC
+#               into CuPy's on-disk kernel cache, a process a file, the largest first; the steps after it load them
+#               instead of each compiling them (written 2026-12-07, not yet timed on a GPU: nvcc -O3 takes 128 s
+#               for the twelve files in one thread here, 38.6 s the largest)
 #   tests       pytest on the CUDA test files, real-GPU variants only (-k "gpu or cuda_c_matches_oracle": every
 #               Numba version incl. attention's, every CUDA C version through versions.validate, the whole model
 #               equal to the numpy backend with what ran asserted, training, DLPack)
@@ -51,8 +55,8 @@
 # one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
-# Overrides: PYTHON=..., T_MAINS=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
-# BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains tests check verify train bench ncu" (a subset, or
+# Overrides: PYTHON=..., T_MAINS=... T_WARM=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
+# BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains warm tests check verify train bench ncu" (a subset, or
 # more: graphdiag). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, check's study runs the Numba CUDA kernels in Numba's simulator, verify its own dry run on the CPU, the
@@ -77,19 +81,25 @@ PY=${PYTHON:-python3}
 # cut off at 240 (train in its third of three runs); bench 186 (its CUDA graph rows failing at once), ncu 48.
 # Hence graphdiag out of the default steps, the threads capped, check and train 260 s, ncu 60, and the bench 240
 # (its graph rows run again, and an A/B row of C6's backward version 4 beside version 6 came in).
+# At b87c638 (H200, 2026-11-28) no step was cut: mains 142 s, tests 147, check 171, train 182, bench 195, ncu 49.
+# Since 2026-12-07 the warm step runs first beside mains (CuPy's cache filled once; the steps after it compile
+# nothing of csrc/ themselves, where check compiled all twelve files and train's first run six), so the steps that
+# follow it get 205 s (tests, check, train: 147-182 s measured with their compiles) and the bench 235.
 # Worst case with these, each stage's 5 s of --kill-after counted, after a preflight of the usual ~17 s:
-# 17 + 265 + 245 + 65 = 592 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
+# 17 + max(245, 65 + 210) + 240 + 65 = 597 s, inside one 600-s device call (the preflight may take up to 120 s:
+# then it is not))
 T_MAINS=${T_MAINS:-240}
-T_TESTS=${T_TESTS:-240}
-T_CHECK=${T_CHECK:-260}
-T_BENCH=${T_BENCH:-240}
+T_WARM=${T_WARM:-60}
+T_TESTS=${T_TESTS:-205}
+T_CHECK=${T_CHECK:-205}
+T_BENCH=${T_BENCH:-235}
 T_VERIFY=${T_VERIFY:-150}
-T_TRAIN=${T_TRAIN:-260}
+T_TRAIN=${T_TRAIN:-205}
 T_NCU=${T_NCU:-60}
 CPU_THREADS=${CPU_THREADS:-4}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 VERIFY_SIZES=${VERIFY_SIZES:-tiny,mini}
-STEPS=${STEPS:-"mains tests check verify train bench ncu"}
+STEPS=${STEPS:-"mains warm tests check verify train bench ncu"}
 BENCH_ARGS=${BENCH_ARGS:-"--repeats 10 --attention-T 128 512 2048 --step 32x128 8x512 --validate-dtypes float32 --only kernels step mixed optim profile"}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -243,6 +253,10 @@ mains() {
 }
 if wants mains; then
     step mains "$T_MAINS" bash -c "R='$R'; DRY='${DRY:-}'; $(declare -f mains); mains" &
+fi
+if wants warm && [ -z "${DRY:-}" ]; then   # every .cu compiled once into CuPy's disk cache, before the steps that all
+    # load them start (each compiled them itself before: `refbert check` all twelve, nvcc -O3 128 s in one thread)
+    step warm "$T_WARM" "$PY" benchmarks/warm_cache.py --jobs 12
 fi
 if wants tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 10")    # pytest-xdist: the test children in parallel

@@ -40,3 +40,19 @@ def test_dry_run_counts_a_step_that_runs_out_of_time(tmp_path):
     res, summary = _dry(tmp_path, "verify", T_VERIFY="1")
     assert res.returncode == 1, summary
     assert "verify: rc=124," in summary and "(TIMED OUT)" in summary and " 1 step(s) failed" in summary, summary
+
+
+def test_warm_cache_builds_each_file_once_and_names_a_bad_one():
+    """benchmarks/warm_cache.py (gpu_all.sh's warm step: every csrc file compiled once, in parallel, before the steps
+    that load them) on the emulator, whose CPU libraries stand in for CuPy's cache: one line a file, exit 0; a file
+    that is not there is refused by name before anything runs (argparse's exit status 2)."""
+    env = {**os.environ, "REFBERT_CUDA_EMULATE": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "warm_cache.py"), "--jobs", "2"]
+    res = subprocess.run(cmd + ["--only", "colsum.cu,dropout.cu"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert sorted(line.split(":")[0] for line in lines[:-1]) == ["colsum.cu", "dropout.cu"], res.stdout
+    assert all(": compiled (" in line for line in lines[:-1]) and lines[-1].startswith("2 files, 0 failed"), lines
+    res = subprocess.run(cmd + ["--only", "colsum.cu,nope.cu"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "nope.cu" in res.stderr and "compiled" not in res.stdout, res.stdout + res.stderr
