@@ -13,10 +13,12 @@
 #   mains       every kernels/cuda/csrc/*.cu built standalone (nvcc -O3 -arch=sm_90) and run: each main validates
 #               every version against its CPU reference, then times it (the kernels' own report); the 16-bit
 #               attention mains a second time without dropout ("512 0": their kernels for p = 0)
-#   warm        (while mains builds with nvcc) benchmarks/warm_cache.py: every csrc/*.cu compiled once by NVRTC
-#               into CuPy's on-disk kernel cache, a process a file, the largest first; the steps after it load them
-#               instead of each compiling them (written 2026-12-07, not yet timed on a GPU: nvcc -O3 takes 128 s
-#               for the twelve files in one thread here, 38.6 s the largest)
+#   warm        benchmarks/warm_cache.py: every csrc/*.cu compiled by NVRTC into CuPy's on-disk kernel cache, a
+#               process a file, the largest first, beside the steps that need them: each file's compile holds a lock
+#               (kernels/cuda/cuda_c.py compile_lock), so a process that needs a file being compiled waits and loads
+#               it, where before every step compiled what it used itself (`refbert check` all twelve files; nvcc -O3
+#               takes 128 s for them in one thread on the project's CPU, 38.6 s the largest). Written 2026-12-07,
+#               not yet timed on a GPU
 #   tests       pytest on the CUDA test files, real-GPU variants only (-k "gpu or cuda_c_matches_oracle": every
 #               Numba version incl. attention's, every CUDA C version through versions.validate, the whole model
 #               equal to the numpy backend with what ran asserted, training, DLPack)
@@ -81,20 +83,16 @@ PY=${PYTHON:-python3}
 # cut off at 240 (train in its third of three runs); bench 186 (its CUDA graph rows failing at once), ncu 48.
 # Hence graphdiag out of the default steps, the threads capped, check and train 260 s, ncu 60, and the bench 240
 # (its graph rows run again, and an A/B row of C6's backward version 4 beside version 6 came in).
-# At b87c638 (H200, 2026-11-28) no step was cut: mains 142 s, tests 147, check 171, train 182, bench 195, ncu 49.
-# Since 2026-12-07 the warm step runs first beside mains (CuPy's cache filled once; the steps after it compile
-# nothing of csrc/ themselves, where check compiled all twelve files and train's first run six), so the steps that
-# follow it get 205 s (tests, check, train: 147-182 s measured with their compiles) and the bench 235.
 # Worst case with these, each stage's 5 s of --kill-after counted, after a preflight of the usual ~17 s:
-# 17 + max(245, 65 + 210) + 240 + 65 = 597 s, inside one 600-s device call (the preflight may take up to 120 s:
-# then it is not))
+# 17 + 265 + 245 + 65 = 592 s, inside one 600-s device call (the preflight may take up to 120 s: then it is not))
+# (At b87c638, H200, 2026-11-28, no step was cut: mains 142 s, tests 147, check 171, train 182, bench 195, ncu 49.)
 T_MAINS=${T_MAINS:-240}
-T_WARM=${T_WARM:-60}
-T_TESTS=${T_TESTS:-205}
-T_CHECK=${T_CHECK:-205}
-T_BENCH=${T_BENCH:-235}
+T_WARM=${T_WARM:-240}
+T_TESTS=${T_TESTS:-240}
+T_CHECK=${T_CHECK:-260}
+T_BENCH=${T_BENCH:-240}
 T_VERIFY=${T_VERIFY:-150}
-T_TRAIN=${T_TRAIN:-205}
+T_TRAIN=${T_TRAIN:-260}
 T_NCU=${T_NCU:-60}
 CPU_THREADS=${CPU_THREADS:-4}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -189,23 +187,31 @@ try:
     K.module("colsum.cu")                              # NVRTC compiles a CUDA C file through CuPy
 except Exception as e:
     problems.append(f"refbert's cuda backend: {type(e).__name__}: {e}")
-try:                            # launch version 2 (packed parameters) against CuPy's call on one kernel: the same sums
+if not problems:                  # launch version 2 (packed parameters) against CuPy's call on one kernel
     import numpy as np
-    x = cupy.asarray(np.random.default_rng(0).standard_normal((300, 70)).astype(np.float32))
     got = {}
     for v in ("1", "2"):
-        K.LAUNCH = v
-        parts = cupy.zeros((3, 70), cupy.float32)
-        K.kernel("colsum.cu", "colsum_partial_v1")((1, 3), (256,), (x, np.int32(300), np.int32(70), np.int32(100),
-                                                                     parts))
-        got[v] = parts.get()
+        try:
+            K.LAUNCH = v
+            k = K.kernel("colsum.cu", "colsum_partial_v1")
+            if (v == "2") != isinstance(k, K.Packed):
+                raise RuntimeError(f"REFBERT_LAUNCH={v} made a {type(k).__name__} ({K.LAUNCH_FELL_BACK})")
+            x = cupy.asarray(np.random.default_rng(0).standard_normal((300, 70)).astype(np.float32))
+            parts = cupy.zeros((3, 70), cupy.float32)
+            k((1, 3), (256,), (x, np.int32(300), np.int32(70), np.int32(100), parts))
+            got[v] = parts.get()
+        except Exception as e:
+            print(f"launch version {v}: FAILED ({type(e).__name__}: {e})")
     K.LAUNCH = "2"
-    if got["1"].tobytes() != got["2"].tobytes() or not np.isfinite(got["2"]).all() or not got["2"].any():
-        raise RuntimeError(f"the packed launch's sums differ from CuPy's (max |diff| "
-                           f"{float(np.abs(got['1'] - got['2']).max())})")
-    print("launch version 2: ok (the same bits as CuPy's RawKernel call)")
-except Exception as e:
-    print(f"launch version 2: FAILED ({type(e).__name__}: {e})")
+    if "1" not in got:
+        problems.append("a CUDA C kernel through CuPy's RawKernel call (launch version 1) failed")
+    elif "2" in got:
+        want = x.get().reshape(3, 100, 70).sum(axis=1, dtype=np.float64)
+        if got["1"].tobytes() != got["2"].tobytes() or not np.allclose(got["2"], want, rtol=1e-5, atol=1e-4):
+            print(f"launch version 2: FAILED (its sums differ from CuPy's call's by up to "
+                  f"{float(np.abs(got['1'] - got['2']).max())}, from float64's by {float(np.abs(got['2'] - want).max())})")
+        else:
+            print("launch version 2: ok (the same bits as CuPy's RawKernel call, float64's sums within 1e-5)")
 if problems:
     print("PREFLIGHT PROBLEMS:\n  " + "\n  ".join(problems))
     sys.exit(1)
@@ -254,9 +260,9 @@ mains() {
 if wants mains; then
     step mains "$T_MAINS" bash -c "R='$R'; DRY='${DRY:-}'; $(declare -f mains); mains" &
 fi
-if wants warm && [ -z "${DRY:-}" ]; then   # every .cu compiled once into CuPy's disk cache, before the steps that all
-    # load them start (each compiled them itself before: `refbert check` all twelve, nvcc -O3 128 s in one thread)
-    step warm "$T_WARM" "$PY" benchmarks/warm_cache.py --jobs 12
+if wants warm && [ -z "${DRY:-}" ]; then   # every .cu compiled at once, a process a file, into CuPy's disk cache;
+    # the steps beside it wait on each file's compile lock (cuda_c.compile_lock) and load what it compiled
+    step warm "$T_WARM" "$PY" benchmarks/warm_cache.py --jobs 12 &
 fi
 if wants tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 10")    # pytest-xdist: the test children in parallel

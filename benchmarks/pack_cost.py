@@ -14,7 +14,8 @@ through Packed.__call__ with its real argument list, the driver call replaced by
 signature check off (a GPU has neither), the device arrays replaced by stand-ins whose `.data.ptr` is a plain
 attribute (CuPy's is a C property; the emulated array's goes through NumPy's ctypes interface, ~1 us, which a GPU
 never pays). The row "a no-op launch call" is the same loop calling the no-op directly: the Python call itself.
-Timings are this machine's.
+Not in these times: the driver call, and the CuPy runtime calls around it (the current stream; kernel()'s lookup of
+the current device), which the emulator answers for free. Timings are this machine's.
 """
 import argparse
 import os

@@ -1,13 +1,14 @@
-"""Compile every kernels/cuda/csrc/*.cu once through CuPy (NVRTC), one process per file, before gpu_all.sh starts
-the processes that all need them.
+"""Compile every kernels/cuda/csrc/*.cu through CuPy (NVRTC), one process per file, at once: gpu_all.sh's warm step.
 
-CuPy keeps each compiled module on disk (~/.cupy/kernel_cache, keyed by the source and its options) and every later
-process loads it from there in milliseconds. Without this step, gpu_all.sh's side-by-side steps (the GPU tests'
-workers, check, study, train, verify) all start cold at once and each compiles the same files: single-threaded,
-nvcc -O3 for sm_90 takes 0.5 to 39 s a file and 128 s for all twelve on this project's CPU (2026-12-07, the
-largest attention_backward.cu 38.6 s, layernorm.cu 32.9, mixed.cu 19.6, attention_forward.cu 18.0), and
-`refbert check --device cuda` compiles every one of them. Here each file is compiled once, the largest first, in
-parallel: the wall time is about the largest file's.
+CuPy keeps each compiled module on disk (~/.cupy/kernel_cache, keyed by the source and its options) and a later
+process loads it from there in milliseconds. gpu_all.sh's side-by-side steps (the GPU tests' workers, check, study,
+train, verify) start cold together; each used to compile the files it needs itself: single-threaded, nvcc -O3 for
+sm_90 takes 0.5 to 39 s a file and 128 s for all twelve on this project's CPU (2026-12-07, the largest
+attention_backward.cu 38.6 s, layernorm.cu 32.9, mixed.cu 19.6, attention_forward.cu 18.0), and `refbert check
+--device cuda` needs every one of them. Now each file's compile holds a lock (kernels/cuda/cuda_c.py compile_lock):
+a process that needs a file another is compiling waits and then loads it. This script starts every file's compile
+at once, the largest first, so that the files are compiled in parallel, each once, while the steps beside it wait
+for the ones they need.
 
     python benchmarks/warm_cache.py [--jobs 12] [--only a.cu,b.cu]
 

@@ -108,7 +108,7 @@ def test_emu_packed_slots_hold_what_the_signature_reads():
             assert len(seen) > 10 and sum(seen.values()) > 50, seen
             print(f"OK {precision}: {sum(seen.values())} launches of {len(seen)} kernels, every slot as read")
         # the negative control: a float packed as a double (what CuPy does with a Python float) is caught
-        K._SLOT[np.float32] = "d"
+        K._SLOT[np.dtype(np.float32)] = "d"
         K._FUNCTIONS.clear()
         seen = {}
         K.Packed.__call__ = compare(seen)
@@ -159,3 +159,105 @@ def test_emu_packed_launch_errors_and_fallback():
         print("OK fallback")
     """, "emu")
     assert out.count("OK ") == 4, out
+
+
+_LOCKER = """
+import os, sys, time
+from pathlib import Path
+from refbert_kernels.cuda import cuda_c as K
+d, me, locked = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+(d / f"ready-{me}").touch()
+while not (d / "go").exists():                         # both start together
+    time.sleep(0.01)
+def hold():
+    with open(d / "log", "a") as f:
+        f.write(f"enter {me}\\n")
+    time.sleep(1.0)
+    with open(d / "log", "a") as f:
+        f.write(f"exit {me}\\n")
+if locked:
+    with K.compile_lock("some.cu"):
+        hold()
+else:
+    hold()
+"""
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_compile_lock_lets_one_process_compile_a_file_at_a_time(tmp_path, locked):
+    """Two processes entering compile_lock for the same file at once: the second enters after the first has left
+    (their log reads enter, exit, enter, exit). The unlocked run is the control: both enter before either leaves,
+    so the log can show an overlap."""
+    import os
+    import subprocess
+    import sys
+    import time
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCKER, str(tmp_path), str(i), "1" if locked else "0"],
+                              env=env) for i in (0, 1)]
+    deadline = time.time() + 120
+    while not all((tmp_path / f"ready-{i}").exists() for i in (0, 1)):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the children did not start"
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    events = [line.split()[0] for line in (tmp_path / "log").read_text().splitlines()]
+    if locked:
+        assert events == ["enter", "exit", "enter", "exit"], events
+        assert (tmp_path / "cache" / "refbert-some.cu.lock").exists()
+    else:
+        assert events == ["enter", "enter", "exit", "exit"], events
+
+
+def test_module_compiles_under_the_lock(tmp_path, monkeypatch):
+    """cuda_c.module on a CuPy (not the emulator) makes the RawModule and compiles it while holding the file's
+    lock: a second taker of the lock (a non-blocking flock) is refused during the compile, and granted after."""
+    import fcntl
+    from refbert_kernels.cuda import cuda_c as K
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def try_lock():
+        with open(tmp_path / "refbert-colsum.cu.lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return "free"
+            except BlockingIOError:
+                return "held"
+
+    class Module:
+        def __init__(self, code, options):
+            assert code == (K.CSRC / "colsum.cu").read_text() and "-DNO_MAIN" in options
+            seen.append(("made", try_lock()))
+
+        def compile(self):
+            seen.append(("compiled", try_lock()))
+
+    class FakeCupy:                                     # (hashable: module() caches per array module)
+        RawModule = Module
+
+    K.module("colsum.cu", FakeCupy())
+    assert seen == [("made", "held"), ("compiled", "held")], seen
+    assert try_lock() == "free"
+
+
+def test_packed_dims_and_scalar_kinds_as_cupy_takes_them():
+    """Grid and block as CuPy's call takes them (an int or 1 to 3 ints, a zero raised to 1 as CuPy does); the slot of
+    a scalar chosen by its dtype (np.longlong is a class apart from np.int64 on Linux, the same 8 bytes)."""
+    import struct
+
+    import numpy as np
+    from refbert_kernels.cuda import cuda_c as K
+    assert K._dims3(7) == (7, 1, 1) and K._dims3((2, 3)) == (2, 3, 1) and K._dims3((0, 5)) == (1, 5, 1)
+    assert K._dims3([4, 1, 2]) == (4, 1, 2)                             # (a list: not cached, still read)
+    with pytest.raises(ValueError, match="1 to 3 ints"):
+        K._dims3((1, 2, 3, 4))
+
+    p = K.Packed.__new__(K.Packed)                                      # (the layout alone: no kernel behind it)
+    p.name, p._pack = "k", None
+    p._layout((np.longlong(-3), np.int32(5), np.float32(0.5), np.uint64(2 ** 63)))
+    buf = bytearray(32)
+    p._pack(buf, (np.longlong(-3), np.int32(5), np.float32(0.5), np.uint64(2 ** 63)))
+    assert struct.unpack("<qi4xf4xQ", buf) == (-3, 5, 0.5, 2 ** 63)
+    with pytest.raises(TypeError, match=r"launch of k: argument 0 .* got float"):
+        p._layout((0.5,))

@@ -46,13 +46,15 @@ m, linv, drop), so attention_probs and either backward read it.
 
 Launch arguments are NumPy scalars of the kernel's exact C type (np.int32 for int, np.float32 for float, np.int64
 for long long, np.uint64 for u64): CuPy packs a Python int as 8 bytes and a float as a double, which a kernel
-would misread, and launch version 2 (the default: `Packed`, the section "launches" below) refuses anything else.
+would misread, and launch version 2 (the default: `Packed`, the section "launches" below) refuses anything else
+at a kernel's first call (the layout is fixed then; later calls are packed by it).
 refbert_kernels.cuda.emulate checks every launch against the kernel's signature.
 
 No device-to-host reads: checks that need values (a NaN logit, a row of -inf scores) run only on host arrays or
 with REFBERT_CUDA_CHECKS=1 (_common.STRICT). Each .cu is compiled once per process by NVRTC through
 xp.RawModule with -DNO_MAIN (the standalone validating main and every host header sit behind it) and -I csrc.
 """
+import contextlib
 import ctypes
 import functools
 import math
@@ -84,10 +86,38 @@ MODULES = {}        # (csrc file, array module) -> its RawModule, every one comp
 #                     in each: refbert_stream_shift)
 
 
+@contextlib.contextmanager
+def compile_lock(name):
+    """An exclusive lock on compiling csrc/<name> among the processes of this machine (an flock on a file beside
+    CuPy's disk cache), so that processes starting together (gpu_all.sh's steps, pytest's workers) compile each file
+    once: the first takes the lock and compiles into CuPy's cache, the others wait and then load that. Without
+    fcntl (not Linux) or a writable cache directory: no lock, each process compiles for itself as CuPy would."""
+    try:
+        import fcntl
+        where = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+        where.mkdir(parents=True, exist_ok=True)
+        f = open(where / f"refbert-{name}.lock", "w")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        f.close()                                       # (closing releases the flock)
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name, xp):
     code = (CSRC / name).read_text()
-    mod = xp.RawModule(code=code, options=("-std=c++17", "-DNO_MAIN", f"-I{CSRC}"))
+    options = ("-std=c++17", "-DNO_MAIN", f"-I{CSRC}")
+    if getattr(xp, "EMULATED", False):                  # (the emulator builds its library when the module is made)
+        mod = xp.RawModule(code=code, options=options)
+    else:
+        with compile_lock(name):                        # CuPy compiles lazily: here, under the lock, instead
+            mod = xp.RawModule(code=code, options=options)
+            if hasattr(mod, "compile"):                 # (CuPy >= 9; an older one compiles at first use, unlocked)
+                mod.compile()
     MODULES[(name, xp)] = mod
     return mod
 
@@ -130,14 +160,15 @@ if LAUNCH not in ("1", "2"):
     raise ValueError(f"REFBERT_LAUNCH: expected 1 (CuPy's RawKernel call) or 2 (packed parameters), got {LAUNCH!r}")
 LAUNCH_FELL_BACK = {}   # kernel name -> why version 2 could not be used for it (version 1 runs; warned once)
 
-# an argument's slot by its Python type, as a struct format of 8 bytes: int, unsigned, float (4 bytes, 4 of padding),
-# long long, u64, double (8); a device array's pointer is "Q"
-_SLOT = {np.int32: "i4x", np.uint32: "I4x", np.float32: "f4x", np.int64: "q", np.uint64: "Q", np.float64: "d"}
+# an argument's slot by its NumPy scalar's dtype, as a struct format of 8 bytes: int, unsigned, float (4 bytes, 4 of
+# padding), long long, u64, double (8); a device array's pointer is "Q"
+_SLOT = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtype(np.float32): "f4x",
+         np.dtype(np.int64): "q", np.dtype(np.uint64): "Q", np.dtype(np.float64): "d"}
 
 
 def _dims3(d, _cache={}):
-    """A grid or block as CuPy takes it (an int, or a tuple of 1 to 3) -> three ints (cached: the same few come back
-    at every launch)."""
+    """A grid or block as CuPy takes it (an int, or a tuple of 1 to 3) -> three ints, each at least 1 as CuPy's call
+    makes them (cached: the same few come back at every launch)."""
     try:
         return _cache[d]
     except (KeyError, TypeError):
@@ -145,7 +176,7 @@ def _dims3(d, _cache={}):
     t = (d,) if isinstance(d, (int, np.integer)) else tuple(d)
     if not 1 <= len(t) <= 3:
         raise ValueError(f"launch: grid and block expected an int or 1 to 3 ints, got {d!r}")
-    out = tuple(int(v) for v in t) + (1,) * (3 - len(t))
+    out = tuple(max(1, int(v)) for v in t) + (1,) * (3 - len(t))
     if isinstance(d, (int, np.integer, tuple)):
         _cache[d] = out
     return out
@@ -157,7 +188,8 @@ class Packed:
 
     def __init__(self, raw, name, xp):
         self.raw, self.name, self.xp = raw, name, xp
-        self.fptr = getattr(raw, "kernel", raw).ptr            # the CUfunction (CuPy: RawKernel.kernel.ptr)
+        self.fptr = getattr(raw, "kernel", raw).ptr            # the CUfunction on the current device (CuPy:
+        #                                                        RawKernel.kernel.ptr); kernel() keys it by device
         self._launch = xp.cuda.driver.launchKernel
         self._stream = xp.cuda.get_current_stream
         self._check = getattr(raw, "refbert_check", None)      # the emulator's signature check; None on a GPU
@@ -172,7 +204,7 @@ class Packed:
                 fmt.append("Q")
                 vals.append(f"a[{i}].data.ptr")
                 continue
-            code = _SLOT.get(type(a))
+            code = _SLOT.get(a.dtype) if isinstance(a, np.generic) else None
             if code is None:
                 raise TypeError(f"launch of {self.name}: argument {i} expected a device array or a NumPy scalar of "
                                 f"the parameter's C type (np.int32, np.uint32, np.float32, np.int64, np.uint64, "
@@ -186,7 +218,12 @@ class Packed:
         self._pack = ns["pack"]
 
     def _slots(self):
-        """This thread's slots and the address of their address array (made at the thread's first launch)."""
+        """This thread's slots and the address of their address array (made at the thread's first launch, when the
+        thread is also given the device's context if it has none yet: CuPy's own launch makes sure of it too, a
+        cuLaunchKernel on a thread without a context fails)."""
+        ensure = getattr(self.xp.cuda.runtime, "memGetInfo", None)
+        if ensure is not None:
+            ensure()                                            # (a runtime call: it makes the primary context current)
         tls = self._tls
         slots = (ctypes.c_uint64 * max(self.n, 1))()
         base = ctypes.addressof(slots)
@@ -227,7 +264,9 @@ def _packed(raw, name, xp):
 def kernel(source, name, xp=None):
     if xp is None:
         import cupy as xp
-    key = (source, name, xp, LAUNCH)
+    # (version 2 holds the CUfunction of one device: keyed by the device current at the call, as CuPy's call looks
+    # its function up per device)
+    key = (source, name, xp, LAUNCH, xp.cuda.runtime.getDevice() if LAUNCH == "2" else None)
     fn = _FUNCTIONS.get(key)
     if fn is None:
         raw = module(source, xp).get_function(name)

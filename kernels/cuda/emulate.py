@@ -541,6 +541,14 @@ class _Runtime:
         return 1
 
     @staticmethod
+    def getDevice():
+        return 0
+
+    @staticmethod
+    def memGetInfo():
+        return 0, 0
+
+    @staticmethod
     def getDeviceProperties(i):
         return {"name": b"emulated GPU (CPU threads)", "multiProcessorCount": 1, "totalGlobalMem": 0}
 
