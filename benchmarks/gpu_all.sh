@@ -209,7 +209,8 @@ if not problems:                  # launch version 2 (packed parameters) against
         want = x.get().reshape(3, 100, 70).sum(axis=1, dtype=np.float64)
         if got["1"].tobytes() != got["2"].tobytes() or not np.allclose(got["2"], want, rtol=1e-5, atol=1e-4):
             print(f"launch version 2: FAILED (its sums differ from CuPy's call's by up to "
-                  f"{float(np.abs(got['1'] - got['2']).max())}, from float64's by {float(np.abs(got['2'] - want).max())})")
+                  f"{float(np.abs(got['1'] - got['2']).max())}, from float64's by "
+                  f"{float(np.abs(got['2'] - want).max())})")
         else:
             print("launch version 2: ok (the same bits as CuPy's RawKernel call, float64's sums within 1e-5)")
 if problems:
