@@ -57,9 +57,9 @@
 # one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
-# Overrides: PYTHON=..., T_MAINS=... T_WARM=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=... T_NCU=... (s),
-# BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains warm tests check verify train bench ncu" (a subset, or
-# more: graphdiag). DRY=1:
+# Overrides: PYTHON=..., T_MAINS=... T_WARM=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=...
+# T_NCU=... (s), BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains warm tests check verify train bench
+# ncu" (a subset, or more: graphdiag). DRY=1:
 # the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
 # tests skip, check's study runs the Numba CUDA kernels in Numba's simulator, verify its own dry run on the CPU, the
 # bench says SKIPPED (not counted as a failure), train, study, graphdiag and ncu are skipped): exit status 0 when
