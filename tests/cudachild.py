@@ -3,6 +3,7 @@ numba.cuda is first imported and cannot be switched off afterwards, so every CUD
 own, with the simulator on (CI) or off (the real numba.cuda: a GPU, or NVVM alone for compile checks), and the
 pytest process never imports numba.cuda."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,3 +46,17 @@ def check(r):
     if r.returncode != 0:
         pytest.fail(f"subprocess failed (rc {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     return r.stdout
+
+
+def on(mode, code, timeout=600):
+    """`code` (dedented already) in a child on the emulated GPU (mode "emu": CuPy and the GPU emulated on CPU
+    threads, kernels/cuda/emulate.py; skipped without g++) or on a real one (mode "gpu": skipped without a CUDA GPU
+    and CuPy) -> the child's stdout, the test failed if it exited non-zero."""
+    if mode == "emu":
+        if shutil.which("g++") is None:
+            pytest.skip("needs g++ (the CUDA C kernels on CPU threads)")
+        return check(run("import os\nos.environ['REFBERT_CUDA_EMULATE'] = '1'\n" + code, timeout=timeout))
+    r = run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120)
+    if r.returncode != 0:
+        pytest.skip("needs a CUDA GPU with CuPy")
+    return check(run(code, sim=False, timeout=timeout))

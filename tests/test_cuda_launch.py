@@ -13,30 +13,18 @@ What must hold, and why:
   * A call the layout cannot take is a TypeError naming the kernel and the argument; a CuPy without
     driver.launchKernel is a warned, recorded fallback to version 1, which describe() names.
 """
-import functools
 import importlib.util
-import shutil
 import textwrap
 
 import pytest
 
 import cudachild
-from test_cuda_emu import _env
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")]
-_run = functools.partial(cudachild.run, timeout=900)
 
 
 def _child(code, mode, prelude=""):
-    code = prelude + textwrap.dedent(code)
-    if mode == "emu":
-        if shutil.which("g++") is None:
-            pytest.skip("needs g++ (the CUDA C kernels on CPU threads)")
-        return cudachild.check(_run(_env(code)))
-    r = _run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120)
-    if r.returncode != 0:
-        pytest.skip("needs a CUDA GPU with CuPy")
-    return cudachild.check(_run(code, sim=False))
+    return cudachild.on(mode, prelude + textwrap.dedent(code), timeout=900)
 
 
 _STEP = """

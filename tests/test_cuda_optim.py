@@ -18,30 +18,18 @@ What must hold, and why these bounds:
     anything is written; what ran is what was meant (refbert.optim.LAST_PATH names the kernels), and device arrays
     the kernels do not take (a non-contiguous one) warn and take the per-array code, with the spec's bits.
 """
-import functools
 import importlib.util
-import shutil
 import textwrap
 
 import pytest
 
 import cudachild
-from test_cuda_emu import _env
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")]
-_run = functools.partial(cudachild.run, timeout=600)
 
 
 def _child(code, mode):
-    code = _PRELUDE + textwrap.dedent(code)
-    if mode == "emu":
-        if shutil.which("g++") is None:
-            pytest.skip("needs g++ (the CUDA C kernels on CPU threads)")
-        return cudachild.check(_run(_env(code)))
-    r = _run("import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0", sim=False, timeout=120)
-    if r.returncode != 0:
-        pytest.skip("needs a CUDA GPU with CuPy")
-    return cudachild.check(_run(code, sim=False))
+    return cudachild.on(mode, _PRELUDE + textwrap.dedent(code))
 
 
 _PRELUDE = """
