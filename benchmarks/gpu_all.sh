@@ -60,10 +60,10 @@
 # Overrides: PYTHON=..., T_MAINS=... T_WARM=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=...
 # T_NCU=... (s), BENCH_ARGS="...", TRAIN_STEPS=..., CPU_THREADS=..., STEPS="mains warm tests check verify train bench
 # ncu" (a subset, or more: graphdiag). DRY=1:
-# the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, the GPU
-# tests skip, check's study runs the Numba CUDA kernels in Numba's simulator, verify its own dry run on the CPU, the
-# bench says SKIPPED (not counted as a failure), train, study, graphdiag and ncu are skipped): exit status 0 when
-# all of that works.
+# the plumbing on a machine without a GPU (no preflight, the mains on CPU threads through csrc/cpusim.cuh, warm
+# builds the emulator's libraries, the GPU tests skip, check's study runs the Numba CUDA kernels in Numba's
+# simulator, verify its own dry run on the CPU, the bench says SKIPPED (not counted as a failure), train, study,
+# graphdiag and ncu are skipped): exit status 0 when all of that works.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -261,9 +261,14 @@ mains() {
 if wants mains; then
     step mains "$T_MAINS" bash -c "R='$R'; DRY='${DRY:-}'; $(declare -f mains); mains" &
 fi
-if wants warm && [ -z "${DRY:-}" ]; then   # every .cu compiled at once, a process a file, into CuPy's disk cache;
-    # the steps beside it wait on each file's compile lock (cuda_c.compile_lock) and load what it compiled
-    step warm "$T_WARM" "$PY" benchmarks/warm_cache.py --jobs 12 &
+if wants warm; then   # every .cu compiled at once, a process a file, into CuPy's disk cache; the steps beside it
+    # wait on each file's compile lock (cuda_c.compile_lock) and load what it compiled (DRY: the emulator's CPU
+    # libraries instead, two processes)
+    if [ -n "${DRY:-}" ]; then
+        step warm "$T_WARM" env REFBERT_CUDA_EMULATE=1 NUMBA_ENABLE_CUDASIM=1 "$PY" benchmarks/warm_cache.py --jobs 2 &
+    else
+        step warm "$T_WARM" "$PY" benchmarks/warm_cache.py --jobs 12 &
+    fi
 fi
 if wants tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 10")    # pytest-xdist: the test children in parallel

@@ -11,7 +11,11 @@ What must hold, and why:
     each argument's type against the signature, then its trampoline reads the slots by that signature): compared
     byte for byte for every launch of both steps, with a negative control (a float packed as a double is caught).
   * A call the layout cannot take is a TypeError naming the kernel and the argument; a CuPy without
-    driver.launchKernel is a warned, recorded fallback to version 1, which describe() names.
+    driver.launchKernel is a warned, recorded fallback to version 1, which describe() names. Grid and block read as
+    CuPy's call reads them; a scalar's slot chosen by its dtype.
+  * Each .cu compiles under its lock (cuda_c.compile_lock): of two processes that take it at once, the second
+    enters after the first has left (an unlocked run of the same children overlaps: the control), and module()
+    makes and compiles a CuPy RawModule while holding it.
 """
 import importlib.util
 import textwrap

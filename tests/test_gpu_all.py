@@ -24,9 +24,9 @@ def _dry(out, steps, **env):
 
 
 def test_dry_run_passes_and_writes_its_report(tmp_path):
-    res, summary = _dry(tmp_path, "verify check bench")
+    res, summary = _dry(tmp_path, "warm verify check bench")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    for name in ("verify", "check"):
+    for name in ("warm", "verify", "check"):
         assert f"\n{name}: rc=0," in summary, summary
     assert "bench: rc=2," in summary and "bench: SKIPPED without a GPU, as DRY expects" in summary, summary
     assert "total:" in summary and " 0 step(s) failed" in summary, summary
