@@ -984,8 +984,10 @@ def run_step(args, timer):
                     ours(**x, mlm_decode="all")
                     ours.backward()
         cp.get_default_memory_pool().free_all_blocks()
-    rows.append(dict(impl="versions", note="; ".join(f"{op} {dt}: {v.key}" for (op, dt), v in
-                                                     sorted(VV.CHOSEN.items()))))
+    from refbert_kernels.cuda import cuda_c as K
+    launch = "launch v2 (packed parameters)" if K.LAUNCH == "2" else "launch v1 (CuPy's RawKernel call)"
+    rows.append(dict(impl="versions", note="; ".join([f"{op} {dt}: {v.key}" for (op, dt), v in
+                                                      sorted(VV.CHOSEN.items())] + [launch])))
     problems = VV.problems()
     for op, why in problems:
         rows.append(dict(impl="FALLBACK", shape=op, note=why))

@@ -705,6 +705,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
         if r["impl"].startswith("refbert"):
             assert r["ms"] > 0 and r["floor_ms"] > 0 and r["gemm_tflop"] > 0, r
     assert not any(r["impl"] == "FALLBACK" for r in data["rows"]), data["rows"]
+    versions = next(r for r in data["rows"] if r["impl"] == "versions")
+    assert versions["note"].endswith("; launch v2 (packed parameters)"), versions     # how the kernels were launched
     kernels = {r["kernel"] for r in data["launch"]}
     assert {"ce_fwd_v1", "ce_loss_v1", "ce_bwd_v1", "emb_bwd_runs_v1", "emb_bwd_segments_v1", "layernorm_fwd_v3_drop",
             "layernorm_bwd_fused_v6_drop_nv2", "column_sum2_v6", "gelu_fwd_v1_erf", "bias_gelu_bwd_v1_erf",

@@ -11,7 +11,8 @@ What must hold, and why:
     each argument's type against the signature, then its trampoline reads the slots by that signature): compared
     byte for byte for every launch of both steps, with a negative control (a float packed as a double is caught).
   * A call the layout cannot take is a TypeError naming the kernel and the argument; a CuPy without
-    driver.launchKernel is a warned, recorded fallback to version 1, which describe() names. Grid and block read as
+    driver.launchKernel is a warned, recorded fallback to version 1, which describe() names and versions.problems()
+    reports (a failing row of check --device cuda and of the bench). Grid and block read as
     CuPy's call reads them; a scalar's slot chosen by its dtype.
   * Each .cu compiles under its lock (cuda_c.compile_lock): of two processes that take it at once, the second
     enters after the first has left (an unlocked run of the same children overlaps: the control), and module()
@@ -148,6 +149,8 @@ def test_emu_packed_launch_errors_and_fallback():
         assert fn is raw and "colsum_partial_v1" in K.LAUNCH_FELL_BACK, K.LAUNCH_FELL_BACK
         assert any("RawKernel call" in str(m.message) for m in w), [str(m.message) for m in w]
         assert "FALLBACK  launch of colsum_partial_v1" in B.describe(), B.describe()
+        from refbert_kernels.cuda import versions as VV              # a failing row of check --device cuda, bench
+        assert any(op == "launch" and "colsum_partial_v1" in why for op, why in VV.problems()), VV.problems()
         print("OK fallback")
     """, "emu")
     assert out.count("OK ") == 4, out

@@ -465,14 +465,17 @@ def ran(op, dtype, key):
 
 def problems():
     """[(op, text)] of everything that did not run as the order meant: demotions, CUDA C calls handed to Numba,
-    kernel modules that did not import. Each is a failing row in check --device cuda and the bench."""
+    kernel modules that did not import, kernels launched through CuPy's call where launch version 2 was meant
+    (cuda_c.LAUNCH_FELL_BACK). Each is a failing row in check --device cuda and the bench."""
     out = [(op, f"{dt}: version {k} demoted ({why})") for (op, dt), ds in DEMOTED.items() for k, why in ds]
     try:
-        from .cuda_c import FELL_BACK
+        from .cuda_c import FELL_BACK, LAUNCH_FELL_BACK
     except Exception:                                  # pragma: no cover
-        FELL_BACK = {}
+        FELL_BACK, LAUNCH_FELL_BACK = {}, {}
     out += [(op, f"{ver} took the Numba kernel ({why})") for (op, ver), why in FELL_BACK.items()
             if not why.startswith("host (NumPy)") or MODE != "sim"]
+    out += [("launch", f"{name} through CuPy's RawKernel call, not launch version 2 ({why})")
+            for name, why in sorted(LAUNCH_FELL_BACK.items())]
     out += [(mod, f"refbert_kernels.cuda.{mod} did not import: {why}") for mod, why in IMPORT_ERRORS.items()]
     return out
 
