@@ -45,6 +45,7 @@ def main(argv=None):
     if os.environ.get("REFBERT_CUDA_EMULATE") != "1" or os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         sys.exit("pack_cost.py: run with NUMBA_ENABLE_CUDASIM=1 REFBERT_CUDA_EMULATE=1 (the emulated CuPy)")
     import refbert
+    from refbert.bench_cuda import _recorded
     from refbert.check import model_batch, tiny_config
     from refbert_kernels.cuda import _common as C
     from refbert_kernels.cuda import cuda_c as K
@@ -56,15 +57,12 @@ def main(argv=None):
     first = {}
     for precision in ("fp32", "bf16-mixed"):
         m = refbert.BertForPreTraining(cfg, seed=1, backend="cuda", precision=precision).train(True)
-        m(**x)
-        m.backward()
-        K.RECORD = []
-        try:
+
+        def step():
             m(**x)
             m.backward()
-        finally:
-            recorded, K.RECORD = K.RECORD, None
-        for name, fn, grid, block, args, kw in recorded:
+        step()                                           # (versions chosen, kernels built)
+        for name, fn, grid, block, args, kw in _recorded(step):
             first.setdefault(name, (fn, grid, block, args, kw))
 
     def noop(*args):

@@ -33,16 +33,7 @@ def build(name):
             from refbert_kernels.cuda.emulate import cupy as xp
         else:
             import cupy as xp
-        mod = K.module(name, xp)
-        if hasattr(mod, "compile"):                   # CuPy: compiles (or loads from its cache) now, not at first use
-            mod.compile()
-        elif not getattr(xp, "EMULATED", False):      # a CuPy without compile(): any lookup compiles the file first
-            try:
-                mod.get_function("refbert_warm_cache_no_such_kernel")
-            except Exception as e:                    # the lookup's "not found" after a good compile is the point
-                if "NOT_FOUND" not in str(e):
-                    raise
-        # (the emulator's RawModule built its library when it was made)
+        K.module(name, xp)          # compiled there, under the file's lock (the emulator's: its library built)
         return name, time.perf_counter() - t, None
     except Exception as e:                            # (reported by name; the others still compile)
         return name, time.perf_counter() - t, f"{type(e).__name__}: {str(e)[-600:]}"
