@@ -54,7 +54,11 @@
 # mains, tests, check, verify and train run side by side (they time nothing that is reported; 16 cores, each
 # process's BLAS, OpenMP and Numba threads capped: CPU_THREADS, 4, and one a pytest worker; Numba compiles on the
 # CPU); bench runs alone after them, its threads uncapped. A step that fails or times out is recorded and the next
-# one still runs; the exit status is the number of failed steps. What comes back is at most 8 files in $OUT:
+# one still runs; the exit status is the number of failed steps. Beside each step's line, summary.txt quotes where
+# the time went (issue 13's 6 minutes, "the numba compile included"; kernels/cuda/compile_time.py): warm's total,
+# check's and study's compile time (Numba's kernels, the CUDA C modules and the waits for their locks) and the
+# bench's sections ("bench sections: ...", each with its compiling in cuda_probes.md, which report.tgz holds).
+# What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
 # Overrides: PYTHON=..., T_MAINS=... T_WARM=... T_TESTS=... T_CHECK=... T_VERIFY=... T_TRAIN=... T_BENCH=...
@@ -307,11 +311,19 @@ if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU
 fi
 wait
 unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS NUMBA_NUM_THREADS
+quote() {           # quote STEP PATTERN: a log's lines saying where a step's time went, into the summary
+    [ -f "$R/$1.log" ] && grep -E "$2" "$R/$1.log" | sed "s/^/$1: /" | tee -a "$SUMMARY"
+    return 0
+}
+quote warm "^[0-9]+ files, [0-9]+ failed"
+quote check "^compile time of this check:"
+quote study "^compile time of this check:"
 
 # ---- the bench, alone on the machine
 if wants bench; then
     # shellcheck disable=SC2086
     step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$R/bench" $BENCH_ARGS
+    quote bench "^bench sections:"
 fi
 
 if wants ncu && [ -z "${DRY:-}" ]; then   # where the flash kernels' time goes: Nsight Compute's counters, one call each

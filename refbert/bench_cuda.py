@@ -11,7 +11,10 @@ device, the library versions and the command line in each header:
 probes   the device's copy bandwidth (a CuPy device-to-device copy of a 1 GiB buffer: 2 bytes moved per byte,
          median of repeats), which every GB/s figure is a percentage of; the launch overhead, reported apart from
          the kernels: empty Numba and CuPy kernels, and (step section) every CUDA C kernel one training step
-         launches, replayed with the step's own argument lists: host microseconds per launch.
+         launches, replayed with the step's own argument lists: host microseconds per launch. Rewritten at the
+         end with where the run's wall time went (Spent): each section's seconds, the kernel section's op by op,
+         and how much of each was compiling (Numba's kernels, the CUDA C modules; the last line of the output
+         says the same in one line, "bench sections: ...", which gpu_all.sh copies into its summary).
 kernels  every KernelSpec of every refbert_kernels.cuda module with its CUDA C versions (C1, C2: the versions
          kernels/cuda/versions.py knows): each version is validated against its oracle first (GPU shapes, in every
          dtype it is timed in and the --validate-dtypes; a version over tolerance is FAIL and never timed), then
@@ -592,10 +595,53 @@ def sdpa_peers(B, T, H, hs, dtype, mask_host, p):
     return peers
 
 
-def run_kernels(args, timer, bw):
+class Spent:
+    """Where a bench run's wall time goes, section by section, and how much of each section was compiling
+    (refbert_kernels.cuda.compile_time: Numba's compiles, the CUDA C modules' NVRTC compiles and the waits for other
+    processes' compiles of them). Issue 13 wants gpu_all.sh's whole report, this bench the largest of its steps
+    (195 s on the H200 at b87c638), in under 6 minutes: these lines say what to cut. Sections nest (the kernel
+    section's ops, "kernels: attention", inside "kernels"); line() lists the outer ones."""
+
+    def __init__(self):
+        from refbert_kernels.cuda import compile_time as CT
+        CT.watch_numba()                                # (counting from here, before any kernel file is imported)
+        self.t0 = time.perf_counter()
+        self.rows = []
+
+    @contextlib.contextmanager
+    def section(self, name):
+        from refbert_kernels.cuda import compile_time as CT
+        snap, t = CT.snapshot(), time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = CT.since(snap)
+            self.rows.append(dict(section=name, s=time.perf_counter() - t, **spent))
+            print(f"== {name}: {self.rows[-1]['s']:.1f} s (compiling: {CT.describe(spent)})", flush=True)
+
+    def line(self):
+        """One line for gpu_all.sh's summary: each outer section's seconds, the total, the whole run's compiling."""
+        from refbert_kernels.cuda import compile_time as CT
+        outer = [r for r in self.rows if ":" not in r["section"]]
+        return ("bench sections: " + ", ".join(f"{r['section']} {r['s']:.1f} s" for r in outer)
+                + f"; total {time.perf_counter() - self.t0:.1f} s; compiling in all: {CT.summary()}")
+
+    def md(self):
+        lines = ["Where this run's wall time went (seconds; compiling: Numba's kernel compiles, and the CUDA C "
+                 "modules' NVRTC compiles or loads with the time spent waiting for another process compiling the "
+                 "same file):", ""]
+        return lines + md_table(("section", "s", "Numba compiling s", "Numba compiler-lock holds", "CUDA C s",
+                                 "of it waiting s"),
+                                [(r["section"], f"{r['s']:.1f}", f"{r['numba_s']:.1f}", r["numba_n"],
+                                  f"{r['cuda_c_s']:.1f}", f"{r['cuda_c_wait_s']:.1f}") for r in self.rows]) \
+            + ["", self.line()]
+
+
+def run_kernels(args, timer, bw, spent=None):
     """Validate every version, then time it and its PyTorch peer. -> (rows, failed, timings): timings
     {(op, "float32"): {version key: seconds (order_seconds: on the device where the call has device times)}} of the
-    passing versions at the bench shape (the first --attention-T for attention): what cuda_order.json orders."""
+    passing versions at the bench shape (the first --attention-T for attention): what cuda_order.json orders.
+    spent: a Spent, given each op's seconds as a section "kernels: <op>"."""
     from refbert_kernels.cuda import _common as C   # noqa: F401  (imports the CUDA stack once, before timing)
     found, errors = kernel_specs(args.kernels)
     rows, failed, timings = [], False, {}
@@ -605,36 +651,47 @@ def run_kernels(args, timer, bw):
         failed = True
     for m, spec in found:
         spec = with_cuda_c(spec)
-        if spec.name == "attention":
-            shapes = [dict(spec.bench_shape, B=ATTENTION["B"], H=ATTENTION["H"], hs=ATTENTION["hs"], T=T)
-                      for T in args.attention_T]
-            dtypes = [np.float32, np.float16]
-        else:
-            shapes, dtypes = [spec.bench_shape], [np.float32]
-        # every version validated in every dtype it is timed in, and in the --validate-dtypes
-        checked = list(dict.fromkeys(list(args.validate_dtypes) + [np.dtype(d).name for d in dtypes]))
-        passing = []
-        for v in sorted(spec.versions, key=str):
-            worst, err = validate_version(spec, v, checked)
-            ok = err is None and worst <= 1
-            failed |= not ok
-            print(f"  validate {spec.name} v{v} ({', '.join(checked)}): err/tol {fmt(worst)} "
-                  f"{'ok' if ok else 'FAIL'} {err or ''}", flush=True)
-            rows.append(dict(spec=spec.name, version=v, status="ok" if ok else "FAIL", err_tol=worst, error=err,
-                             note=spec.notes.get(v, "")))
-            if ok:
-                passing.append(v)
-        for i, shape in enumerate(shapes):
-            for dtype in dtypes:
-                got = time_spec(args, timer, bw, spec, passing, shape, dtype)
-                rows += got
-                failed |= any(r.get("status") == "FAIL" for r in got)      # (an A/B row's own validation)
-                if i == 0 and dtype == np.float32:
-                    for r in got:
-                        sec = order_seconds(r)
-                        if sec is not None and r["impl"].startswith("v"):
-                            timings.setdefault((spec.name, "float32"), {})[r["impl"][1:]] = sec
+        with spent.section(f"kernels: {spec.name}") if spent else contextlib.nullcontext():
+            got, bad = _run_spec(args, timer, bw, spec, timings)
+        rows += got
+        failed |= bad
     return rows, failed, timings
+
+
+def _run_spec(args, timer, bw, spec, timings):
+    """run_kernels for one spec: its validation rows and timing rows, and whether any failed; its float32 times at
+    the bench shape added to timings."""
+    rows, failed = [], False
+    if spec.name == "attention":
+        shapes = [dict(spec.bench_shape, B=ATTENTION["B"], H=ATTENTION["H"], hs=ATTENTION["hs"], T=T)
+                  for T in args.attention_T]
+        dtypes = [np.float32, np.float16]
+    else:
+        shapes, dtypes = [spec.bench_shape], [np.float32]
+    # every version validated in every dtype it is timed in, and in the --validate-dtypes
+    checked = list(dict.fromkeys(list(args.validate_dtypes) + [np.dtype(d).name for d in dtypes]))
+    passing = []
+    for v in sorted(spec.versions, key=str):
+        worst, err = validate_version(spec, v, checked)
+        ok = err is None and worst <= 1
+        failed |= not ok
+        print(f"  validate {spec.name} v{v} ({', '.join(checked)}): err/tol {fmt(worst)} "
+              f"{'ok' if ok else 'FAIL'} {err or ''}", flush=True)
+        rows.append(dict(spec=spec.name, version=v, status="ok" if ok else "FAIL", err_tol=worst, error=err,
+                         note=spec.notes.get(v, "")))
+        if ok:
+            passing.append(v)
+    for i, shape in enumerate(shapes):
+        for dtype in dtypes:
+            got = time_spec(args, timer, bw, spec, passing, shape, dtype)
+            rows += got
+            failed |= any(r.get("status") == "FAIL" for r in got)      # (an A/B row's own validation)
+            if i == 0 and dtype == np.float32:
+                for r in got:
+                    sec = order_seconds(r)
+                    if sec is not None and r["impl"].startswith("v"):
+                        timings.setdefault((spec.name, "float32"), {})[r["impl"][1:]] = sec
+    return rows, failed
 
 
 def order_seconds(row):
@@ -1714,6 +1771,7 @@ def main(args=None):
 
 
 def _main(args):
+    spent = Spent()
     if args is None or isinstance(args, (list, tuple)):
         args = parse(args)
     for key, default in (("quick", False), ("only", None), ("out", None), ("repeats", None), ("kernels", None),
@@ -1738,13 +1796,15 @@ def _main(args):
               + f". Date: {time.strftime('%Y-%m-%d %H:%M %Z')}."]
     if args.quick:
         header += ["", "**--quick: a tooling check with few repeats and small shapes; not results.**"]
-    from refbert.model import get_backend
-    backend = get_backend("cuda")
-    print(backend.describe(), flush=True)
-    timer = Timer(args.repeats)
+    with spent.section("setup"):                        # (the backend, the timer and its blocking kernel)
+        from refbert.model import get_backend
+        backend = get_backend("cuda")
+        print(backend.describe(), flush=True)
+        timer = Timer(args.repeats)
     print(f"== probes on {device}", flush=True)
-    bw = copy_bandwidth(timer)
-    launch = launch_overhead()
+    with spent.section("probes"):
+        bw = copy_bandwidth(timer)
+        launch = launch_overhead()
     print(f"  copy bandwidth {bw / 1e9:.0f} GB/s; " + "; ".join(f"{k}: {w:.1f} us" for k, (w, _) in launch.items()))
     paths = write(out, "cuda_probes", f"refbert CUDA probes on {device}", header, probes_md(bw, launch),
                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch))
@@ -1752,7 +1812,8 @@ def _main(args):
     sections = args.only or ["kernels", "precision", "step", "mixed", "optim", "profile"]
     if "kernels" in sections:
         print("== kernels", flush=True)
-        rows, bad, timings = run_kernels(args, timer, bw)
+        with spent.section("kernels"):
+            rows, bad, timings = run_kernels(args, timer, bw, spent)
         failed |= bad
         paths += write(out, "cuda_kernels", f"refbert CUDA kernels on {device}", header, kernels_md(rows, bw),
                        dict(command=command, info=info, copy_bandwidth=bw, rows=rows),
@@ -1770,31 +1831,36 @@ def _main(args):
     if "precision" in sections:
         print("== precision", flush=True)              # the same study as `refbert check --device cuda`
         from . import precision
-        rows = precision.study(device="cuda", size="tiny" if args.quick else "base")
+        with spent.section("precision"):
+            rows = precision.study(device="cuda", size="tiny" if args.quick else "base")
         paths += write(out, "cuda_precision", f"refbert reduced-precision study on {device}", header,
                        precision_md(rows, precision), dict(command=command, info=info, rows=rows))
     models = None
     if "step" in sections or "profile" in sections:
         print("== step", flush=True)
-        step_rows, bad, models = run_step(args, timer)
+        with spent.section("step"):
+            step_rows, bad, models = run_step(args, timer)
         failed |= bad
         paths += write(out, "cuda_step", f"refbert training step on {device}", header,    # (again with the probe)
                        step_md(step_rows), dict(command=command, info=info, rows=step_rows))
     if "mixed" in sections:
         print("== mixed precision step", flush=True)
-        mixed_rows, bad = run_mixed(args, timer)
+        with spent.section("mixed"):
+            mixed_rows, bad = run_mixed(args, timer)
         failed |= bad
         paths += write(out, "cuda_mixed", f"refbert mixed-precision training step on {device}", header,
                        mixed_md(mixed_rows), dict(command=command, info=info, rows=mixed_rows))
     if "optim" in sections:
         print("== optimizer step", flush=True)
-        optim_rows, bad = run_optim(args, timer)
+        with spent.section("optim"):
+            optim_rows, bad = run_optim(args, timer)
         failed |= bad
         paths += write(out, "cuda_optim", f"refbert optimizer step on {device}", header, optim_md(optim_rows),
                        dict(command=command, info=info, rows=optim_rows))
     if "profile" in sections and models is not None:
         print("== profile", flush=True)
-        prof = run_profile(args, models)
+        with spent.section("profile"):
+            prof = run_profile(args, models)
         failed |= any(isinstance(v, str) for v in prof.values())
         paths += write(out, "cuda_profile", f"refbert training step profiled on {device}", header,
                        profile_md(prof), dict(command=command, info=info,
@@ -1804,7 +1870,8 @@ def _main(args):
         # the CUDA context, so it can cost nothing measured before it)
         print("== launch probe", flush=True)
         try:
-            launch_rows = launch_probe(models["probe_step"])
+            with spent.section("launch probe"):
+                launch_rows = launch_probe(models["probe_step"])
         except Exception as e:
             launch_rows, failed = [dict(kernel=f"launch probe failed: {_err(e)}", calls_per_step=0,
                                         host_us=float("nan"))], True
@@ -1813,6 +1880,10 @@ def _main(args):
                        step_md(step_rows) + [""] + launch_md(launch_rows),
                        dict(command=command, info=info, rows=step_rows, launch=launch_rows))
     print(backend.describe(), flush=True)
+    paths += write(out, "cuda_probes", f"refbert CUDA probes on {device}", header,   # (again, with the run's time)
+                   probes_md(bw, launch) + [""] + spent.md(),
+                   dict(command=command, info=info, copy_bandwidth=bw, launch_us=launch, sections=spent.rows))
+    print(spent.line(), flush=True)
     for p in dict.fromkeys(paths):
         print(f"wrote {p}")
     return 1 if failed else 0

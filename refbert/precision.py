@@ -722,6 +722,9 @@ def main(args=None):
     if getattr(args, "report", None):
         what = size if getattr(args, "op_study", True) else f"the mixed-precision step, {step['size'] if step else '-'}"
         write_text(args.report, f"# refbert check --precision ({what})\n\n```\n" + "\n".join(lines) + "\n```\n")
+    if device is not None:             # what this run spent compiling kernels (gpu_all.sh's summary quotes it)
+        from refbert_kernels.cuda import compile_time
+        print(f"\ncompile time of this check: {compile_time.summary()}")
     return status
 
 

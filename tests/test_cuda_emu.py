@@ -720,6 +720,16 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                                           "refbert per-array code"], optim
     assert "bit for bit: yes" in optim[0]["note"] and "multi-tensor kernels" in optim[1]["note"], optim
     assert optim[2]["note"].endswith("(REFBERT_FUSED_OPTIM=0)") and all(r["ms"] > 0 for r in optim[1:]), optim
+    # where the run's time went (Spent), rewritten into cuda_probes at the end: every section that ran, in order,
+    # and the CUDA C modules the step made (on the emulator: its CPU libraries, built or loaded) counted in the
+    # section that made them; the one-line summary last but for the "wrote" lines
+    sections = json.loads((tmp_path / "cuda_probes.json").read_text())["sections"]
+    assert [r["section"] for r in sections] == ["setup", "probes", "step", "mixed", "optim", "launch probe"], sections
+    assert all(r["s"] >= 0 for r in sections) and sum(r["cuda_c_files"] for r in sections) > 0, sections
+    assert next(r for r in sections if r["section"] == "step")["cuda_c_files"] > 0, sections
+    summary = [line for line in out.splitlines() if not line.startswith("wrote ")][-1]
+    assert summary.startswith("bench sections: setup ") and ", launch probe " in summary, summary
+    assert "Where this run's wall time went" in (tmp_path / "cuda_probes.md").read_text()
     assert "wrote" in out
 
 

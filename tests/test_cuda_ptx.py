@@ -71,6 +71,10 @@ def test_every_cuda_kernel_compiles_for_sm90(compiled):
     assert len(dtypes) >= 20 and all(d == {"float64", "float32", "float16", "bfloat16"} for d in dtypes.values()), \
         dtypes
     assert ok >= 100 and len(ptx) == ok, f"{ok} kernel signatures compiled, {len(ptx)} PTX files"
+    # what the workers spent compiling (kernels/cuda/compile_time.py): every signature compiled at least once in
+    # some worker, each compile an outermost hold of Numba's compiler lock, so at least as many holds as signatures
+    spent = re.search(r"Numba compiling in every process: ([\d.]+) s, (\d+) compiler-lock holds", out)
+    assert spent and float(spent.group(1)) > 0 and int(spent.group(2)) >= ok, out[-2000:]
 
 
 @NEEDS

@@ -35,7 +35,10 @@ from numba.core import config
 
 from refbert import validate as V
 
+from . import compile_time
+
 SIM = bool(config.ENABLE_CUDASIM)
+compile_time.watch_numba()             # (how long this process compiles Numba kernels: the bench and check report it)
 
 try:                                   # bfloat16 storage dtype (pip install ml_dtypes); absent: no bf16 kind
     from ml_dtypes import bfloat16 as BF16

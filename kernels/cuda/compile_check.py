@@ -153,13 +153,19 @@ def _named(compiled, failures, host_errors):
             {repr(k): m for k, m in host_errors.items()})
 
 
+SPENT = []          # compile_time.since() of each job run_parallel's workers ran: what they spent compiling
+
+
 def _job(job):
     """One (spec, storage dtype), every version, in a worker process: (progress lines, {name: PTX} of what
     compiled, {name: message} of what did not, {run: message} of host-code stops). Split by dtype, not version:
     the versions of one file share device functions, which a process compiles once per signature."""
+    from refbert_kernels.cuda import compile_time
     cc, shapes, name, dtype = job
-    lines = []
-    return (lines, *_named(*run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines)))
+    lines, snap = [], compile_time.snapshot()
+    got = _named(*run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines))
+    SPENT.append(compile_time.since(snap))             # (this worker's; the parent gathers them from the result)
+    return (lines, *got, SPENT.pop())
 
 
 def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
@@ -175,7 +181,8 @@ def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
     # spawn: no forked Numba or driver state; a worker that dies breaks the pool (an error, never a wait)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
         for fut in as_completed([ex.submit(_job, job) for job in todo]):
-            ls, p, f, h = fut.result()
+            ls, p, f, h, spent = fut.result()
+            SPENT.append(spent)
             lines += ls
             ptx.update(p)
             failures.update(f)
@@ -200,10 +207,13 @@ def main(argv=None):
                                       "index.txt: file name, then the signature)")
     a = ap.parse_args(argv)
     cc = tuple(int(p) for p in a.cc.split("."))
+    from refbert_kernels.cuda import compile_time
+    SPENT.clear()
     if a.jobs > 1:
         ptx, failures, host_errors = run_parallel(cc, a.shapes, jobs=a.jobs)
     else:
         ptx, failures, host_errors = _named(*run(cc, a.shapes))
+        SPENT.append(compile_time.snapshot())
     for name, msg in failures.items():
         print(f"FAILED {name}:\n    {msg.splitlines()[0] if msg else ''}")
         for line in msg.splitlines()[1:12]:
@@ -219,6 +229,8 @@ def main(argv=None):
                 index.write(f"{i:04d}.ptx {name}\n")
     print(f"{len(ptx)} kernel signatures compiled for sm_{cc[0]}{cc[1]}, {len(failures)} failed, "
           f"{len(host_errors)} spec/version/dtype/shape runs stopped in host code")
+    print(f"Numba compiling in every process: {sum(d['numba_s'] for d in SPENT):.1f} s, "     # (compile_time)
+          f"{sum(d['numba_n'] for d in SPENT)} compiler-lock holds")
     return 1 if failures or host_errors else 0
 
 

@@ -71,6 +71,7 @@ from refbert import ops
 from refbert import validate as V
 
 from . import _common as C
+from . import compile_time
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention_forward.cu", "attention_backward.cu", "attention_f32.cu", "softmax.cu", "layernorm.cu", "gelu.cu",
@@ -111,13 +112,17 @@ def compile_lock(name):
 def _module(name, xp):
     code = (CSRC / name).read_text()
     options = ("-std=c++17", "-DNO_MAIN", f"-I{CSRC}")
+    t0 = compile_time.clock()
     if getattr(xp, "EMULATED", False):                  # (the emulator builds its library when the module is made)
+        t1 = t0
         mod = xp.RawModule(code=code, options=options)
     else:
         with compile_lock(name):                        # CuPy compiles lazily: here, under the lock, instead
+            t1 = compile_time.clock()
             mod = xp.RawModule(code=code, options=options)
             if hasattr(mod, "compile"):                 # (CuPy >= 9; an older one compiles at first use, unlocked)
                 mod.compile()
+    compile_time.note_cuda_c(name, t1 - t0, compile_time.clock() - t1)
     MODULES[(name, xp)] = mod
     return mod
 
