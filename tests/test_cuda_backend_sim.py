@@ -612,3 +612,24 @@ def test_bench_cuda_skips_cleanly_without_gpu(capsys):
     assert "SKIPPED" in capsys.readouterr().out
     ns = types.SimpleNamespace(device="cuda")          # a Namespace from refbert's CLI without this module's flags
     assert BC.main(ns) == 2
+
+
+def test_bench_cuda_skips_the_materialising_attention_versions_at_long_T(monkeypatch):
+    """At T > 1024 the bench does not time attention's versions 1 and 2 (version 2's backward is version 1's, which
+    materialises (B, H, T, T): 371 ms a call at T = 2048 on the H200), and says why in their rows; version 3 is timed
+    there, and at T = 512 all three are (the control)."""
+    from refbert import bench_cuda as BC
+    timed = []
+    monkeypatch.setattr(BC, "_on_gpu", lambda inputs, kwargs, dtype: (inputs, kwargs))
+    monkeypatch.setattr(BC, "cuda_c_versions", lambda op: {})
+    monkeypatch.setattr(BC, "time_pair", lambda timer, f, b, inputs, kwargs: timed.append(f) or (1e-3,) * 4)
+    spec = types.SimpleNamespace(name="attention", versions={v: (f"fwd{v}", f"bwd{v}") for v in (1, 2, 3)}, notes={},
+                                 make_inputs=lambda shape, dtype, seed: ({}, {}), nbytes=None)
+    args = types.SimpleNamespace(no_torch=True)
+    for T, want in ((2048, ["fwd3"]), (512, ["fwd1", "fwd2", "fwd3"])):
+        timed.clear()
+        rows = BC.time_spec(args, None, 1e12, spec, [1, 2, 3], dict(B=8, H=12, hs=64, T=T), np.float32)
+        assert timed == want, (T, timed)
+        skipped = [r for r in rows if r.get("note", "").startswith("skipped: materialises")]
+        assert [r["impl"] for r in skipped] == (["v1", "v2"] if T > 1024 else []), rows
+        assert all("fwd_ms" not in r for r in skipped), skipped
