@@ -271,6 +271,12 @@ LATER_VERSIONS = {
     "gelu v2 rows in order": ("gelu.cu", "        for (int u = 0; u < 4; u++)\n            bias_gelu_step2",
                               "        for (int u = 3; u >= 0; u--)\n            bias_gelu_step2",
                               "backward v2 (rk -1, 0, 1; x kept in 16 bits or not): WRONG"),
+    # gelu.cu's forward version 3 carries each group's column (e % I, for the bias) from stride to stride by adding
+    # the stride's remainder and wrapping past I: without the wrap, a thread's later groups read the bias past its
+    # end ((130, 12) on one block of 32 threads: 13 groups a thread)
+    "gelu v3 wraps the column": ("gelu.cu", "        j += jstep;\n        if (j >= I) j -= I;\n",
+                                 "        j += jstep;\n",
+                                 "forward v3: WRONG (rk -1, 0, 1; bias or none;"),
     # attention_f32.cu's backward version 7 runs version 6 over groups of key tiles and carries dq's running sum from
     # group to group in dq itself: each group starting afresh (groups of 1 and 2 key tiles at T = 70 and 136)
     "f32 attention v7 carries dq": ("attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",

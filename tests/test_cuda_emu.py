@@ -350,10 +350,31 @@ def test_emu_every_cuda_c_version_matches_oracle():
                 assert np.all(np.abs(t4.astype(np.float64) - t2) <= 2 * 37 * 2.0 ** -24 * mag), op  # (R-1) u sum|t|)
         K.LN6_BLOCKS = 256
         print("layernorm C4 dx = C2 bit for bit, dw db within rounding")
+        # gelu C2 / bias_gelu C3 (gelu.cu v3's forward: a grid of at most 8 blocks of 256 here, the emulator's one
+        # SM, striding over the float4 groups) = C1 bit for bit: 2600 groups on 2048 threads (a thread's second
+        # group's column wraps past I = 260), and 41 rows of I = 30 (not float4 groups, with the bias or without:
+        # version 1's kernel)
+        rg = np.random.default_rng(11)
+        for R, I in ((40, 260), (41, 30)):
+            x = E.cupy.asarray((4 * rg.standard_normal((R, I))).astype(np.float32))
+            bias = E.cupy.asarray(rg.standard_normal(I).astype(np.float32))
+            for approx in ("none", "tanh"):
+                E.COUNTS.reset()
+                pairs = ((K.gelu_forward_c1(x, approx)[0], K.gelu_forward_c2(x, approx)[0]),
+                         (K.bias_gelu_forward_c1(x, bias, approx)[0], K.bias_gelu_forward_c3(x, bias, approx)[0]))
+                for want, got in pairs:
+                    assert np.array_equal(want.get().view(np.uint32), got.get().view(np.uint32)), (I, approx)
+                name = "erf" if approx == "none" else "tanh"
+                assert (f"gelu_fwd_v3_{name}" in E.COUNTS.launches) == (I % 4 == 0), (I, approx, E.COUNTS.launches)
+        print("gelu C2 / bias_gelu C3 forward = C1 bit for bit")
     """)))
     # every CUDA C version of every op in float32, and attention C1 / C2 in float16 (their tensor-core kernels:
     # cpusim.cuh's mma.sync)
-    assert out.count("OK ") == 27, out
+    assert out.count("OK ") == 29, out
+    assert "gelu C2 / bias_gelu C3 forward = C1 bit for bit" in out, out
+    for op, v in (("gelu", "C2"), ("bias_gelu", "C3")):      # version 3's forward ran (the specs' shapes: I % 4 == 0)
+        line = next(x for x in out.splitlines() if x.startswith(f"OK {op} {v} "))
+        assert "gelu_fwd_v3_erf" in line, line
     # bias_gelu C2: version 2's kernels where I % 4 == 0, version 1's where not (the specs' shapes hold both)
     line = next(x for x in out.splitlines() if x.startswith("OK bias_gelu C2 "))
     assert "bias_gelu_bwd_v2_erf" in line and "bias_gelu_bwd_v2_tanh" in line, line

@@ -256,3 +256,15 @@ def test_packed_dims_and_scalar_kinds_as_cupy_takes_them():
     assert struct.unpack("<qi4xf4xQ", buf) == (-3, 5, 0.5, 2 ** 63)
     with pytest.raises(TypeError, match=r"launch of k: argument 0 .* got float"):
         p._layout((0.5,))
+
+
+def test_gelu_v3_grid_takes_the_blocks_its_launch_bounds_promise():
+    """gelu.cu version 3 strides a grid of at most GELU_FWD3_BLOCKS blocks an SM over its groups, on the promise that
+    they are all resident at once (no block waits for a second wave): its __launch_bounds__(256, N) asks ptxas for N
+    blocks of 256 an SM, so the launcher's constant must be that N (test_cuda_nvcc checks that ptxas kept it, with
+    no spills)."""
+    import re
+    from refbert_kernels.cuda import cuda_c as K
+    text = (K.CSRC / "gelu.cu").read_text()
+    bounds = re.search(r"__launch_bounds__\(256, (\d+)\) gelu_fwd_v3_##NAME", text)
+    assert bounds and int(bounds.group(1)) == K.GELU_FWD3_BLOCKS, bounds

@@ -34,6 +34,9 @@ raised by the same checks before any launch; the same dropout elements).
     bias_gelu                    C2       C1's forward; gelu.cu v2's backward (a thread per    f32
                                           (chunk, 4 columns), 4 rows of loads at a time: C1's
                                           bits)
+    gelu C2, bias_gelu C3        C2 / C3  gelu.cu v3's forward (a grid-stride loop, the next   f32
+                                          groups prefetched into L2 during this one's math:
+                                          C1's bits); C1's backward
     cross_entropy                C1-C3    cross_entropy.cu v1 (kept rows found on the device,  f32
                                           the loss and its count stay there), v2 (rows split
                                           across blocks when few), v3 (v2 in one launch)
@@ -1132,9 +1135,14 @@ def _gelu_name(approximate):
     return "tanh" if approximate == "tanh" else "erf"
 
 
-def _gelu_run(x, b, approximate, rk=-1, o16=None, k16=None):
-    """The forward (gelu.cu v1) and its cache. o16 (rk >= 0): out's twin; k16 (rk >= 0): a uint16 buffer the kernel
-    writes the 16-bit storage of R(x) into (what the backward may read instead of x: the caller caches it)."""
+GELU_FWD3_BLOCKS = 8     # gelu.cu version 3's blocks of 256 an SM: its __launch_bounds__(256, 8), all resident at once
+
+
+def _gelu_run(x, b, approximate, rk=-1, o16=None, k16=None, fwd=1):
+    """The forward (gelu.cu v1, or fwd=3: version 3, a grid of at most GELU_FWD3_BLOCKS blocks an SM striding over
+    the float4 groups with the next loads in flight; version 1's bits, and version 1 where the rows are not float4
+    groups) and its cache. o16 (rk >= 0): out's twin; k16 (rk >= 0): a uint16 buffer the kernel writes the 16-bit
+    storage of R(x) into (what the backward may read instead of x: the caller caches it)."""
     xp = C.xp_of(x)
     I = x.shape[-1] if b is not None else max(x.size, 1)
     x2 = xp.ascontiguousarray(x).reshape(-1, I)
@@ -1144,20 +1152,36 @@ def _gelu_run(x, b, approximate, rk=-1, o16=None, k16=None):
         bb = x2 if b is None else xp.ascontiguousarray(b)
         out2 = out.reshape(x2.shape)
         vec = I % 4 == 0 and _aligned(x2, bb, out2)
-        threads = n // 4 if vec else n
-        kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
-            ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), _i(rk),
-                                                out2, _twin16(o16, out2, xp), _twin16(k16, out2, xp)))
+        twins = (_twin16(o16, out2, xp), _twin16(k16, out2, xp))
+        if fwd == 3 and vec:
+            groups = n // 4
+            grid = min((groups + 255) // 256, GELU_FWD3_BLOCKS * _sm_count(xp))
+            kernel("gelu.cu", f"gelu_fwd_v3_{_gelu_name(approximate)}", xp)(
+                (grid,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(rk), out2, *twins))
+        else:
+            threads = n // 4 if vec else n
+            kernel("gelu.cu", f"gelu_fwd_v1_{_gelu_name(approximate)}", xp)(
+                ((threads + 255) // 256,), (256,), (x2, bb, _i(b is not None), np.int64(n), _i(I), _i(vec), _i(rk),
+                                                    out2, *twins))
     return out, GeluCacheC(x2, b, approximate, x.shape, rk)
 
 
-def gelu_forward_c1(x, approximate="none"):
+def _gelu_forward(version, fwd, x, approximate):
     G = C.sibling("gelu")
     if not _c_ok(x):
-        return _fallback("gelu", "C1", _why(x), G.gelu_forward_v2, x, approximate)
+        return _fallback("gelu", version, _why(x), G.gelu_forward_v2, x, approximate)
     C.floats("gelu", x=x)
     G._check_approximate(approximate)
-    return _gelu_run(x, None, approximate)
+    return _gelu_run(x, None, approximate, fwd=fwd)
+
+
+def gelu_forward_c1(x, approximate="none"):
+    return _gelu_forward("C1", 1, x, approximate)
+
+
+def gelu_forward_c2(x, approximate="none"):
+    """C2: gelu_forward_c1 with gelu.cu version 3's forward (C1's bits); C1's backward."""
+    return _gelu_forward("C2", 3, x, approximate)
 
 
 def gelu_backward_c1(dout, cache):
@@ -1182,15 +1206,24 @@ def gelu_backward_c1(dout, cache):
     return dx
 
 
-def bias_gelu_forward_c1(x, b, approximate="none"):
+def _bias_gelu_forward(version, fwd, x, b, approximate):
     G = C.sibling("gelu")
     if not (_c_ok(x, b) and x.ndim >= 1):
-        return _fallback("bias_gelu", "C1", _why(x, b), G.bias_gelu_forward_v2, x, b, approximate)
+        return _fallback("bias_gelu", version, _why(x, b), G.bias_gelu_forward_v2, x, b, approximate)
     C.floats("bias_gelu", x=x, b=b)
     V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
     V.shape("bias_gelu", "b", C.stub(b), (x.shape[-1],), "(I,)")
     G._check_approximate(approximate)
-    return _gelu_run(x, b, approximate)
+    return _gelu_run(x, b, approximate, fwd=fwd)
+
+
+def bias_gelu_forward_c1(x, b, approximate="none"):
+    return _bias_gelu_forward("C1", 1, x, b, approximate)
+
+
+def bias_gelu_forward_c3(x, b, approximate="none"):
+    """C3: bias_gelu_forward_c1 with gelu.cu version 3's forward (C1's bits); C1's backward."""
+    return _bias_gelu_forward("C3", 3, x, b, approximate)
 
 
 def bias_gelu_backward_c1(dout, cache, o16=None, version=1):

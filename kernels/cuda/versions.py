@@ -59,10 +59,11 @@ OPS = ("softmax", "layernorm", "residual_layernorm", "dropout_residual_layernorm
 # issued during this row's arithmetic) against C1's 0.0426 ms and PyTorch's 0.0356 at (2048, 3072) on the H200; the
 # bench's measured order picks it for the step where it is the faster; cross_entropy's C3 (cross_entropy.cu v3: C2's
 # three launches in one, C2's bits) after C2 likewise, written against C2's 0.0233 ms and PyTorch's 0.0198 at 77
-# rows of 30522 on the H200
+# rows of 30522 on the H200; gelu's C2 and bias_gelu's C3 (gelu.cu v3's forward, C1's bits) after C1 likewise,
+# written 2026-12-07 against C1's forward 0.0195 ms and PyTorch's 0.0168 at (2048, 3072) on the H200
 ORDER = {"softmax": ["C2", "3", "2", "1"], "layernorm": ["C4", "C3", "C2", "C1", "2", "1"],
          "residual_layernorm": ["C4", "C2", "C3", "2", "1"], "dropout_residual_layernorm": ["C4", "C3", "C2", "2", "1"],
-         "dropout": ["C1", "2", "1"], "gelu": ["C1", "2", "1"], "bias_gelu": ["C1", "C2", "2", "1"],
+         "dropout": ["C1", "2", "1"], "gelu": ["C1", "C2", "2", "1"], "bias_gelu": ["C1", "C2", "C3", "2", "1"],
          "attention": ["C6", "C4", "C3", "C2", "C5", "C1", "3", "2", "1"], "cross_entropy": ["C2", "C3", "C1", "2", "1"],
          "column_sum": ["C1", "gemv", "sum"], "embedding": ["C1", "2", "1", "atomic"]}
 MODULE = {"softmax": "softmax", "layernorm": "layernorm", "residual_layernorm": "layernorm",
@@ -250,6 +251,10 @@ def _build():
               "partials, then a fixed-order column sum (gelu.cu v1)"),
              ("bias_gelu", "C2", K.bias_gelu_forward_c1, K.bias_gelu_backward_c2, f32, "C1 with the backward a "
               "thread per (chunk, 4 columns), 4 rows of loads at a time: C1's bits (gelu.cu v2)"),
+             ("gelu", "C2", K.gelu_forward_c2, K.gelu_backward_c1, f32, "C1 with the forward a grid-stride loop, "
+              "the next groups prefetched into L2 during this one's math: C1's bits (gelu.cu v3)"),
+             ("bias_gelu", "C3", K.bias_gelu_forward_c3, K.bias_gelu_backward_c1, f32, "C1 with the forward a "
+              "grid-stride loop, the next groups prefetched into L2 during this one's math: C1's bits (gelu.cu v3)"),
              ("attention", "C1", K.attention_forward, K.attention_backward, f16, "scalar flash forward and backward "
               "(fp16 hs 64: tensor-core forward); attention_*.cu"),
              ("attention", "C2", K.attention_forward_c2, K.attention_backward_c2, ("float16",),

@@ -319,6 +319,14 @@ __device__ __forceinline__ float4 ld_in4(const float* p, const unsigned short* p
     return rnd4(ld4(p + e), rk);
 }
 
+// a hint that p's cache line will be read soon: it is fetched into L2 while the thread goes on (no register holds
+// it; a later load of it finds it there). On CPU threads (CPUSIM) nothing: a hint changes no value.
+#ifdef CPUSIM
+__device__ __forceinline__ void prefetch_l2(const void*) {}
+#else
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+#endif
+
 // what a forward keeps for its backward in 16 bits (k16 non-null, rk >= 0): the bits of R(p[e]) (of four at e)
 __device__ __forceinline__ void keep16(const float* p, unsigned short* k16, size_t e, int rk) {
     if (rk >= 0 && k16) k16[e] = bits16(rnd(p[e], rk), rk);

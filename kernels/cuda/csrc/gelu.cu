@@ -28,6 +28,19 @@ Versions:
      order, the same d = dout gelu'(x + b): version 1's bits (dx, the parts, db), compared by the main and the
      emulator. Needs I % 4 == 0 and aligned pointers (else the launcher runs version 1's kernel: the same bits).
      The forward is version 1's. Not yet timed on a GPU.
+  3  the forward with the next loads in flight during this group's arithmetic. Version 1's thread loads one float4,
+     then ~250 instructions wait on it (62 an element: erfcf's three MUFU and ~40 others keep the left tail's
+     relative accuracy, which PyTorch's 1 + erf gives up), then stores and exits: a wave of blocks loads together
+     and then computes together, so the memory idles while the SMs are busy and the other way round (H200,
+     (2048, 3072): 0.0195 ms against PyTorch's 0.0168; the issue slots alone need ~12 us of it, the bytes ~12 us
+     at the copy rate). Version 3: a grid of at most 8 blocks of 256 an SM (all resident at once: at most 32
+     registers, __launch_bounds__(256, 8)) strides over the n / 4 groups; a thread issues its next group's loads
+     (x, and b's four) before this group's arithmetic, so each warp's loads overlap its own work; the column of a
+     group, e % I, is carried by adding the stride's remainder with one conditional subtract (version 1 divides in
+     64 bits every group). Each element version 1's expression (u = x + b with b = 0 without a bias, as version 1
+     adds it: -0 + 0 is +0), so version 1's bits: out, o16 and k16, compared by the main and the emulator. Needs
+     I % 4 == 0 and aligned pointers (else the launcher runs version 1). Written 2026-12-07 from the SASS, not yet
+     timed on a GPU.
   mixed precision (rk >= 0): every value read and written on the compute grid; the forward may write out's twin
      (o16) and keep x in 16 bits (k16: common.cuh keep16), the backwards read x so (x16: IN16), the same values
 
@@ -84,6 +97,39 @@ __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const floa
         out[t] = o;
         put16(o16, t, o, rk);
         keep16(x, k16, t, rk);
+    }
+}
+
+// version 3's forward: vec only (I % 4 == 0, aligned); a grid-stride loop over the float4 groups, the next group's
+// loads issued before this group's arithmetic; version 1's expression an element
+template <int TANH, int HAS_B>
+__device__ __forceinline__ void gelu_fwd3(const float* __restrict__ x, const float* __restrict__ b, long long n,
+                                          int I, int rk, float* __restrict__ out, unsigned short* __restrict__ o16,
+                                          unsigned short* __restrict__ k16) {
+    const long long groups = n >> 2, stride = (long long)gridDim.x * blockDim.x;
+    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    const int jstep = (int)((4 * stride) % I);                      // (I % 4 == 0: every column a group's first)
+    int j = (int)((4 * g) % I);
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 v = ld4(x + 4 * g);
+    prefetch_l2(x + 4 * (g + stride < groups ? g + stride : g));
+    for (;;) {
+        const long long gn = g + stride, e = 4 * g;
+        // two groups ahead into L2 (wherever ptxas puts the hint in this iteration, a whole iteration passes before
+        // its load; past the last group, this one again: in bounds)
+        prefetch_l2(x + 4 * (gn + stride < groups ? gn + stride : g));
+        const float4 u = rnd4(v, rk), c = HAS_B ? rnd4(ld4(b + j), rk) : zero;   // (b: 12 KB, from L1 / L2)
+        const float4 o = rnd4(make_float4(gelu_f<TANH>(u.x + c.x), gelu_f<TANH>(u.y + c.y),
+                                          gelu_f<TANH>(u.z + c.z), gelu_f<TANH>(u.w + c.w)), rk);
+        st4(out + e, o);
+        put16x4(o16, e, o, rk);
+        if (rk >= 0 && k16) put16x4(k16, e, u, rk);                 // x kept in 16 bits for the backward
+        if (gn >= groups) return;
+        g = gn;
+        j += jstep;
+        if (j >= I) j -= I;
+        v = ld4(x + 4 * g);                                         // (prefetched an iteration ago: from L2)
     }
 }
 
@@ -181,6 +227,13 @@ __device__ __forceinline__ void bias_gelu_bwd2(const float* __restrict__ dout, c
         int rk, float* __restrict__ out, unsigned short* __restrict__ o16, unsigned short* __restrict__ k16) {  \
         RK_DISPATCH(gelu_fwd<TANH>(x, b, has_b, n, I, vec, RKC, out, o16, k16))                                  \
     }                                                                                                           \
+    /* version 3: 8 blocks of 256 an SM, all resident (its launcher's grid: cuda_c.py GELU_FWD3_BLOCKS) */     \
+    extern "C" __global__ void __launch_bounds__(256, 8) gelu_fwd_v3_##NAME(                                     \
+        const float* __restrict__ x, const float* __restrict__ b, int has_b, long long n, int I, int rk,        \
+        float* __restrict__ out, unsigned short* __restrict__ o16, unsigned short* __restrict__ k16) {          \
+        if (has_b) { RK_DISPATCH(gelu_fwd3<TANH, 1>(x, b, n, I, RKC, out, o16, k16)) }                           \
+        else { RK_DISPATCH(gelu_fwd3<TANH, 0>(x, b, n, I, RKC, out, o16, k16)) }                                 \
+    }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) gelu_bwd_v1_##NAME(                                        \
         const float* __restrict__ dout, const float* __restrict__ x, const float* __restrict__ b, int has_b,    \
         long long n, int I, int vec, int rk, float* __restrict__ dx, const unsigned short* __restrict__ x16) {  \
@@ -211,6 +264,16 @@ static double gelu_ref(double u, int tanh_, double* du) {
     const double Phi = 0.5 * erfc(-u / sqrt(2.0));
     *du = Phi + u * exp(-0.5 * u * u) / sqrt(2.0 * M_PI);
     return u * Phi;
+}
+
+static int sm_count() {                     // (version 3's launcher grid: at most 8 blocks an SM)
+#ifdef CPUSIM
+    return 2;
+#else
+    int v = 0;
+    cudaCheck(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, 0));
+    return v;
+#endif
 }
 
 int main() {
@@ -347,7 +410,67 @@ int main() {
                 if (bad) exit(EXIT_FAILURE);
                 cudaFree(k16); cudaFree(t16);
             }
+            auto fwd3 = tanh_ ? gelu_fwd_v3_tanh : gelu_fwd_v3_erf;
+            const long long groups = n / 4;
+            const int grid3 = (int)std::min<long long>((groups + 255) / 256, 8LL * sm_count());
+            if (vec) {      // version 3's forward against version 1's, bit for bit: out, its twin, x kept in 16 bits;
+                // with and without the bias (u = x + 0 as version 1: -0 + 0 is +0), on one block of 32 threads (each
+                // thread many groups, the column wrapping past I), 3 blocks of 256 and the launcher's grid
+                unsigned short *o1, *o3, *k1, *k3;
+                cudaCheck(cudaMalloc(&o1, n * 2)); cudaCheck(cudaMalloc(&o3, n * 2));
+                cudaCheck(cudaMalloc(&k1, n * 2)); cudaCheck(cudaMalloc(&k3, n * 2));
+                std::vector<float> f1(n), f3(n);
+                std::vector<unsigned short> h1(n), h3(n), q1(n), q3(n);
+                size_t bad = 0, differs = 0;
+                const int grids[3][2] = {{1, 32}, {3, 256}, {grid3, 256}};
+                for (int rk = -1; rk < 2; rk++)
+                    for (int has_b = 0; has_b < 2; has_b++)
+                        for (auto& gb : grids) {
+                            unsigned short* t1 = rk >= 0 ? o1 : nullptr;
+                            unsigned short* t3 = rk >= 0 ? o3 : nullptr;
+                            LAUNCH(fwd, grid, 256, dx_, db_, has_b, n, I, vec, rk, dout_, t1, rk >= 0 ? k1 : nullptr);
+                            cudaCheck(cudaDeviceSynchronize());
+                            cudaCheck(cudaMemcpy(f1.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
+                            cudaCheck(cudaMemset(dout_, 0xFF, n * 4));
+                            LAUNCH(fwd3, gb[0], gb[1], dx_, db_, has_b, n, I, rk, dout_, t3, rk >= 0 ? k3 : nullptr);
+                            cudaCheck(cudaDeviceSynchronize());
+                            cudaCheck(cudaMemcpy(f3.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
+                            if (rk >= 0) {
+                                cudaCheck(cudaMemcpy(h1.data(), o1, n * 2, cudaMemcpyDeviceToHost));
+                                cudaCheck(cudaMemcpy(h3.data(), o3, n * 2, cudaMemcpyDeviceToHost));
+                                cudaCheck(cudaMemcpy(q1.data(), k1, n * 2, cudaMemcpyDeviceToHost));
+                                cudaCheck(cudaMemcpy(q3.data(), k3, n * 2, cudaMemcpyDeviceToHost));
+                            }
+                            for (long long e = 0; e < n; e++)
+                                bad += (BITS_F(f1[e]) != BITS_F(f3[e])) +
+                                       (rk >= 0 && (h1[e] != h3[e] || q1[e] != q3[e]));
+                        }
+                // the negative control: version 3 with the bias against version 1 without it differs (so the
+                // comparison above can see a wrong column)
+                LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr,
+                       (unsigned short*)nullptr);
+                cudaCheck(cudaDeviceSynchronize());
+                cudaCheck(cudaMemcpy(f1.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
+                LAUNCH(fwd3, 1, 32, dx_, db_, 1, n, I, -1, dout_, (unsigned short*)nullptr, (unsigned short*)nullptr);
+                cudaCheck(cudaDeviceSynchronize());
+                cudaCheck(cudaMemcpy(f3.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
+                for (long long e = 0; e < n; e++) differs += BITS_F(f1[e]) != BITS_F(f3[e]);
+                printf("  forward v3: %s (rk -1, 0, 1; bias or none; grids 1 x 32, 3 x 256, %d x 256); control "
+                       "(v3 with the bias against v1 without) %s\n",
+                       bad ? "WRONG" : "version 1's bits (out, twin, x kept)", grid3,
+                       differs ? "differs" : "DOES NOT DIFFER");
+                if (bad || !differs) exit(EXIT_FAILURE);
+                cudaFree(o1); cudaFree(o3); cudaFree(k1); cudaFree(k3);
+            }
             if (n >= (1 << 20)) {
+                float ms_f3 = benchmark_kernel(20, [&]() {
+                    LAUNCH(fwd3, grid3, 256, dx_, db_, 0, n, I, -1, dout_, (unsigned short*)nullptr,
+                           (unsigned short*)nullptr); });
+                float ms_f1 = benchmark_kernel(20, [&]() {
+                    LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr,
+                           (unsigned short*)nullptr); });
+                printf("  forward without a bias: v1 %.4f ms %.0f GB/s | v3 %.4f ms %.0f GB/s\n", ms_f1,
+                       2.0 * n * 4 / ms_f1 / 1e6, ms_f3, 2.0 * n * 4 / ms_f3 / 1e6);
                 float ms_f = benchmark_kernel(20, [&]() {
                     LAUNCH(fwd, grid, 256, dx_, db_, 1, n, I, vec, -1, dout_, (unsigned short*)nullptr, (unsigned short*)nullptr); });
                 float ms_b = benchmark_kernel(20, [&]() {
