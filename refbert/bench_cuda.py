@@ -45,7 +45,8 @@ step     one BertForPreTraining training step (forward + backward; train mode, d
          and with the attention as S3's and S4's flash kernels (REFBERT_MIXED_ATTENTION's choices) instead of S2,
          and with the residual layernorms' forward as layernorm.cu's version 2 (REFBERT_MIXED_LN=2) instead of 3,
          and with the layernorms' backward as version 6's one pass (REFBERT_MIXED_LN_BWD=6) instead of 2's kernels,
-         and with the bias + GELU backward as gelu.cu's version 2 (REFBERT_MIXED_GELU_BWD=2) instead of 1.
+         and with the bias + GELU backward as gelu.cu's version 2 (REFBERT_MIXED_GELU_BWD=2) instead of 1, and
+         with the GELUs' forward as gelu.cu's version 3 (REFBERT_MIXED_GELU_FWD=3) instead of 1.
 optim    the optimizer's step on the model's parameters (base: 110M in ~200 tensors, float32): clip_grad_norm to 1
          and AdamW.step, as pretrain runs them, by refbert's multi-tensor kernels (csrc/optim.cu, through
          refbert.optim) and by its per-array code (REFBERT_FUSED_OPTIM=0: the spec's ~15 launches a tensor) on the
@@ -1248,6 +1249,9 @@ def run_mixed(args, timer):
                                            hf_ms)
                 rows.append(row)
                 failed |= "ms" not in row or not row["bias_gelu_bwd_v2_ran"]
+                row = gelu_fwd_v3_row(timer, args, ours, dict(x, mlm_decode="all"), base, precision, floor, hf_ms)
+                rows.append(row)
+                failed |= "ms" not in row or not row["gelu_fwd_v3_ran"]
         cp.get_default_memory_pool().free_all_blocks()
     ours.precision = "fp32"
     return rows, failed
@@ -1312,6 +1316,13 @@ def bias_gelu_bwd_v2_row(timer, args, ours, x, base, precision, floor, peer_ms):
     return _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_GELU_BWD", "2",
                         "bias_gelu backward v2", "bias_gelu_bwd_v2_ran", "bias_gelu_bwd_",
                         lambda n: n.startswith("bias_gelu_bwd_v2_"))
+
+
+def gelu_fwd_v3_row(timer, args, ours, x, base, precision, floor, peer_ms):
+    """The GELUs' forward as gelu.cu's version 3 (a grid-stride loop, the next groups prefetched into L2:
+    REFBERT_MIXED_GELU_FWD=3) in place of the default version 1 (the same bits): _variant_row."""
+    return _variant_row(timer, args, ours, x, base, precision, floor, peer_ms, "REFBERT_MIXED_GELU_FWD", "3",
+                        "GELU forward v3", "gelu_fwd_v3_ran", "gelu_fwd_", lambda n: n.startswith("gelu_fwd_v3_"))
 
 
 def attention_row(timer, args, ours, x, base, precision, attention, floor, peer_ms):

@@ -700,7 +700,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
                                                                               ", attention S4 + CUDA graph",
                                                                               ", layernorm forward v2 + CUDA graph",
                                                                               ", layernorm backward v6 + CUDA graph",
-                                                                              ", bias_gelu backward v2 + CUDA graph")
+                                                                              ", bias_gelu backward v2 + CUDA graph",
+                                                                              ", GELU forward v3 + CUDA graph")
                                                                              if p == "bf16" else ())], mixed
     # (the layernorm A/B row ran version 2's forwards alone: the default, version 3, did not run in it)
     ab = next(r for r in mixed if r["impl"].endswith("layernorm forward v2 + CUDA graph"))
@@ -710,6 +711,8 @@ def test_emu_bench_step_section_runs_end_to_end(tmp_path):
     assert "_v2_" not in ab["note"], ab
     ab = next(r for r in mixed if r["impl"].endswith("bias_gelu backward v2 + CUDA graph"))  # (v2's, not v1's)
     assert ab["bias_gelu_bwd_v2_ran"] and "bias_gelu_bwd_v2_erf" in ab["note"] and "_v1_" not in ab["note"], ab
+    ab = next(r for r in mixed if r["impl"].endswith("GELU forward v3 + CUDA graph"))          # (v3's, not v1's)
+    assert ab["gelu_fwd_v3_ran"] and "gelu_fwd_v3_erf" in ab["note"] and "_v1_" not in ab["note"], ab
     # (the A/B rows' attention ran as asked: the tiny config's head size is 64, as base's)
     assert all(r["note"].startswith(f"attention {a} ran;") for r in mixed for a in ("S3", "S4")
                if r["impl"].endswith(f"attention {a} + CUDA graph")), mixed

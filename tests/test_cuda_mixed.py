@@ -821,6 +821,68 @@ def test_mixed_bias_gelu_backward_version_2_is_version_1s_bits():
     assert "ERR bias_gelu: REFBERT_MIXED_GELU_BWD expected one of 1, 2, got '3'" in out, out
 
 
+def test_mixed_gelu_forward_version_3_is_version_1s_bits():
+    """The mixed GELUs' forward runs gelu.cu's version 1 by default and version 3 (a grid-stride loop, the next groups
+    prefetched into L2) under REFBERT_MIXED_GELU_FWD=3: out, its twin (bias + GELU's) and the 16-bit x the forward
+    keeps for the backward the same bits either way, in bf16 and fp16, erf and tanh, twins on and off; 389 rows of
+    I = 16 (float4 groups: 1556 of them, more than the emulator's grid of 8 blocks of 256 threads, so a thread's
+    second group wraps its column) and of I = 6 (not float4 groups: version 1's kernel runs). What ran is asserted;
+    an unknown value is an error naming the variable."""
+    out = _child("""
+        import os
+        import numpy as np
+        from refbert import ops
+        from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
+        r = np.random.default_rng(10)
+        for I in (16, 6):
+            for compute in ("bfloat16", "float16"):
+                R_ = lambda t: ops.round_compute(np.asarray(t, np.float32), compute)
+                x = B.to_device(R_(2 * r.standard_normal((389, I))))
+                b = B.to_device(r.standard_normal(I).astype(np.float32))
+                for twins in ("0", "1"):
+                    os.environ["REFBERT_MIXED_TWINS"] = twins
+                    for approximate in ("none", "tanh"):
+                        for op in ("gelu", "bias_gelu"):
+                            got = {}
+                            for v in ("1", "3"):
+                                M.MIXED_GELU_FWD = v
+                                E.COUNTS.reset()
+                                if op == "gelu":
+                                    o, c = M.gelu_forward_mixed(x, approximate, compute)
+                                else:
+                                    o, c = M.bias_gelu_forward_mixed(x, b, approximate, compute)
+                                names = sorted(n for n in E.COUNTS.launches if n.startswith("gelu_fwd_"))
+                                tw = M.twin_of(o, compute)
+                                kept = c.cache.x2 if c.cache.x2.dtype == np.uint16 else None
+                                got[v] = [t.get().view(np.uint8) for t in (o, tw, kept) if t is not None]
+                                print(I, compute, twins, approximate, op, v, "ran", names, "parts", len(got[v]))
+                            print(I, compute, twins, approximate, op, "same bits:",
+                                  len(got["1"]) == len(got["3"]) and all(np.array_equal(p, q)
+                                                                         for p, q in zip(got["1"], got["3"])))
+        M.MIXED_GELU_FWD = "2"
+        try:
+            M.gelu_forward_mixed(x, "none", "bfloat16")
+            print("UNKNOWN RAN")
+        except ValueError as e:
+            print("ERR", e)
+        M.MIXED_GELU_FWD = "1"
+    """, "emu")
+    for I in (16, 6):
+        for compute in ("bfloat16", "float16"):
+            for twins in ("0", "1"):
+                for approximate in ("none", "tanh"):
+                    name = "erf" if approximate == "none" else "tanh"
+                    for op in ("gelu", "bias_gelu"):
+                        head = f"{I} {compute} {twins} {approximate} {op}"
+                        v3 = 3 if (I * (389 if op == "gelu" else 1)) % 4 == 0 else 1   # (gelu: x flat, n = 389 I)
+                        # out, and with twins on the 16-bit x kept (and bias + GELU's output twin)
+                        parts = 1 + (twins == "1") * (2 if op == "bias_gelu" else 1)
+                        assert f"{head} 1 ran ['gelu_fwd_v1_{name}'] parts {parts}" in out, (head, out)
+                        assert f"{head} 3 ran ['gelu_fwd_v{v3}_{name}'] parts {parts}" in out, (head, out)
+                        assert f"{head} same bits: True" in out, (head, out)
+    assert "ERR gelu: REFBERT_MIXED_GELU_FWD expected one of 1, 3, got '2'" in out, out
+
+
 _TWINS = """
     import os
     import numpy as np

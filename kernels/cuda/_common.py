@@ -450,7 +450,7 @@ def column_sum_kernel(kind_in, kind_out):
 VARIANT_DEFAULTS = {"REFBERT_ATTN_BWD16": "6", "REFBERT_ATTN_FWD16": "5", "REFBERT_LN_DWDB": "3",
                     "REFBERT_F32_BWD": "6",
                     "REFBERT_MIXED_ATTENTION": "S2", "REFBERT_MIXED_LN": "3", "REFBERT_MIXED_LN_BWD": "2",
-                    "REFBERT_MIXED_GELU_BWD": "1"}
+                    "REFBERT_MIXED_GELU_BWD": "1", "REFBERT_MIXED_GELU_FWD": "1"}
 
 
 def variant_env(var):

@@ -980,6 +980,17 @@ def embedding_backward_mixed(dout, cache):
     return _rule("embedding_backward", compute)(dout, inner)
 
 
+# which gelu.cu forward the mixed GELUs run: version 1 unless REFBERT_MIXED_GELU_FWD=3 (a grid-stride loop of 8
+# resident blocks an SM, the next groups prefetched into L2 during this one's arithmetic: version 1's bits, the twin
+# and the 16-bit x included; the float32 gelu C2's / bias_gelu C3's kernel). Written 2026-12-07 from the SASS, not
+# yet timed on a GPU: the bench's mixed A/B row "GELU forward v3" times it
+MIXED_GELU_FWD = C.variant_env("REFBERT_MIXED_GELU_FWD")
+
+
+def _gelu_fwd(op):
+    return int(C.variant(op, "REFBERT_MIXED_GELU_FWD", MIXED_GELU_FWD, ("1", "3")))
+
+
 def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
     if not _k1_ok(x):
         out, cache = _rule("gelu_forward", compute)(x, approximate)
@@ -987,7 +998,7 @@ def gelu_forward_mixed(x, approximate="none", compute="bfloat16"):
     C.floats("gelu", x=x)
     _check_approximate(approximate)
     kx, wx = _kept16(x, compute)
-    out, cache = _gelu_run(x, None, approximate, _k1("gelu", compute), k16=wx)
+    out, cache = _gelu_run(x, None, approximate, _k1("gelu", compute), k16=wx, fwd=_gelu_fwd("gelu"))
     return mark(out, compute), Fused("K1", _keep_gelu(cache, kx), compute)
 
 
@@ -1001,7 +1012,7 @@ def bias_gelu_forward_mixed(x, b, approximate="none", compute="bfloat16"):
     _check_approximate(approximate)
     o16 = _new16(x, compute)
     kx, wx = _kept16(x, compute)
-    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute), o16=o16, k16=wx)
+    out, cache = _gelu_run(x, b, approximate, _k1("bias_gelu", compute), o16=o16, k16=wx, fwd=_gelu_fwd("bias_gelu"))
     return twin(mark(out, compute), o16, compute), Fused("K1", _keep_gelu(cache, kx), compute)
 
 

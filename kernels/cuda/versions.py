@@ -495,7 +495,8 @@ VARIANTS = tuple((mod, attr, C.VARIANT_DEFAULTS[var], var, what) for mod, attr, 
     ("mixed", "ATTENTION", "REFBERT_MIXED_ATTENTION", "the mixed path's attention"),
     ("mixed", "MIXED_LN", "REFBERT_MIXED_LN", "the mixed residual layernorms' forward"),
     ("mixed", "MIXED_LN_BWD", "REFBERT_MIXED_LN_BWD", "the mixed layernorms' backward"),
-    ("mixed", "MIXED_GELU_BWD", "REFBERT_MIXED_GELU_BWD", "the mixed bias + GELU backward")))
+    ("mixed", "MIXED_GELU_BWD", "REFBERT_MIXED_GELU_BWD", "the mixed bias + GELU backward"),
+    ("mixed", "MIXED_GELU_FWD", "REFBERT_MIXED_GELU_FWD", "the mixed GELUs' forward")))
 
 
 @contextlib.contextmanager
