@@ -324,7 +324,9 @@ __device__ __forceinline__ float4 ld_in4(const float* p, const unsigned short* p
 #ifdef CPUSIM
 __device__ __forceinline__ void prefetch_l2(const void*) {}
 #else
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(p)));     // (a global address)
+}
 #endif
 
 // what a forward keeps for its backward in 16 bits (k16 non-null, rk >= 0): the bits of R(p[e]) (of four at e)
