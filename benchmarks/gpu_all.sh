@@ -57,7 +57,8 @@
 # one still runs; the exit status is the number of failed steps. Beside each step's line, summary.txt quotes where
 # the time went (issue 13's 6 minutes, "the numba compile included"; kernels/cuda/compile_time.py): warm's total,
 # check's and study's compile time (Numba's kernels, the CUDA C modules and the waits for their locks) and the
-# bench's sections ("bench sections: ...", each with its compiling in cuda_probes.md, which report.tgz holds).
+# bench's sections ("bench sections: ...", each with its compiling in cuda_probes.md, which report.tgz holds; a
+# bench cut off before that line: the lines of the sections it finished).
 # What comes back is at most 8 files in $OUT:
 # summary.txt, report.tgz (every log and result file), and, for reading without unpacking, cuda_step.md,
 # cuda_mixed.md, cuda_profile.md, cuda_kernels.md, cuda_order.json and mains.txt.
@@ -323,7 +324,11 @@ quote study "^compile time of this check:"
 if wants bench; then
     # shellcheck disable=SC2086
     step bench "$T_BENCH" "$PY" -m refbert.bench_cuda --out "$R/bench" $BENCH_ARGS
-    quote bench "^bench sections:"
+    if grep -q "^bench sections:" "$R/bench.log" 2>/dev/null; then
+        quote bench "^bench sections:"
+    else            # (cut off or failed before its last line: the sections it finished, as they were printed)
+        quote bench "^== .*: [0-9.]+ s \(compiling"
+    fi
 fi
 
 if wants ncu && [ -z "${DRY:-}" ]; then   # where the flash kernels' time goes: Nsight Compute's counters, one call each

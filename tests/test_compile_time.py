@@ -57,25 +57,39 @@ def test_a_real_numba_compile_is_counted_once_with_its_device_function():
 
 @NEEDS_NUMBA_CUDA
 def test_lock_holds_are_timed_from_the_outermost_acquire_to_its_release():
-    """Synthetic numba-cuda:compiler_lock events with a clock that counts its calls: a nested acquire inside a hold
-    counts as one hold, timed from the outer acquire to the outer release; a second hold adds its own span."""
+    """Synthetic numba-cuda:compiler_lock events, the clock set by hand between them: a nested acquire inside a hold
+    counts as one hold, timed from the outer acquire (clock 0) to the outer release (10), not from the inner one (5);
+    two threads whose holds overlap (one's start announced before the other's release, as where the event fires
+    before the lock is taken) are two holds, each timed from its own start: 25 - 20 and 30 - 22."""
     code = """
+        from concurrent.futures import ThreadPoolExecutor
         import refbert_kernels.cuda._common
         from refbert_kernels.cuda import compile_time as CT
         from numba.cuda.core import event as ev
-        ticks = iter(range(0, 1000, 10))                  # 0, 10, 20, ...: each clock() call 10 s later
-        CT.clock = lambda: float(next(ticks))
+        now = [0.0]
+        CT.clock = lambda: now[0]
         K = "numba-cuda:compiler_lock"
-        ev.start_event(K)        # clock 0
-        ev.start_event(K)        # nested: no clock read
-        ev.end_event(K)
-        ev.end_event(K)          # clock 10: a hold of 10 s
-        ev.start_event(K)        # clock 20
-        ev.end_event(K)          # clock 30: 10 s more
-        print("GOT", CT.NUMBA["n"], CT.NUMBA["s"])
+
+        def at(t, what, pool=None):
+            now[0] = t
+            fn = ev.start_event if what == "start" else ev.end_event
+            if pool is None:
+                fn(K)
+            else:
+                pool.submit(fn, K).result()              # (on that pool's one thread)
+        for t, what in ((0, "start"), (5, "start"), (7, "end"), (10, "end")):
+            at(t, what)
+        print("NESTED", CT.NUMBA["n"], CT.NUMBA["s"])
+        with ThreadPoolExecutor(1) as a, ThreadPoolExecutor(1) as b:
+            at(20, "start", a)
+            at(22, "start", b)
+            at(25, "end", a)
+            at(30, "end", b)
+        print("THREADS", CT.NUMBA["n"], CT.NUMBA["s"])
     """
     out = cudachild.check(cudachild.run(code, sim=True, timeout=120))
-    assert "GOT 2 20.0" in out, out
+    assert "NESTED 1 10.0" in out, out
+    assert "THREADS 3 23.0" in out, out
 
 
 def test_cuda_c_module_time_is_split_into_waiting_and_compiling(monkeypatch):

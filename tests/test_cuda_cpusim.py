@@ -277,6 +277,10 @@ LATER_VERSIONS = {
     "gelu v3 wraps the column": ("gelu.cu", "        j += jstep;\n        if (j >= I) j -= I;\n",
                                  "        j += jstep;\n",
                                  "forward v3: WRONG (rk -1, 0, 1; bias or none;"),
+    # ... and forms u = x + 0 without a bias as version 1 does (-0 + 0 is +0, so gelu(-0) is +0): x's -0s without it
+    "gelu v3 adds the zero bias": ("gelu.cu", "gelu_f<TANH>(u.x + c.x), gelu_f<TANH>(u.y + c.y),",
+                                   "gelu_f<TANH>(HAS_B ? u.x + c.x : u.x), gelu_f<TANH>(u.y + c.y),",
+                                   "forward v3: WRONG (rk -1, 0, 1; bias or none;"),
     # attention_f32.cu's backward version 7 runs version 6 over groups of key tiles and carries dq's running sum from
     # group to group in dq itself: each group starting afresh (groups of 1 and 2 key tiles at T = 70 and 136)
     "f32 attention v7 carries dq": ("attention_f32.cu", "float4 s = first ? ld4(p) : ld4(dq + 4 * g);",

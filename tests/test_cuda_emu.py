@@ -353,10 +353,12 @@ def test_emu_every_cuda_c_version_matches_oracle():
         # gelu C2 / bias_gelu C3 (gelu.cu v3's forward: a grid of at most 8 blocks of 256 here, the emulator's one
         # SM, striding over the float4 groups) = C1 bit for bit: 2600 groups on 2048 threads (a thread's second
         # group's column wraps past I = 260), and 41 rows of I = 30 (not float4 groups, with the bias or without:
-        # version 1's kernel)
+        # version 1's kernel); x holds -0s (without a bias both form u = x + 0: +0)
         rg = np.random.default_rng(11)
         for R, I in ((40, 260), (41, 30)):
-            x = E.cupy.asarray((4 * rg.standard_normal((R, I))).astype(np.float32))
+            xh = (4 * rg.standard_normal((R, I))).astype(np.float32)
+            xh.reshape(-1)[3::7] = -0.0
+            x = E.cupy.asarray(xh)
             bias = E.cupy.asarray(rg.standard_normal(I).astype(np.float32))
             for approx in ("none", "tanh"):
                 E.COUNTS.reset()

@@ -825,19 +825,21 @@ def test_mixed_gelu_forward_version_3_is_version_1s_bits():
     """The mixed GELUs' forward runs gelu.cu's version 1 by default and version 3 (a grid-stride loop, the next groups
     prefetched into L2) under REFBERT_MIXED_GELU_FWD=3: out, its twin (bias + GELU's) and the 16-bit x the forward
     keeps for the backward the same bits either way, in bf16 and fp16, erf and tanh, twins on and off; 389 rows of
-    I = 16 (float4 groups: 1556 of them, more than the emulator's grid of 8 blocks of 256 threads, so a thread's
-    second group wraps its column) and of I = 6 (not float4 groups: version 1's kernel runs). What ran is asserted;
-    an unknown value is an error naming the variable."""
+    I = 32 (float4 groups: 3112 of them, more than the emulator's grid of 8 blocks of 256 threads, so a thread's
+    second group wraps its column) and of I = 6 (not float4 groups: version 1's kernel runs), x with -0s (without a
+    bias both form u = x + 0: +0). What ran is asserted; an unknown value is an error naming the variable."""
     out = _child("""
         import os
         import numpy as np
         from refbert import ops
         from refbert_kernels.cuda import backend as B, mixed as M, emulate as E
         r = np.random.default_rng(10)
-        for I in (16, 6):
+        for I in (32, 6):
             for compute in ("bfloat16", "float16"):
                 R_ = lambda t: ops.round_compute(np.asarray(t, np.float32), compute)
-                x = B.to_device(R_(2 * r.standard_normal((389, I))))
+                xh = R_(2 * r.standard_normal((389, I)))
+                xh.reshape(-1)[3::7] = -0.0
+                x = B.to_device(xh)
                 b = B.to_device(r.standard_normal(I).astype(np.float32))
                 for twins in ("0", "1"):
                     os.environ["REFBERT_MIXED_TWINS"] = twins
@@ -867,7 +869,7 @@ def test_mixed_gelu_forward_version_3_is_version_1s_bits():
             print("ERR", e)
         M.MIXED_GELU_FWD = "1"
     """, "emu")
-    for I in (16, 6):
+    for I in (32, 6):
         for compute in ("bfloat16", "float16"):
             for twins in ("0", "1"):
                 for approximate in ("none", "tanh"):

@@ -164,8 +164,7 @@ def _job(job):
     cc, shapes, name, dtype = job
     lines, snap = [], compile_time.snapshot()
     got = _named(*run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines))
-    SPENT.append(compile_time.since(snap))             # (this worker's; the parent gathers them from the result)
-    return (lines, *got, SPENT.pop())
+    return (lines, *got, compile_time.since(snap))     # (this job's compiling: the parent gathers them in SPENT)
 
 
 def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):

@@ -7,9 +7,10 @@ b87c638, with no record of how much of each step was compiling). Two compilers r
             for the current GPU, all while holding its compiler lock (numba.cuda.core.compiler_lock), which
             announces every acquire and release as a "numba-cuda:compiler_lock" event (numba.cuda.core.event). A
             launch of a kernel already compiled for its signature does not take the lock (the dispatcher finds it
-            in C). Counted: the seconds from an outermost acquire to its release, and how many such holds; nested
-            acquires (a kernel compiling its device functions) count once. No compile happens in the simulator:
-            there the count stays 0.
+            in C). Counted: the seconds from an outermost acquire to its release, and how many such holds, per
+            thread; nested acquires (a kernel compiling its device functions) count once. (A thread's span includes
+            any wait for the lock that the event announces before the acquire.) No compile happens in the
+            simulator: there the count stays 0.
     CUDA C  cuda_c._module makes each csrc/*.cu's CuPy RawModule under the file's compile lock (cuda_c.compile_lock)
             and compiles it there (NVRTC, or a load from CuPy's disk cache if any process compiled it before).
             Counted per file: the seconds waited for the lock (another process compiling that file) and the seconds
@@ -45,21 +46,24 @@ def watch_numba():
         return False
 
     class Held(ev.Listener):
-        """Seconds from an outermost start to its matching end (the depth counts nested acquires)."""
+        """Seconds from an outermost start to its matching end, per thread (the depth counts nested acquires; a
+        thread's start may fire before another thread's hold ends, where the lock is taken after the event)."""
 
         def __init__(self):
-            self.depth, self.t0 = 0, 0.0
+            self.mine = threading.local()
 
         def on_start(self, event):
-            if self.depth == 0:
-                self.t0 = clock()
-            self.depth += 1
+            m = self.mine
+            if getattr(m, "depth", 0) == 0:
+                m.depth, m.t0 = 0, clock()
+            m.depth += 1
 
         def on_end(self, event):
-            self.depth = max(0, self.depth - 1)
-            if self.depth == 0:
+            m = self.mine
+            m.depth = max(0, getattr(m, "depth", 0) - 1)
+            if m.depth == 0 and hasattr(m, "t0"):
                 with _LOCK:
-                    NUMBA["s"] += clock() - self.t0
+                    NUMBA["s"] += clock() - m.t0
                     NUMBA["n"] += 1
 
     listener = Held()

@@ -34,10 +34,12 @@ Versions:
      and then computes together, so the memory idles while the SMs are busy and the other way round (H200,
      (2048, 3072): 0.0195 ms against PyTorch's 0.0168; the issue slots alone need ~12 us of it, the bytes ~12 us
      at the copy rate). Version 3: a grid of at most 8 blocks of 256 an SM (all resident at once: at most 32
-     registers, __launch_bounds__(256, 8)) strides over the n / 4 groups; a thread issues its next group's loads
-     (x, and b's four) before this group's arithmetic, so each warp's loads overlap its own work; the column of a
-     group, e % I, is carried by adding the stride's remainder with one conditional subtract (version 1 divides in
-     64 bits every group). Each element version 1's expression (u = x + b with b = 0 without a bias, as version 1
+     registers, __launch_bounds__(256, 8)) strides over the n / 4 groups; each iteration hints the group two
+     strides ahead into L2 (prefetch.global.L2: no register holds it; ptxas places the hint late in the iteration,
+     still a whole iteration before that group's load), so DRAM streams while the SMs compute and a thread's loads
+     find their lines in L2 (holding the next group's float4 in registers instead, at 32 registers ptxas sank its
+     load to the loop's end); the column of a group, e % I, is carried by adding the stride's remainder with one
+     conditional subtract (version 1 divides in 64 bits every group). Each element version 1's expression (u = x + b with b = 0 without a bias, as version 1
      adds it: -0 + 0 is +0), so version 1's bits: out, o16 and k16, compared by the main and the emulator. Needs
      I % 4 == 0 and aligned pointers (else the launcher runs version 1). Written 2026-12-07 from the SASS, not yet
      timed on a GPU.
@@ -100,8 +102,8 @@ __device__ __forceinline__ void gelu_fwd(const float* __restrict__ x, const floa
     }
 }
 
-// version 3's forward: vec only (I % 4 == 0, aligned); a grid-stride loop over the float4 groups, the next group's
-// loads issued before this group's arithmetic; version 1's expression an element
+// version 3's forward: vec only (I % 4 == 0, aligned); a grid-stride loop over the float4 groups, the group two
+// strides ahead hinted into L2 each iteration; version 1's expression an element
 template <int TANH, int HAS_B>
 __device__ __forceinline__ void gelu_fwd3(const float* __restrict__ x, const float* __restrict__ b, long long n,
                                           int I, int rk, float* __restrict__ out, unsigned short* __restrict__ o16,
@@ -289,6 +291,7 @@ int main() {
             const int vec = (I & 3) == 0;
             float *x = make_random_float(n, 1), *b = make_random_float(I, 2), *dout = make_random_float(n, 3);
             for (long long i = 0; i < n; i++) x[i] *= 4.f;                // u over [-5, 5): both tails of Phi
+            for (long long i = 3; i < n; i += 7) x[i] = -0.f;             // (-0 + 0 is +0: gelu's sign of zero)
             std::vector<float> out(n), dx(n), db(I), out_nb(n), dx_nb(n);
             std::vector<double> dbd(I, 0.0);
             for (int r = 0; r < R; r++)
@@ -414,8 +417,9 @@ int main() {
             const long long groups = n / 4;
             const int grid3 = (int)std::min<long long>((groups + 255) / 256, 8LL * sm_count());
             if (vec) {      // version 3's forward against version 1's, bit for bit: out, its twin, x kept in 16 bits;
-                // with and without the bias (u = x + 0 as version 1: -0 + 0 is +0), on one block of 32 threads (each
-                // thread many groups, the column wrapping past I), 3 blocks of 256 and the launcher's grid
+                // with and without the bias (u = x + 0 as version 1: -0 + 0 is +0, and x holds -0s), on one block of
+                // 32 threads (each thread many groups, the column wrapping past I), 3 blocks of 256 and the
+                // launcher's grid; every output of version 3 poisoned before it runs
                 unsigned short *o1, *o3, *k1, *k3;
                 cudaCheck(cudaMalloc(&o1, n * 2)); cudaCheck(cudaMalloc(&o3, n * 2));
                 cudaCheck(cudaMalloc(&k1, n * 2)); cudaCheck(cudaMalloc(&k3, n * 2));
@@ -431,7 +435,9 @@ int main() {
                             LAUNCH(fwd, grid, 256, dx_, db_, has_b, n, I, vec, rk, dout_, t1, rk >= 0 ? k1 : nullptr);
                             cudaCheck(cudaDeviceSynchronize());
                             cudaCheck(cudaMemcpy(f1.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
-                            cudaCheck(cudaMemset(dout_, 0xFF, n * 4));
+                            cudaCheck(cudaMemset(dout_, 0xFF, n * 4));     // (nothing left from the last run)
+                            cudaCheck(cudaMemset(o3, 0xFF, n * 2));
+                            cudaCheck(cudaMemset(k3, 0xFF, n * 2));
                             LAUNCH(fwd3, gb[0], gb[1], dx_, db_, has_b, n, I, rk, dout_, t3, rk >= 0 ? k3 : nullptr);
                             cudaCheck(cudaDeviceSynchronize());
                             cudaCheck(cudaMemcpy(f3.data(), dout_, n * 4, cudaMemcpyDeviceToHost));
@@ -445,8 +451,9 @@ int main() {
                                 bad += (BITS_F(f1[e]) != BITS_F(f3[e])) +
                                        (rk >= 0 && (h1[e] != h3[e] || q1[e] != q3[e]));
                         }
-                // the negative control: version 3 with the bias against version 1 without it differs (so the
-                // comparison above can see a wrong column)
+                // the negative control: version 3 with the bias against version 1 without it differs (the
+                // comparison above is not of outputs the bias leaves alone; a wrong column is the mutant's,
+                // tests/test_cuda_cpusim.py)
                 LAUNCH(fwd, grid, 256, dx_, db_, 0, n, I, vec, -1, dout_, (unsigned short*)nullptr,
                        (unsigned short*)nullptr);
                 cudaCheck(cudaDeviceSynchronize());
