@@ -55,7 +55,9 @@
 # process's BLAS, OpenMP and Numba threads capped: CPU_THREADS, 4, and one a pytest worker; Numba compiles on the
 # CPU); bench runs alone after them, its threads uncapped. A step that fails or times out is recorded and the next
 # one still runs; the exit status is the number of failed steps. Beside each step's line, summary.txt quotes where
-# the time went (issue 13's 6 minutes, "the numba compile included"; kernels/cuda/compile_time.py): warm's total,
+# the time went (issue 13's 6 minutes, "the numba compile included"; kernels/cuda/compile_time.py): the mains'
+# build and each main's seconds (an attention main's second run after a +), train's runs and their peers',
+# warm's total,
 # check's and study's compile time (Numba's kernels, the CUDA C modules and the waits for their locks) and the
 # bench's sections ("bench sections: ...", each with its compiling in cuda_probes.md, which report.tgz holds; a
 # bench cut off before that line: the lines of the sections it finished).
@@ -245,22 +247,31 @@ mains() {
     mkdir -p "$dir"
     local cc="nvcc -O3 -arch=sm_90 -std=c++17"
     [ -n "${DRY:-}" ] && cc="g++ -std=c++20 -O1 -pthread -ffp-contract=off -DCPUSIM -DCPUSIM_SMALL -DCPUSIM_HALF -x c++"
+    local t0 times
+    t0=$(date +%s)
     ls kernels/cuda/csrc/*.cu | xargs -P 9 -I{} sh -c \
         "$cc"' -Ikernels/cuda/csrc -o "$0/$(basename {} .cu)" {} > "$0/$(basename {} .cu).build" 2>&1' "$dir"
+    times="build $(( $(date +%s) - t0 )) s"       # (where the step's time goes: the summary quotes this line)
     local again="512 0"                             # the attention mains again without dropout (their kernels
     [ -n "${DRY:-}" ] && again="72 0"                # for p = 0: the forward's v6, the backward's v8, fp32's v8)
     for src in kernels/cuda/csrc/*.cu; do
         local name; name=$(basename "$src" .cu)
         echo "== $name"
         cat "$dir/$name.build"
+        t0=$(date +%s)
         if [ -x "$dir/$name" ]; then "$dir/$name" || { echo "MAIN FAILED $name (rc $?)"; rc=1; }
         else echo "BUILD FAILED $name"; rc=1; fi
+        times="$times, $name $(( $(date +%s) - t0 ))"
         if [ -x "$dir/$name" ] && [ "${name#attention_}" != "$name" ]; then
             echo "== $name $again"
+            t0=$(date +%s)
             # shellcheck disable=SC2086
             "$dir/$name" $again || { echo "MAIN FAILED $name $again (rc $?)"; rc=1; }
+            times="$times+$(( $(date +%s) - t0 ))"
         fi
+        times="$times s"
     done
+    echo "mains times: $times"
     return $rc
 }
 if wants mains; then
@@ -317,6 +328,8 @@ quote() {           # quote STEP PATTERN: a log's lines saying where a step's ti
     return 0
 }
 quote warm "^[0-9]+ files, [0-9]+ failed"
+quote mains "^mains times:"
+quote train "^train times:"
 quote check "^compile time of this check:"
 quote study "^compile time of this check:"
 

@@ -72,7 +72,9 @@ def train(work, steps, backend="numpy", graph=False, peer=False, done=None):
     done(runs so far) after each (the table written as the runs finish: a run cut off by a time limit keeps the
     rows before it)."""
     env = dict(os.environ, TQDM_DISABLE="1")
+    t = time.perf_counter()
     _refbert(["demo-data", os.path.join(work, "demo")], env)
+    times = [f"demo-data {time.perf_counter() - t:.0f} s"]    # (where the time goes: gpu_all.sh quotes the line)
     out = {}
     for flag, _ in PRECISIONS:
         run = os.path.join(work, f"run-{flag}")
@@ -91,11 +93,15 @@ def train(work, steps, backend="numpy", graph=False, peer=False, done=None):
                          skipped=skipped, seconds=seconds, step=int(ev["step"]),
                          graph=" ".join(ln.strip() for ln in said.splitlines()
                                         if ln.startswith(("CUDA graph:", "--cuda-graph:"))))
+        times.append(f"{flag} {seconds:.0f} s")
         if peer:
+            t = time.perf_counter()
             out[flag]["peer"] = torch_peer(run, "cuda" if backend == "cuda" else "cpu")
+            times[-1] += f" (its HF + PyTorch peer {time.perf_counter() - t:.0f} s)"
         print(flag, out[flag], flush=True)
         if done is not None:
             done(out)
+    print("train times: " + ", ".join(times), flush=True)
     return out
 
 

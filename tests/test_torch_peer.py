@@ -8,6 +8,7 @@ model drawn from another seed moves the held-out losses by far more (checked: th
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 from refbert import cli
@@ -82,3 +83,30 @@ def test_mixed_train_writes_the_runs_that_finished(tmp_path, monkeypatch):
     assert "| fp16-mixed | not finished" in text, text
     assert "bf16-mixed against fp32, held-out MLM loss: 1.00% (issue 14's bound: 2%): within" in text, text
     assert not (tmp_path / "mixed_train_cuda.md.tmp").exists()
+
+
+def test_mixed_train_says_where_its_time_went(tmp_path, monkeypatch, capsys):
+    """train() ends with one line of its parts' seconds (gpu_all.sh quotes it in its summary: issue 13's 6 minutes):
+    the demo data, each precision's run, each run's HF + PyTorch peer. The refbert commands and the peer are replaced
+    here by stand-ins that write what train() reads (eval.csv, log.csv) and take no time, so every part reads 0 s."""
+    spec = importlib.util.spec_from_file_location("mixed_train", ROOT / "benchmarks" / "mixed_train.py")
+    M = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(M)
+
+    def refbert(args, env):
+        if args[0] == "pretrain":
+            run = args[args.index("--out") + 1]
+            os.makedirs(run)
+            with open(os.path.join(run, "eval.csv"), "w") as f:
+                f.write("step,mlm_loss,nsp_loss\n300,5.0,0.5\n")
+            with open(os.path.join(run, "log.csv"), "w") as f:
+                f.write("step,loss,loss_scale,grad_norm\n1,6.0,,1.0\n")
+        return ""
+    monkeypatch.setattr(M, "_refbert", refbert)
+    monkeypatch.setattr(M, "torch_peer", lambda run, device: {"mlm": 5.0})
+    seen = []
+    runs = M.train(str(tmp_path), 300, backend="cuda", peer=True, done=lambda r: seen.append(len(r)))
+    assert seen == [1, 2, 3] and set(runs) == {"no", "bf16", "fp16"}, (seen, runs)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train times:")]
+    assert line == ["train times: demo-data 0 s, no 0 s (its HF + PyTorch peer 0 s), bf16 0 s (its HF + PyTorch "
+                    "peer 0 s), fp16 0 s (its HF + PyTorch peer 0 s)"], line
