@@ -9,7 +9,12 @@
 # Steps, each under its own timeout (seconds), each logged to report/<step>.log, one line per step in summary.txt:
 #   preflight   FAILS EARLY (exit 3, nothing else runs) unless: nvidia-smi sees a GPU; python imports numpy, numba,
 #               numba.cuda (with a GPU), cupy (a device), torch (CUDA), transformers; nvcc is on PATH. Versions and
-#               the cuda backend's description go to report/env.txt.
+#               the cuda backend's description go to report/env.txt. Beside it, benchmarks/numba_cache_check.py: if
+#               a Numba kernel compiled and cached by one process is loaded by the next on this GPU, the run keeps
+#               its Numba kernels in a disk cache of its own (REFBERT_NUMBA_CACHE=1, NUMBA_CACHE_DIR a fresh temp
+#               directory), so its processes stop compiling the same kernels over and over; if not, each compiles
+#               as before (report/numba_cache.txt, a line in summary.txt either way). Written 2026-12-07, not yet
+#               run on a GPU.
 #   mains       every kernels/cuda/csrc/*.cu built standalone (nvcc -O3 -arch=sm_90) and run: each main validates
 #               every version against its CPU reference, then times it (the kernels' own report); the 16-bit
 #               attention mains a second time without dropout ("512 0": their kernels for p = 0)
@@ -130,7 +135,7 @@ finish() {          # the report: one tarball and the files worth reading at onc
         [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"
     done
     [ -f "$R/mains.log" ] && grep -E "^==|FAILED|mismatch|every version ok|bit for bit|skipped|TFLOP|GB/s| ms" "$R/mains.log" > "$OUT/mains.txt"
-    tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$R" "$PKGS"
+    tar czf "$OUT/report.tgz" -C "$OUT" report && rm -rf "$R" "$PKGS" "${NCACHE:-}"
     echo "report: $(ls "$OUT" | tr '\n' ' ')"
 }
 
@@ -154,6 +159,9 @@ fi
 if ! command -v nvcc > /dev/null; then
     echo "preflight: FAILED, nvcc is not on PATH (the standalone mains need it)" | tee -a "$SUMMARY"; finish; exit 3
 fi
+NCACHE=$(mktemp -d)     # Numba's disk cache for this run, if the check beside the environment's finds it works here
+"$PY" benchmarks/numba_cache_check.py "$NCACHE/check" > "$R/numba_cache.txt" 2>&1 &
+NCACHE_PID=$!
 if ! timeout 120 "$PY" - > "$R/env.txt" 2>&1 <<'PYEOF'
 import sys
 from importlib import metadata
@@ -228,6 +236,14 @@ PYEOF
 then
     echo "preflight: FAILED (report/env.txt):" | tee -a "$SUMMARY"; tail -n 20 "$R/env.txt" | tee -a "$SUMMARY"
     finish; exit 3
+fi
+if wait "$NCACHE_PID"; then                            # the run's processes share their Numba compiles
+    export REFBERT_NUMBA_CACHE=1 NUMBA_CACHE_DIR="$NCACHE/run"
+    echo "preflight: $(tail -n 1 "$R/numba_cache.txt"); the run keeps its Numba kernels in a disk cache" \
+        "(REFBERT_NUMBA_CACHE=1)" | tee -a "$SUMMARY"
+else
+    echo "preflight: $(tail -n 1 "$R/numba_cache.txt"); the run compiles its Numba kernels in each process" \
+        | tee -a "$SUMMARY"
 fi
 echo "preflight: ok, $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 if grep -q "^launch version 2: FAILED" "$R/env.txt"; then     # the rest of the run launches as CuPy does

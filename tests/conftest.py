@@ -50,6 +50,7 @@ CI_MAY_SKIP = {
     "test_cuda_graph.py::test_replay_at_bert_base_shapes": (_GPU, "BERT-base's CUDA graph on a GPU"),
     "test_cuda_mixed.py::test_precision_study_of_the_cuda_mixed_step": (_GPU, "the GPU's mixed step against float64"),
     "test_cuda_launch.py::test_launch_versions_give_the_same_bits": (_GPU, "packed launches against CuPy's on a GPU"),
+    "test_cuda_ptx.py::test_numba_cache_round_trip_on_gpu": (_GPU, "Numba's disk cache on a GPU, two processes"),
     # tests/test_cuda_optim.py: the [gpu] parameter of each (the [emu] one runs in CI)
     "test_cuda_optim.py::test_adamw_and_unscale_are_the_spec_bit_for_bit": (_GPU, "the optimizer kernels on a GPU"),
     "test_cuda_optim.py::test_clip_grad_norm_norm_and_scaling": (_GPU, "the optimizer kernels on a GPU"),

@@ -9,9 +9,11 @@ when NVVM or NVRTC cannot be found (a machine without a CUDA toolkit's libnvvm; 
 in the dev extra, gives NVRTC).
 """
 import importlib.util
+import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,88 @@ def test_a_progress_line_counts_what_its_version_reaches_not_what_is_new():
     assert out.count("FAILED 0") == 2 and "SAME True" in out, out
     counts = [int(n) for n in re.findall(r"bias_gelu\s+v\d+ float32\s+(\d+) kernel signatures", out)]
     assert len(counts) >= 2 and min(counts) >= 1, out
+
+
+# What a kernel's closure holds, hashed as Numba's disk cache hashes it (numba.cuda.serialize.dumps of the cell
+# values: the index key of a cached kernel), for every kernel compile_check's host wrappers reach at the simulator's
+# shapes in every storage dtype; the compiles themselves stubbed (no NVVM needed)
+_CLOSURES = """
+import hashlib, json, sys
+from numba import cuda
+from numba.cuda import dispatcher as D
+from numba.cuda.serialize import dumps
+from refbert_kernels.cuda import compile_check as CC
+cuda.compile_ptx = lambda f, sig, cc=None, **kw: ("", None)
+seen, keys, bad = set(), [], []
+hooks = CC._install_hooks
+
+def install(cc, compiled, failures):
+    hooks(cc, compiled, failures)
+    launch = D.CUDADispatcher.__getitem__
+
+    def getitem(self, cfg):
+        if id(self) not in seen:
+            seen.add(id(self))
+            f = self.py_func
+            name = f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}"
+            try:
+                cells = tuple(c.cell_contents for c in f.__closure__ or ())
+                keys.append((name, hashlib.sha256(dumps(cells)).hexdigest()))
+            except Exception as e:
+                bad.append(f"{name}: {type(e).__name__}: {e}"[:300])
+        return launch(self, cfg)
+    D.CUDADispatcher.__getitem__ = getitem
+CC._install_hooks = install
+CC.run((9, 0), "sim", open("/dev/null", "w"))
+print("CLOSURES " + json.dumps(dict(keys=keys, bad=bad)))
+"""
+
+
+@NEEDS
+def test_every_kernels_closure_pickles_the_same_in_every_process():
+    """REFBERT_NUMBA_CACHE=1 (kernels/cuda/_common.py) turns on Numba's disk cache, whose index key of a kernel holds a
+    hash of its closure's pickled values: a value that does not pickle would fail the kernel's compile, and one that
+    pickles differently from process to process would make every process miss what another cached. Two processes
+    drive every host wrapper (compile_check's hooks, compiles stubbed) and hash each kernel's closure: every closure
+    pickles, and the two processes give the same hashes in the same order."""
+    runs = []
+    for _ in range(2):
+        r = cudachild.run(_CLOSURES, sim=False, timeout=600)
+        out = cudachild.check(r)
+        runs.append(json.loads(out.split("CLOSURES ", 1)[1].splitlines()[0]))
+    assert runs[0]["bad"] == [] and runs[1]["bad"] == [], runs[0]["bad"][:5]
+    assert len(runs[0]["keys"]) >= 100, len(runs[0]["keys"])
+    assert runs[0]["keys"] == runs[1]["keys"], [a for a, b in zip(runs[0]["keys"], runs[1]["keys"]) if a != b][:5]
+
+
+@NEEDS
+def test_numba_cache_switch():
+    """Off by default, a kernel made by jit_kernel has no disk cache; REFBERT_NUMBA_CACHE=1 gives it Numba's (the
+    dispatcher's cache object, which makes no compile and needs no GPU); in the simulator the switch is off whatever
+    the variable says (the simulator compiles nothing)."""
+    code = """
+        import os
+        from refbert_kernels.cuda import _common as C
+        k = C.column_sum_kernel("f32", "f32")
+        print("CACHE", C.NUMBA_CACHE, type(getattr(k, "_cache", None)).__name__)
+    """
+    env = cudachild.child_env(sim=False)
+    for value, sim, want in (("0", False, "CACHE False NullCache"), ("1", False, "CACHE True CUDACache"),
+                             ("1", True, "CACHE False")):
+        r = subprocess.run([sys.executable, "-c", cudachild.PRELUDE + textwrap.dedent(code)], cwd=ROOT,
+                           env={**env, "REFBERT_NUMBA_CACHE": value, **({"NUMBA_ENABLE_CUDASIM": "1"} if sim else {})},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert want in r.stdout, (value, sim, r.stdout)
+
+
+@NEEDS
+def test_numba_cache_round_trip_on_gpu(tmp_path):
+    """benchmarks/numba_cache_check.py, gpu_all.sh's preflight for the cache, on a real GPU: a kernel compiled and
+    cached by one process is loaded, not compiled, by the next, with the same output bits. Skipped without one."""
+    r = cudachild.run("from numba import cuda\nassert cuda.is_available()", sim=False, timeout=120)
+    if r.returncode:
+        pytest.skip("needs a CUDA GPU (numba.cuda.is_available)")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "numba_cache_check.py"), str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=600, env=cudachild.child_env(sim=False), cwd=ROOT)
+    assert res.returncode == 0 and "numba cache: ok" in res.stdout, res.stdout + res.stderr[-3000:]

@@ -40,6 +40,21 @@ from . import compile_time
 SIM = bool(config.ENABLE_CUDASIM)
 compile_time.watch_numba()             # (how long this process compiles Numba kernels: the bench and check report it)
 
+# Numba's disk cache for the kernels, off by default: REFBERT_NUMBA_CACHE=1 (read at import) keeps each kernel's
+# compile (PTX and cubin) in Numba's cache directory (NUMBA_CACHE_DIR, else __pycache__ beside the source) and a later
+# process whose kernel has the same bytecode, closure values and signature loads it there instead of compiling.
+# Numba keys an entry by the kernel's own file and closure values (every kernel's closure here pickles, the same
+# bytes in every process: tests/test_cuda_ptx.py), not by the code of device functions it calls from other files, so
+# a cache kept across edits can hand back a stale kernel: hence off unless asked, and benchmarks/gpu_all.sh asks in
+# a fresh directory for its own run only, after its preflight saw a kernel compiled and cached by one process and
+# loaded by another on that GPU (issue 13: its processes compiled the same kernels over and over).
+NUMBA_CACHE = os.environ.get("REFBERT_NUMBA_CACHE") == "1" and not SIM
+
+
+def jit_kernel(fn):
+    """@cuda.jit for a kernel (not a device function), with Numba's disk cache where NUMBA_CACHE is on."""
+    return cuda.jit(cache=True)(fn) if NUMBA_CACHE else cuda.jit(fn)
+
 try:                                   # bfloat16 storage dtype (pip install ml_dtypes); absent: no bf16 kind
     from ml_dtypes import bfloat16 as BF16
 except ImportError:                    # pragma: no cover
@@ -433,7 +448,7 @@ def column_sum_kernel(kind_in, kind_out):
     ld, _ = ldst(kind_in)
     zero = acc_np(kind_out)(0)
 
-    @cuda.jit
+    @jit_kernel
     def k(parts, out):
         j = cuda.grid(1)
         if j < out.shape[0]:

@@ -114,7 +114,7 @@ def _kernels(kind, hs):
         return dscale if C.philox_word(e, stream, seed) >= thresh else zero
 
     # ---- version 1: materialised scores ------------------------------------------------------------------------
-    @cuda.jit
+    @C.jit_kernel
     def scores(q, k, mask, H, scale, S):
         """S[b, h, i, j] = scale * q_i . k_j + mask_ij   (a thread per score)"""
         e = cuda.grid(1)
@@ -131,7 +131,7 @@ def _kernels(kind, hs):
             a += ld(q[b, i, c0 + d]) * ld(k[b, j, c0 + d])
         S[b, h, i, j] = a * A(scale) + ld(_mask_at(mask, b, h, i, j))
 
-    @cuda.jit
+    @C.jit_kernel
     def rowstats(S, m, linv):
         """m_i = max_j S_ij, 1/l_i = 1 / sum_j exp(S_ij - m_i)   (a thread per row)"""
         r = cuda.grid(1)
@@ -152,7 +152,7 @@ def _kernels(kind, hs):
         m[b, h, i] = mx
         linv[b, h, i] = one / l
 
-    @cuda.jit
+    @C.jit_kernel
     def probs(S, m, linv, seed, stream, thresh, dscale, P, PD):
         """P = exp(S - m) / l (softmax), PD = P * z (after dropout)   (a thread per probability)"""
         e = cuda.grid(1)
@@ -167,7 +167,7 @@ def _kernels(kind, hs):
         P[b, h, i, j] = p
         PD[b, h, i, j] = p * zfac(e, seed, stream, thresh, A(dscale))
 
-    @cuda.jit
+    @C.jit_kernel
     def context(PD, v, out):
         """out[b, i, h*hs + d] = sum_j PD[b, h, i, j] v[b, j, h*hs + d]   (a thread per output element)"""
         e = cuda.grid(1)
@@ -183,7 +183,7 @@ def _kernels(kind, hs):
             a += PD[b, h, i, j] * ld(v[b, j, c])
         out[b, i, c] = st(a)
 
-    @cuda.jit
+    @C.jit_kernel
     def dprobs(dout, v, seed, stream, thresh, dscale, dP):
         """dP[b, h, i, j] = z_ij (dout_i . v_j)   (dropout backward of dpd = dout v^T; a thread per entry)"""
         e = cuda.grid(1)
@@ -200,7 +200,7 @@ def _kernels(kind, hs):
             a += ld(dout[b, i, c0 + d]) * ld(v[b, j, c0 + d])
         dP[b, h, i, j] = a * zfac(e, seed, stream, thresh, A(dscale))
 
-    @cuda.jit
+    @C.jit_kernel
     def softmax_bwd(P, dP, scale):
         """dP <- dS = scale * P (dP - D), D_i = sum_j P_ij dP_ij   (a thread per row, in place)"""
         r = cuda.grid(1)
@@ -214,7 +214,7 @@ def _kernels(kind, hs):
         for j in range(T):
             dP[b, h, i, j] = A(scale) * P[b, h, i, j] * (dP[b, h, i, j] - D)
 
-    @cuda.jit
+    @C.jit_kernel
     def matmul_t(W, x, trans, out):
         """out[b, i, h*hs + d] = sum_j W'[b, h, i, j] x[b, j, h*hs + d], W' = W or W^T (trans)   (a thread per
         element): dv = PD^T dout, dq = dS k, dk = dS^T q."""
@@ -239,7 +239,7 @@ def _kernels(kind, hs):
                 softmax_bwd=softmax_bwd, matmul_t=matmul_t)
 
     # ---- version 2: flash forward --------------------------------------------------------------------------------
-    @cuda.jit
+    @C.jit_kernel
     def flash_fwd(q, k, v, mask, H, scale, seed, stream, thresh, dscale, out, m, linv):
         """grid (ceil(T / BQ), B * H), BQ threads: thread t owns query row i = tile * BQ + t."""
         ks = cuda.shared.array((BK, HS), sto)                 # the K tile
@@ -313,7 +313,7 @@ def _kernels(kind, hs):
     K[2] = dict(flash_fwd=flash_fwd)
 
     # ---- version 3: flash backward -------------------------------------------------------------------------------
-    @cuda.jit
+    @C.jit_kernel
     def rowdot(dout, out, H, Dr):
         """D[b, h, i] = dout_i . out_i   (a thread per row)"""
         r = cuda.grid(1)
@@ -327,7 +327,7 @@ def _kernels(kind, hs):
             a += ld(dout[b, i, c0 + d]) * ld(out[b, i, c0 + d])
         Dr[b, h, i] = a
 
-    @cuda.jit
+    @C.jit_kernel
     def flash_dkdv(q, k, v, mask, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dk, dv):
         """grid (ceil(T / BQ), B * H), BQ threads: thread t owns key row j = tile * BQ + t; query tiles of BK rows
         (q, dout, m, 1/l, D) are staged in shared memory. dv_j = sum_i p z dout_i, dk_j = scale sum_i ds q_i."""
@@ -385,7 +385,7 @@ def _kernels(kind, hs):
                 dk[b, j, c0 + d] = st(dka[d] * sc)
                 dv[b, j, c0 + d] = st(dva[d])
 
-    @cuda.jit
+    @C.jit_kernel
     def flash_dq(q, k, v, mask, H, scale, seed, stream, thresh, dscale, m, linv, dout, Dr, dq):
         """grid (ceil(T / BQ), B * H), BQ threads: thread t owns query row i; key tiles of BK rows (k, v) in shared
         memory. dq_i = scale sum_j ds_ij k_j."""

@@ -46,7 +46,7 @@ def _kernels(kind, version):
     acc = C.acc_nb(kind)
 
     if version == 1:
-        @cuda.jit
+        @C.jit_kernel
         def forward(z, kept, yk, m_out, s_out, term):
             k = cuda.grid(1)
             if k >= kept.shape[0]:
@@ -70,7 +70,7 @@ def _kernels(kind, version):
             s_out[k] = s
             term[k, 0] = s - (ld(z[r, yk[k]]) - m)
 
-        @cuda.jit
+        @C.jit_kernel
         def backward(z, kept, yk, m_in, s_in, g, dz):
             k = cuda.grid(1)
             if k >= kept.shape[0]:
@@ -83,7 +83,7 @@ def _kernels(kind, version):
                 dz[r, j] = st((p - (one if j == yk[k] else zero)) * gg)
         return forward, backward
 
-    @cuda.jit
+    @C.jit_kernel
     def forward(z, kept, yk, m_out, s_out, term):
         buf = cuda.shared.array(BLOCK, acc)
         k = cuda.blockIdx.x                          # a block per kept row
@@ -110,7 +110,7 @@ def _kernels(kind, version):
             s_out[k] = s
             term[k, 0] = s - (ld(z[r, yk[k]]) - m)
 
-    @cuda.jit
+    @C.jit_kernel
     def backward(z, kept, yk, m_in, s_in, g, dz):
         k = cuda.blockIdx.x
         r = kept[k]

@@ -38,7 +38,7 @@ def _kernel(kind, version):
     zero = A(0)
 
     if version == 1:
-        @cuda.jit
+        @C.jit_kernel
         def apply(x, out, seed, stream, thr, scale):
             i = cuda.grid(1)
             if i < x.shape[0]:
@@ -46,7 +46,7 @@ def _kernel(kind, version):
                 out[i] = st(ld(x[i]) * (A(scale) if k else zero))
         return apply
 
-    @cuda.jit
+    @C.jit_kernel
     def apply(x, out, seed, stream, thr, scale):
         b = cuda.grid(1)                                 # Philox block b: elements 4b .. 4b + 3
         n = x.shape[0]

@@ -64,7 +64,7 @@ def _kernels(kind):
     A = acc_np(kind)
     zero = A(0)
 
-    @cuda.jit
+    @C.jit_kernel
     def segments_v1(sid, pos, dout, pad, dw):
         i = cuda.grid(1)
         N, Cn = sid.shape[0], dout.shape[1]
@@ -81,7 +81,7 @@ def _kernels(kind):
             kk += 1
         dw[v, c] = st(s)
 
-    @cuda.jit
+    @C.jit_kernel
     def runs_v2(sid, pos, dout, part):
         i = cuda.grid(1)
         N, Cn = sid.shape[0], dout.shape[1]
@@ -100,7 +100,7 @@ def _kernels(kind):
                 acc = zero
                 head = k + 1
 
-    @cuda.jit
+    @C.jit_kernel
     def segments_v2(sid, part, pad, dw):
         i = cuda.grid(1)
         N, Cn = sid.shape[0], part.shape[1]

@@ -74,7 +74,7 @@ def _kernels(kind, tanh, version):
             return s + two * u * s * (one - s) * c * (one + three * k * u * u)
         return half * math.erfc(-u * sqrt_half) + u * math.exp(-half * u * u) * inv_sqrt_2pi
 
-    @cuda.jit
+    @C.jit_kernel
     def forward(x, b, out):
         i = cuda.grid(1)
         R, I = x.shape
@@ -82,7 +82,7 @@ def _kernels(kind, tanh, version):
             r, j = i // I, i % I
             out[r, j] = st(gelu(ld(x[r, j]) + ld(b[j])))
 
-    @cuda.jit
+    @C.jit_kernel
     def backward_du(dout, x, b, dx):                 # v1: a thread per element
         i = cuda.grid(1)
         R, I = x.shape
@@ -90,7 +90,7 @@ def _kernels(kind, tanh, version):
             r, j = i // I, i % I
             dx[r, j] = st(ld(dout[r, j]) * dgelu(ld(x[r, j]) + ld(b[j])))
 
-    @cuda.jit
+    @C.jit_kernel
     def partials(du, per, parts):                    # v1: parts[c, j] = sum of du[r, j] over chunk c's rows
         i = cuda.grid(1)
         n, I = parts.shape
@@ -101,7 +101,7 @@ def _kernels(kind, tanh, version):
                 s += ld(du[r, j])
             parts[ch, j] = s
 
-    @cuda.jit
+    @C.jit_kernel
     def backward_fused(dout, x, b, per, dx, parts):  # v2: du and db's partial in one pass down a chunk
         i = cuda.grid(1)
         n, I = parts.shape

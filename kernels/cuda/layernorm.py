@@ -65,7 +65,7 @@ def _kernels(kind, has_a, has_drop, version):
         return v
 
     if version == 1:
-        @cuda.jit
+        @C.jit_kernel
         def forward(x, a, seed, stream, thr, scale, w, b, eps, out, mean, rstd):
             r = cuda.grid(1)
             R, Cn = x.shape
@@ -86,7 +86,7 @@ def _kernels(kind, has_a, has_drop, version):
             mean[r] = m
             rstd[r] = rs
 
-        @cuda.jit
+        @C.jit_kernel
         def backward(dout, x, a, seed, stream, thr, scale, w, mean, rstd, dx, da):
             r = cuda.grid(1)
             R, Cn = x.shape
@@ -109,7 +109,7 @@ def _kernels(kind, has_a, has_drop, version):
                 if has_drop:
                     da[r, j] = st(d * (sc if philox_word(r * Cn + j, stream, seed) >= thr else zero))
     else:
-        @cuda.jit
+        @C.jit_kernel
         def forward(x, a, seed, stream, thr, scale, w, b, eps, out, mean, rstd):
             buf = cuda.shared.array(BLOCK, acc)
             r = cuda.blockIdx.x
@@ -131,7 +131,7 @@ def _kernels(kind, has_a, has_drop, version):
                 mean[r] = m
                 rstd[r] = rs
 
-        @cuda.jit
+        @C.jit_kernel
         def backward(dout, x, a, seed, stream, thr, scale, w, mean, rstd, dx, da):
             buf = cuda.shared.array(BLOCK, acc)
             r = cuda.blockIdx.x
@@ -154,7 +154,7 @@ def _kernels(kind, has_a, has_drop, version):
                 if has_drop:
                     da[r, j] = st(d * (sc if philox_word(r * Cn + j, stream, seed) >= thr else zero))
 
-    @cuda.jit
+    @C.jit_kernel
     def partials(dout, x, a, seed, stream, thr, scale, mean, rstd, per, pw, pb):
         i = cuda.grid(1)
         n, Cn = pw.shape

@@ -52,7 +52,7 @@ def _kernels(kind, version):
     acc = C.acc_nb(kind)
 
     if version == 1:
-        @cuda.jit
+        @C.jit_kernel
         def forward(x, scale, mask, mrow, out, bad):
             r = cuda.grid(1)
             R, T = x.shape
@@ -79,7 +79,7 @@ def _kernels(kind, version):
             for j in range(T):                           # pass 3: p
                 out[r, j] = st(math.exp(ld(x[r, j]) * sc + ld(mask[mr, j]) - m) * inv)
 
-        @cuda.jit
+        @C.jit_kernel
         def backward(dout, p, scale, dx):
             r = cuda.grid(1)
             R, T = p.shape
@@ -94,7 +94,7 @@ def _kernels(kind, version):
         return forward, backward
 
     if version == 2:
-        @cuda.jit
+        @C.jit_kernel
         def forward(x, scale, mask, mrow, out, bad):
             buf = cuda.shared.array(BLOCK, acc)
             r = cuda.blockIdx.x                          # one block per row: R blocks
@@ -126,7 +126,7 @@ def _kernels(kind, version):
             if t == 0:
                 bad[r] = 0
 
-        @cuda.jit
+        @C.jit_kernel
         def backward(dout, p, scale, dx):
             buf = cuda.shared.array(BLOCK, acc)
             r = cuda.blockIdx.x
@@ -141,7 +141,7 @@ def _kernels(kind, version):
                 dx[r, j] = st(sc * ld(p[r, j]) * (ld(dout[r, j]) - d))
         return forward, backward
 
-    @cuda.jit
+    @C.jit_kernel
     def forward(x, scale, mask, mrow, out, bad):
         lane = cuda.threadIdx.x % WARP
         r = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
@@ -179,7 +179,7 @@ def _kernels(kind, version):
         if lane == 0:
             bad[r] = 0
 
-    @cuda.jit
+    @C.jit_kernel
     def backward(dout, p, scale, dx):
         lane = cuda.threadIdx.x % WARP
         r = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
