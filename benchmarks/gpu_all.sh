@@ -145,7 +145,8 @@ PKGS=$(mktemp -d)                                   # (outside $OUT: a symlink w
 ln -sfn "$ROOT/kernels" "$PKGS/refbert_kernels"
 export PYTHONPATH="$ROOT:$PKGS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONWARNINGS=ignore
-unset NUMBA_ENABLE_CUDASIM REFBERT_CUDA_EMULATE REFBERT_CUDA_VERSIONS REFBERT_CUDA_ORDER
+unset NUMBA_ENABLE_CUDASIM REFBERT_CUDA_EMULATE REFBERT_CUDA_VERSIONS REFBERT_CUDA_ORDER \
+    REFBERT_NUMBA_CACHE NUMBA_CACHE_DIR          # (the Numba cache only as this run's preflight decides, below)
 
 # ---- preflight: an environment problem stops everything here, loudly
 if [ -n "${DRY:-}" ]; then
@@ -160,7 +161,7 @@ if ! command -v nvcc > /dev/null; then
     echo "preflight: FAILED, nvcc is not on PATH (the standalone mains need it)" | tee -a "$SUMMARY"; finish; exit 3
 fi
 NCACHE=$(mktemp -d)     # Numba's disk cache for this run, if the check beside the environment's finds it works here
-"$PY" benchmarks/numba_cache_check.py "$NCACHE/check" > "$R/numba_cache.txt" 2>&1 &
+timeout -k 5 90 "$PY" benchmarks/numba_cache_check.py "$NCACHE/check" > "$R/numba_cache.txt" 2>&1 &
 NCACHE_PID=$!
 if ! timeout 120 "$PY" - > "$R/env.txt" 2>&1 <<'PYEOF'
 import sys
@@ -235,9 +236,10 @@ print("preflight ok")
 PYEOF
 then
     echo "preflight: FAILED (report/env.txt):" | tee -a "$SUMMARY"; tail -n 20 "$R/env.txt" | tee -a "$SUMMARY"
+    kill "$NCACHE_PID" 2> /dev/null; wait "$NCACHE_PID" 2> /dev/null
     finish; exit 3
 fi
-if wait "$NCACHE_PID"; then                            # the run's processes share their Numba compiles
+if wait "$NCACHE_PID"; then        # the run's processes share their Numba compiles (a timeout: 124, compiles as before)
     export REFBERT_NUMBA_CACHE=1 NUMBA_CACHE_DIR="$NCACHE/run"
     echo "preflight: $(tail -n 1 "$R/numba_cache.txt"); the run keeps its Numba kernels in a disk cache" \
         "(REFBERT_NUMBA_CACHE=1)" | tee -a "$SUMMARY"
@@ -267,7 +269,8 @@ mains() {
     t0=$(date +%s)
     ls kernels/cuda/csrc/*.cu | xargs -P 9 -I{} sh -c \
         "$cc"' -Ikernels/cuda/csrc -o "$0/$(basename {} .cu)" {} > "$0/$(basename {} .cu).build" 2>&1' "$dir"
-    times="build $(( $(date +%s) - t0 )) s"       # (where the step's time goes: the summary quotes this line)
+    times="build $(( $(date +%s) - t0 )) s"       # (where the step's time goes: the summary quotes the last line)
+    echo "mains times: $times"
     local again="512 0"                             # the attention mains again without dropout (their kernels
     [ -n "${DRY:-}" ] && again="72 0"                # for p = 0: the forward's v6, the backward's v8, fp32's v8)
     for src in kernels/cuda/csrc/*.cu; do
@@ -286,8 +289,8 @@ mains() {
             times="$times+$(( $(date +%s) - t0 ))"
         fi
         times="$times s"
+        echo "mains times: $times"                  # (so far: the summary quotes the last, as far as the step got)
     done
-    echo "mains times: $times"
     return $rc
 }
 if wants mains; then
@@ -339,8 +342,11 @@ if wants check; then    # the GPU half of `refbert check --device cuda` (the CPU
 fi
 wait
 unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS NUMBA_NUM_THREADS
-quote() {           # quote STEP PATTERN: a log's lines saying where a step's time went, into the summary
-    [ -f "$R/$1.log" ] && grep -E "$2" "$R/$1.log" | sed "s/^/$1: /" | tee -a "$SUMMARY"
+quote() {           # quote STEP PATTERN [all]: a log's last line saying where a step's time went (every such line
+    # with "all"), into the summary (the mains and train print theirs after each part: a step cut off keeps its last)
+    [ -f "$R/$1.log" ] || return 0
+    if [ "${3:-}" = all ]; then grep -E "$2" "$R/$1.log"; else grep -E "$2" "$R/$1.log" | tail -n 1; fi \
+        | sed "s/^/$1: /" | tee -a "$SUMMARY"
     return 0
 }
 quote warm "^[0-9]+ files, [0-9]+ failed"
@@ -356,7 +362,7 @@ if wants bench; then
     if grep -q "^bench sections:" "$R/bench.log" 2>/dev/null; then
         quote bench "^bench sections:"
     else            # (cut off or failed before its last line: the sections it finished, as they were printed)
-        quote bench "^== .*: [0-9.]+ s \(compiling"
+        quote bench "^== .*: [0-9.]+ s \(compiling" all
     fi
 fi
 

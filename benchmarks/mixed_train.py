@@ -74,7 +74,8 @@ def train(work, steps, backend="numpy", graph=False, peer=False, done=None):
     env = dict(os.environ, TQDM_DISABLE="1")
     t = time.perf_counter()
     _refbert(["demo-data", os.path.join(work, "demo")], env)
-    times = [f"demo-data {time.perf_counter() - t:.0f} s"]    # (where the time goes: gpu_all.sh quotes the line)
+    times = [f"demo-data {time.perf_counter() - t:.0f} s"]    # (where the time goes: gpu_all.sh quotes the last
+    print("train times: " + ", ".join(times), flush=True)     # such line, so a run cut off keeps the parts before)
     out = {}
     for flag, _ in PRECISIONS:
         run = os.path.join(work, f"run-{flag}")
@@ -99,9 +100,9 @@ def train(work, steps, backend="numpy", graph=False, peer=False, done=None):
             out[flag]["peer"] = torch_peer(run, "cuda" if backend == "cuda" else "cpu")
             times[-1] += f" (its HF + PyTorch peer {time.perf_counter() - t:.0f} s)"
         print(flag, out[flag], flush=True)
+        print("train times: " + ", ".join(times), flush=True)
         if done is not None:
             done(out)
-    print("train times: " + ", ".join(times), flush=True)
     return out
 
 

@@ -128,7 +128,7 @@ from numba.cuda import dispatcher as D
 from numba.cuda.serialize import dumps
 from refbert_kernels.cuda import compile_check as CC
 cuda.compile_ptx = lambda f, sig, cc=None, **kw: ("", None)
-seen, keys, bad = set(), [], []
+seen, keys, bad, caches = set(), [], [], set()
 hooks = CC._install_hooks
 
 def install(cc, compiled, failures):
@@ -140,6 +140,7 @@ def install(cc, compiled, failures):
             seen.add(id(self))
             f = self.py_func
             name = f"{f.__module__}.{f.__qualname__}:{f.__code__.co_firstlineno}"
+            caches.add(type(self._cache).__name__)
             try:
                 cells = tuple(c.cell_contents for c in f.__closure__ or ())
                 keys.append((name, hashlib.sha256(dumps(cells)).hexdigest()))
@@ -149,23 +150,28 @@ def install(cc, compiled, failures):
     D.CUDADispatcher.__getitem__ = getitem
 CC._install_hooks = install
 CC.run((9, 0), "sim", open("/dev/null", "w"))
-print("CLOSURES " + json.dumps(dict(keys=keys, bad=bad)))
+print("CLOSURES " + json.dumps(dict(keys=keys, bad=bad, caches=sorted(caches))))
 """
 
 
 @NEEDS
-def test_every_kernels_closure_pickles_the_same_in_every_process():
+def test_every_kernels_closure_pickles_the_same_in_every_process(tmp_path):
     """REFBERT_NUMBA_CACHE=1 (kernels/cuda/_common.py) turns on Numba's disk cache, whose index key of a kernel holds a
     hash of its closure's pickled values: a value that does not pickle would fail the kernel's compile, and one that
     pickles differently from process to process would make every process miss what another cached. Two processes
-    drive every host wrapper (compile_check's hooks, compiles stubbed) and hash each kernel's closure: every closure
-    pickles, and the two processes give the same hashes in the same order."""
+    with the cache on (and different hash seeds) drive every host wrapper compile_check reaches (its hooks, compiles
+    stubbed) and hash each kernel's closure: every kernel has Numba's disk cache, every closure pickles, and the two
+    processes give the same hashes in the same order."""
     runs = []
-    for _ in range(2):
-        r = cudachild.run(_CLOSURES, sim=False, timeout=600)
+    for seed in ("1", "2"):
+        env = {**cudachild.child_env(sim=False), "REFBERT_NUMBA_CACHE": "1", "PYTHONHASHSEED": seed,
+               "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+        r = subprocess.run([sys.executable, "-c", _CLOSURES], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
         out = cudachild.check(r)
         runs.append(json.loads(out.split("CLOSURES ", 1)[1].splitlines()[0]))
     assert runs[0]["bad"] == [] and runs[1]["bad"] == [], runs[0]["bad"][:5]
+    assert runs[0]["caches"] == ["CUDACache"], runs[0]["caches"]
     assert len(runs[0]["keys"]) >= 100, len(runs[0]["keys"])
     assert runs[0]["keys"] == runs[1]["keys"], [a for a, b in zip(runs[0]["keys"], runs[1]["keys"]) if a != b][:5]
 
@@ -201,3 +207,52 @@ def test_numba_cache_round_trip_on_gpu(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "numba_cache_check.py"), str(tmp_path / "c")],
                          capture_output=True, text=True, timeout=600, env=cudachild.child_env(sim=False), cwd=ROOT)
     assert res.returncode == 0 and "numba cache: ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+_SAVES = """
+import multiprocessing as mp, os, sys
+from numba.cuda.core.caching import IndexDataCacheFile
+D, LOCK = sys.argv[1], sys.argv[2] == "1"
+NAME = "softmax.forward-144.py311"                    # (one kernel function's index, as every closure of it shares)
+
+def worker(w, start):
+    if LOCK:
+        from refbert_kernels.cuda import _common as C
+        C.lock_numba_cache_saves()
+    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
+    start.wait()
+    for i in range(40):
+        f.save(("key", w, i), ("data", w, i))
+
+if __name__ == "__main__":
+    os.makedirs(D)
+    go = mp.get_context("fork").Event()
+    ps = [mp.get_context("fork").Process(target=worker, args=(w, go)) for w in range(4)]
+    [p.start() for p in ps]
+    go.set()
+    [p.join() for p in ps]
+    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
+    idx = f._load_index()
+    wrong = sum(f.load(k) != ("data",) + k[1:] for k in idx)
+    print("KEPT", len(idx), "WRONG", wrong)
+"""
+
+
+@NEEDS
+def test_numba_cache_saves_from_processes_at_once_keep_every_entry(tmp_path):
+    """Four processes saving 40 entries each into one kernel's cache index at once, with refbert's lock on Numba's
+    save (kernels/cuda/_common.py lock_numba_cache_saves, on wherever REFBERT_NUMBA_CACHE=1): all 160 kept, each key
+    loading its own data. The control, without the lock, loses entries or mismatches them in one of three tries at
+    least (Numba's save reads the index, takes the first free data file and writes, unlocked)."""
+    script = tmp_path / "saves.py"
+    script.write_text(_SAVES)
+    env = cudachild.child_env(sim=False)
+
+    def run(d, lock):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / d), lock], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        kept, wrong = re.search(r"KEPT (\d+) WRONG (\d+)", r.stdout).groups()
+        return int(kept), int(wrong)
+    assert run("locked", "1") == (160, 0)
+    assert any(run(f"bare{i}", "0") != (160, 0) for i in range(3))

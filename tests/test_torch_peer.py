@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import types
 from pathlib import Path
 
 from refbert import cli
@@ -86,9 +87,11 @@ def test_mixed_train_writes_the_runs_that_finished(tmp_path, monkeypatch):
 
 
 def test_mixed_train_says_where_its_time_went(tmp_path, monkeypatch, capsys):
-    """train() ends with one line of its parts' seconds (gpu_all.sh quotes it in its summary: issue 13's 6 minutes):
-    the demo data, each precision's run, each run's HF + PyTorch peer. The refbert commands and the peer are replaced
-    here by stand-ins that write what train() reads (eval.csv, log.csv) and take no time, so every part reads 0 s."""
+    """train() prints a line of its parts' seconds after each part (gpu_all.sh quotes the last in its summary, so a
+    run cut off keeps the parts it finished: issue 13's 6 minutes): the demo data, each precision's run, each run's
+    HF + PyTorch peer. The refbert commands and the peer are replaced here by stand-ins that write what train() reads
+    (eval.csv, log.csv), and the clock by one that moves 10 s at every reading: each part is read at its start and
+    its end, so each takes 10 s."""
     spec = importlib.util.spec_from_file_location("mixed_train", ROOT / "benchmarks" / "mixed_train.py")
     M = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(M)
@@ -104,9 +107,13 @@ def test_mixed_train_says_where_its_time_went(tmp_path, monkeypatch, capsys):
         return ""
     monkeypatch.setattr(M, "_refbert", refbert)
     monkeypatch.setattr(M, "torch_peer", lambda run, device: {"mlm": 5.0})
+    ticks = iter(range(0, 10000, 10))
+    monkeypatch.setattr(M, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))   # (M's alone)
     seen = []
     runs = M.train(str(tmp_path), 300, backend="cuda", peer=True, done=lambda r: seen.append(len(r)))
     assert seen == [1, 2, 3] and set(runs) == {"no", "bf16", "fp16"}, (seen, runs)
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train times:")]
-    assert line == ["train times: demo-data 0 s, no 0 s (its HF + PyTorch peer 0 s), bf16 0 s (its HF + PyTorch "
-                    "peer 0 s), fp16 0 s (its HF + PyTorch peer 0 s)"], line
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train times:")]
+    assert lines[0] == "train times: demo-data 10 s", lines
+    assert lines[-1] == ("train times: demo-data 10 s, no 10 s (its HF + PyTorch peer 10 s), bf16 10 s (its HF + "
+                         "PyTorch peer 10 s), fp16 10 s (its HF + PyTorch peer 10 s)"), lines
+    assert len(lines) == 4, lines                       # (after the data and after each run)

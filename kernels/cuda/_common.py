@@ -43,9 +43,10 @@ compile_time.watch_numba()             # (how long this process compiles Numba k
 # Numba's disk cache for the kernels, off by default: REFBERT_NUMBA_CACHE=1 (read at import) keeps each kernel's
 # compile (PTX and cubin) in Numba's cache directory (NUMBA_CACHE_DIR, else __pycache__ beside the source) and a later
 # process whose kernel has the same bytecode, closure values and signature loads it there instead of compiling.
-# Numba keys an entry by the kernel's own file and closure values (every kernel's closure here pickles, the same
-# bytes in every process: tests/test_cuda_ptx.py), not by the code of device functions it calls from other files, so
-# a cache kept across edits can hand back a stale kernel: hence off unless asked, and benchmarks/gpu_all.sh asks in
+# Numba keys an entry by the kernel's own file's stamp, its bytecode and its closure's values (every closure here
+# that compile_check reaches pickles, the same bytes in every process: tests/test_cuda_ptx.py), not by the code of
+# device functions it reaches through another file's globals, so a cache kept across edits can hand back a stale
+# kernel: hence off unless asked, and benchmarks/gpu_all.sh asks in
 # a fresh directory for its own run only, after its preflight saw a kernel compiled and cached by one process and
 # loaded by another on that GPU (issue 13: its processes compiled the same kernels over and over).
 NUMBA_CACHE = os.environ.get("REFBERT_NUMBA_CACHE") == "1" and not SIM
@@ -54,6 +55,31 @@ NUMBA_CACHE = os.environ.get("REFBERT_NUMBA_CACHE") == "1" and not SIM
 def jit_kernel(fn):
     """@cuda.jit for a kernel (not a device function), with Numba's disk cache where NUMBA_CACHE is on."""
     return cuda.jit(cache=True)(fn) if NUMBA_CACHE else cuda.jit(fn)
+
+
+def lock_numba_cache_saves():
+    """Numba's cache keeps one index file a kernel function (every closure a factory makes shares it) and saves an
+    entry by reading the index, taking the first free data-file number, writing the index, then the data, with no
+    lock: two processes saving at once both take the same number, and one key can end up naming the other's
+    compiled kernel, which a later process loads without a check (4 processes saving 40 entries each lost a quarter
+    and mismatched 23 on this project's CPU: tests/test_cuda_ptx.py). Here each save holds an flock on a file beside
+    the index (once a process; only where NUMBA_CACHE is on, or a test asks)."""
+    import fcntl
+    from numba.cuda.core import caching
+    save = caching.IndexDataCacheFile.save
+    if getattr(save, "refbert_locked", False):
+        return
+
+    def locked(self, key, data):
+        with open(self._index_path + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            save(self, key, data)
+    locked.refbert_locked = True
+    caching.IndexDataCacheFile.save = locked
+
+
+if NUMBA_CACHE:
+    lock_numba_cache_saves()
 
 try:                                   # bfloat16 storage dtype (pip install ml_dtypes); absent: no bf16 kind
     from ml_dtypes import bfloat16 as BF16
