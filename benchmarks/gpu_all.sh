@@ -61,9 +61,8 @@
 # CPU); bench runs alone after them, its threads uncapped. A step that fails or times out is recorded and the next
 # one still runs; the exit status is the number of failed steps. Beside each step's line, summary.txt quotes where
 # the time went (issue 13's 6 minutes, "the numba compile included"; kernels/cuda/compile_time.py): the mains'
-# build and each main's seconds (an attention main's second run after a +), train's runs and their peers',
-# warm's total,
-# check's and study's compile time (Numba's kernels, the CUDA C modules and the waits for their locks) and the
+# build and each main's seconds (an attention main's second run after a +), train's runs and their peers', warm's
+# total, check's and study's compile time (Numba's kernels, the CUDA C modules and the waits for their locks) and the
 # bench's sections ("bench sections: ...", each with its compiling in cuda_probes.md, which report.tgz holds; a
 # bench cut off before that line: the lines of the sections it finished).
 # What comes back is at most 8 files in $OUT:

@@ -153,9 +153,6 @@ def _named(compiled, failures, host_errors):
             {repr(k): m for k, m in host_errors.items()})
 
 
-SPENT = []          # compile_time.since() of each job run_parallel's workers ran: what they spent compiling
-
-
 def _job(job):
     """One (spec, storage dtype), every version, in a worker process: (progress lines, {name: PTX} of what
     compiled, {name: message} of what did not, {run: message} of host-code stops). Split by dtype, not version:
@@ -164,24 +161,24 @@ def _job(job):
     cc, shapes, name, dtype = job
     lines, snap = [], compile_time.snapshot()
     got = _named(*run(cc, shapes, io.StringIO(), names=(name,), dtypes=(dtype,), lines=lines))
-    return (lines, *got, compile_time.since(snap))     # (this job's compiling: the parent gathers them in SPENT)
+    return (lines, *got, compile_time.since(snap))     # (this job's compiling: run_parallel adds them up)
 
 
 def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
     """run() in `jobs` worker processes, one (spec, storage dtype) a job (NVVM's compiles are single-threaded and
     independent), the files with most versions first. Returns ({name: PTX} of every kernel signature compiled,
-    {name: message} of those that failed, {run: message} of host-code stops); the progress lines printed at the
-    end, in run()'s order."""
+    {name: message} of those that failed, {run: message} of host-code stops, what the workers spent compiling:
+    compile_time.snapshot()'s keys, summed over the jobs); the progress lines printed at the end, in run()'s order."""
     from refbert_kernels.cuda import _common as C, specs
     order = {s.name: i for i, s in enumerate(specs())}
     todo = [(cc, shapes, spec.name, np.dtype(dt).name)
             for spec in sorted(specs(), key=lambda s: -len(s.versions)) for dt in C.dtypes()]
-    ptx, failures, host_errors, lines = {}, {}, {}, []
+    ptx, failures, host_errors, lines, spent = {}, {}, {}, [], {}
     # spawn: no forked Numba or driver state; a worker that dies breaks the pool (an error, never a wait)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
         for fut in as_completed([ex.submit(_job, job) for job in todo]):
-            ls, p, f, h, spent = fut.result()
-            SPENT.append(spent)
+            ls, p, f, h, s = fut.result()
+            spent = {k: spent.get(k, 0) + v for k, v in s.items()}
             lines += ls
             ptx.update(p)
             failures.update(f)
@@ -191,7 +188,7 @@ def run_parallel(cc=(9, 0), shapes="sim", out=sys.stdout, jobs=2):
         print(line, file=out, flush=True)
     for name in failures:                      # compiled in one process, failed in another: a failure
         ptx.pop(name, None)
-    return ptx, failures, host_errors
+    return ptx, failures, host_errors, spent
 
 
 def main(argv=None):
@@ -207,12 +204,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cc = tuple(int(p) for p in a.cc.split("."))
     from refbert_kernels.cuda import compile_time
-    SPENT.clear()
     if a.jobs > 1:
-        ptx, failures, host_errors = run_parallel(cc, a.shapes, jobs=a.jobs)
+        ptx, failures, host_errors, spent = run_parallel(cc, a.shapes, jobs=a.jobs)
     else:
         ptx, failures, host_errors = _named(*run(cc, a.shapes))
-        SPENT.append(compile_time.snapshot())
+        spent = compile_time.snapshot()
     for name, msg in failures.items():
         print(f"FAILED {name}:\n    {msg.splitlines()[0] if msg else ''}")
         for line in msg.splitlines()[1:12]:
@@ -228,8 +224,8 @@ def main(argv=None):
                 index.write(f"{i:04d}.ptx {name}\n")
     print(f"{len(ptx)} kernel signatures compiled for sm_{cc[0]}{cc[1]}, {len(failures)} failed, "
           f"{len(host_errors)} spec/version/dtype/shape runs stopped in host code")
-    print(f"Numba compiling in every process: {sum(d['numba_s'] for d in SPENT):.1f} s, "     # (compile_time)
-          f"{sum(d['numba_n'] for d in SPENT)} compiler-lock holds")
+    print(f"Numba compiling in every process: {spent.get('numba_s', 0):.1f} s, "     # (compile_time)
+          f"{spent.get('numba_n', 0)} compiler-lock holds")
     return 1 if failures or host_errors else 0
 
 
