@@ -268,3 +268,45 @@ def test_gelu_v3_grid_takes_the_blocks_its_launch_bounds_promise():
     text = (K.CSRC / "gelu.cu").read_text()
     bounds = re.search(r"__launch_bounds__\(256, (\d+)\) gelu_fwd_v3_##NAME", text)
     assert bounds and int(bounds.group(1)) == K.GELU_FWD3_BLOCKS, bounds
+
+
+def test_sm_count_and_smem_limit_follow_the_current_device():
+    """The launchers size grids by the current device's SM count (gelu v3, cross-entropy's splits, attention's query
+    rows) and raise a kernel's shared-memory limit once: both are per device, so a process that switches devices
+    (`with cupy.cuda.Device(1):`) asks again rather than reusing the first device's answer. A stand-in CuPy with two
+    devices of different SM counts; the emulator's one device counts one."""
+    from refbert_kernels.cuda import cuda_c as K, emulate as E
+    current = [0]
+    asked = []
+
+    class Function:
+        max_dynamic_shared_size_bytes = 0
+
+    class FakeCupy:                                     # (hashable: the caches key by array module)
+        class cuda:
+            class runtime:
+                @staticmethod
+                def getDeviceProperties(d):
+                    asked.append(d)
+                    return {"multiProcessorCount": (132, 114)[d]}
+
+            @staticmethod
+            def Device():
+                return type("Dev", (), {"id": current[0]})()
+
+    fake = FakeCupy()
+    assert [K._sm_count(fake) for current[0] in (0, 1, 0, 1)] == [132, 114, 132, 114]
+    assert asked == [0, 1], asked                       # (asked once a device)
+    assert K._sm_count(E.cupy) == 1
+
+    made = []
+    real = (K.module, K.kernel)
+    try:
+        K.module = lambda source, xp: type("M", (), {"get_function": lambda self, name: made.append(current[0])
+                                                     or Function()})()
+        K.kernel = lambda source, name, xp: "launcher"
+        for current[0] in (0, 0, 1, 1):
+            assert K.kernel_smem("some.cu", "k", fake, 99999) == "launcher"
+    finally:
+        K.module, K.kernel = real
+    assert made == [0, 1], made                         # (the limit raised once on each device)

@@ -553,7 +553,7 @@ _SMEM_SET = set()
 def kernel_smem(source, name, xp, nbytes):
     """kernel(source, name) with its dynamic shared memory limit raised to nbytes (once per process): a launch
     asking for more than 48 KiB fails on a GPU without it."""
-    key = (id(xp), source, name)
+    key = (id(xp), _device_id(xp), source, name)          # (the limit belongs to one device's loaded function)
     if key not in _SMEM_SET:
         module(source, xp).get_function(name).max_dynamic_shared_size_bytes = nbytes
         _SMEM_SET.add(key)
@@ -1307,11 +1307,27 @@ def _ce_done(xp):
     return done
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(xp):
+def _device_id(xp):
+    """The current device's ordinal (None where the array module has none to ask)."""
     try:
-        return int(xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["multiProcessorCount"])
-    except Exception:                                 # the emulator's stand-in: one
+        return int(xp.cuda.Device().id)
+    except Exception:
+        return None
+
+
+def _sm_count(xp):
+    """Streaming multiprocessors of the current device (the emulator says 1): asked once per device, since a
+    process can switch devices between calls (`with cupy.cuda.Device(1):`)."""
+    return _sm_count_of(xp, _device_id(xp))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(xp, device):
+    if device is None:
+        return 1
+    try:
+        return int(xp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    except Exception:
         return 1
 
 
