@@ -77,3 +77,4 @@ else:
     from . import _cache as _cache  # noqa: E402  (Numba's cache follows what the kernels import: _cache.py)
 
     _cache.install()
+    _cache.lock_saves()     # (every process: two that compile the same kernel at once must not cross its entries)

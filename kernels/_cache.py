@@ -125,12 +125,13 @@ def install(*roots):
 
 
 def lock_saves():
-    """For processes that compile side by side (refbert check's workers): Numba's on-disk cache saves one
-    function's entries as read index, pick a free data file, write index, write data, which two processes saving
-    different signatures of one function (a helper both versions call, in float32 and float64) could interleave
-    into an index that points a signature at the other's data. Each save here holds an exclusive lock (fcntl) on a
-    file beside that function's index, so saves of one function come one at a time. True once installed; False
-    where it cannot be (no fcntl, a Numba without IndexDataCacheFile.save): the caller then compiles in one
+    """Numba's on-disk cache saves one function's entries as read index, pick a free data file, write index, write
+    data, which two processes saving signatures of one function at once (refbert check's workers, the test suite's
+    workers, two commands run side by side, a helper both call in float32 and float64) could interleave into an index
+    that loses an entry or points a signature at the other's data (tests/test_kernels_cache.py: 4 processes saving
+    at once). Each save here holds an exclusive lock (fcntl) on a file beside that function's index, so saves of one
+    function come one at a time; refbert_kernels installs it on import, in every process. True once installed;
+    False where it cannot be (no fcntl, a Numba without IndexDataCacheFile.save): refbert check then compiles in one
     process."""
     try:
         import fcntl

@@ -122,9 +122,11 @@ def pytest_make_collect_report(collector):
 
 
 # The test that runs `refbert check` compiles every Numba kernel version on a cold cache, in one process a core
-# (refbert.check.kernel_rows; about 2 minutes on 2 cores where one process takes 4). Run first, it leaves a warm cache
+# (refbert.check.kernel_rows; about 3 minutes on 2 cores where one process takes 6). Run first, it leaves a warm cache
 # (Numba's cache=True) for every later test that calls the same kernels, which would otherwise compile them one at a
 # time on one core (the backend parity tests alone: about 50 s). Only the order changes; every test still runs.
+# Under pytest-xdist (the README's `-n auto`) every worker orders its tests so; the first worker starts with this
+# one, the others beside it (their compiles of the same kernels saved under refbert_kernels' lock).
 FIRST = "tests/test_cli.py::test_refbert_check_lists_every_op_and_exits_0"
 
 

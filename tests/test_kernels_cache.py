@@ -73,3 +73,53 @@ def test_dependencies_follow_the_imports_of_the_kernel_files():
     assert {"layernorm.py", "_math.py", "_harness.py", "dropout.py"} <= deps, deps
     assert "softmax.py" not in deps and "attention.py" not in deps, deps
     assert _cache.stamp(os.path.join(kernels, "layernorm.py")) != _cache.stamp(os.path.join(kernels, "softmax.py"))
+
+
+_SAVES = """
+import multiprocessing as mp, os, sys
+from numba.core.caching import IndexDataCacheFile
+D, LOCK = sys.argv[1], sys.argv[2] == "1"
+NAME = "softmax._forward_v3-120.py311"                # (one kernel function's index, which all its signatures share)
+
+def worker(w, start):
+    if LOCK:
+        import refbert_kernels                        # (installs the lock on import)
+        from numba.core import caching
+        assert caching.IndexDataCacheFile.save.refbert_locked
+    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
+    start.wait()
+    for i in range(40):
+        f.save(("key", w, i), ("data", w, i))
+
+if __name__ == "__main__":
+    os.makedirs(D)
+    go = mp.get_context("fork").Event()
+    ps = [mp.get_context("fork").Process(target=worker, args=(w, go)) for w in range(4)]
+    [p.start() for p in ps]
+    go.set()
+    [p.join() for p in ps]
+    assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
+    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
+    idx = f._load_index()
+    wrong = sum(f.load(k) != ("data",) + k[1:] for k in idx)
+    print("KEPT", len(idx), "WRONG", wrong)
+"""
+
+
+def test_cache_saves_from_processes_at_once_keep_every_entry(tmp_path):
+    """Processes that compile the same kernel at once (refbert check's workers, the suite's workers, two commands)
+    save into one index: importing refbert_kernels puts a lock around Numba's save (_cache.lock_saves), so four
+    processes saving 40 signatures each keep all 160, each loading its own data. The control, Numba's save without
+    the lock, loses entries or points a key at another's data in one of three tries at least (its save reads the
+    index, takes the first free data file and writes, unlocked)."""
+    script = tmp_path / "saves.py"
+    script.write_text(_SAVES)
+
+    def run(d, lock):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / d), lock], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        words = r.stdout.split()
+        return int(words[words.index("KEPT") + 1]), int(words[words.index("WRONG") + 1])
+    assert run("locked", "1") == (160, 0)
+    assert any(run(f"bare{i}", "0") != (160, 0) for i in range(3))
