@@ -124,12 +124,14 @@ def pytest_make_collect_report(collector):
 # The test that runs `refbert check` compiles every Numba kernel version on a cold cache, in one process a core
 # (refbert.check.kernel_rows; about 3 minutes on 2 cores where one process takes 6). Run first, it leaves a warm cache
 # (Numba's cache=True) for every later test that calls the same kernels, which would otherwise compile them one at a
-# time on one core (the backend parity tests alone: about 50 s). Only the order changes; every test still runs.
-# Under pytest-xdist (the README's `-n auto`) every worker orders its tests so; the first worker starts with this
-# one, the others beside it (their compiles of the same kernels saved under refbert_kernels' lock).
+# time on one core (the backend parity tests alone: about 50 s). The files whose tests call the Numba CPU kernels
+# (NUMBA_CPU) come next, the rest after them. Under pytest-xdist (the README's `-n auto --dist worksteal`) the first
+# worker starts on that first half, the second on the rest (the CUDA simulators, g++ and nvcc's builds: no Numba CPU
+# kernel), so that it does not compile the same kernels beside the check; an idle worker then takes half of the
+# other's queue. Only the order changes; every test still runs, and each file's tests keep their order.
 FIRST = "tests/test_cli.py::test_refbert_check_lists_every_op_and_exits_0"
+NUMBA_CPU = re.compile(r"tests/test_(kernels_\w+|backend_parity|bench|cli|hf_semantics|mixed|testing|train)\.py::")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    first = [i for i in items if i.nodeid == FIRST]
-    items[:] = first + [i for i in items if i.nodeid != FIRST]
+    items[:] = sorted(items, key=lambda i: 0 if i.nodeid == FIRST else 1 if NUMBA_CPU.match(i.nodeid) else 2)

@@ -137,3 +137,21 @@ def test_what_counts_as_ci(monkeypatch):
         else:
             monkeypatch.setenv("CI", value)
         assert in_ci() is want, value
+
+
+def test_collection_puts_the_check_first_then_the_numba_cpu_files():
+    """The order conftest.py gives the collection: `refbert check`'s test (the cold compile of every Numba kernel),
+    then the files that call the Numba CPU kernels, then the rest, each group and each file in its own order. Every
+    file NUMBA_CPU names exists (a renamed file would fall silently into the last group)."""
+    import conftest
+    names = ["tests/test_ops.py::a", "tests/test_kernels_gelu.py::b", "tests/test_cli.py::c", conftest.FIRST,
+             "tests/test_cuda_sim.py::d", "tests/test_kernels_gelu.py::e", "tests/test_ops.py::f"]
+    items = [type("Item", (), {"nodeid": n})() for n in names]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == [conftest.FIRST, "tests/test_kernels_gelu.py::b", "tests/test_cli.py::c",
+                                         "tests/test_kernels_gelu.py::e", "tests/test_ops.py::a",
+                                         "tests/test_cuda_sim.py::d", "tests/test_ops.py::f"]
+    alternatives = re.search(r"test_\((.*?)\)", conftest.NUMBA_CPU.pattern).group(1).split("|")
+    files = [p.name for p in HERE.glob("test_*.py")]
+    for alt in alternatives:
+        assert any(re.fullmatch(rf"test_{alt}\.py", f) for f in files), alt
