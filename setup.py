@@ -23,9 +23,9 @@ setup(
         "train": ["tokenizers>=0.15", "tqdm", "matplotlib"],
         # tests, the training commands, and the peers that parity tests compare against; torch pinned to the CPU
         # build this project tests with; scipy and mpmath: oracles for refbert.special; pytest-xdist: the suite's
-        # worker processes (README: -n auto, most of the suite is one busy core a test)
-        "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40", "safetensors",
-                "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59", "scipy>=1.10", "mpmath",
+        # worker processes (README: -n auto --dist worksteal, which came in 3.2; most tests keep one core busy)
+        "dev": ["pytest>=7", "pytest-xdist>=3.2", "hypothesis>=6.80", "torch==2.13.0", "transformers>=4.40",
+                "safetensors", "tokenizers>=0.15", "tqdm", "matplotlib", "numba>=0.59", "scipy>=1.10", "mpmath",
                 # the CUDA kernels' tests run in Numba's CUDA simulator; bfloat16 arrays for the precision study;
                 # NVRTC (with a CUDA toolkit's NVVM) lets tests/test_cuda_ptx.py compile every kernel without a GPU
                 # (it skips where no libnvvm is found; NVRTC has no macOS wheel)
