@@ -209,50 +209,16 @@ def test_numba_cache_round_trip_on_gpu(tmp_path):
     assert res.returncode == 0 and "numba cache: ok" in res.stdout, res.stdout + res.stderr[-3000:]
 
 
-_SAVES = """
-import multiprocessing as mp, os, sys
-from numba.cuda.core.caching import IndexDataCacheFile
-D, LOCK = sys.argv[1], sys.argv[2] == "1"
-NAME = "softmax.forward-144.py311"                    # (one kernel function's index, as every closure of it shares)
-
-def worker(w, start):
-    if LOCK:
-        from refbert_kernels.cuda import _common as C
-        C.lock_numba_cache_saves()
-    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
-    start.wait()
-    for i in range(40):
-        f.save(("key", w, i), ("data", w, i))
-
-if __name__ == "__main__":
-    os.makedirs(D)
-    go = mp.get_context("fork").Event()
-    ps = [mp.get_context("fork").Process(target=worker, args=(w, go)) for w in range(4)]
-    [p.start() for p in ps]
-    go.set()
-    [p.join() for p in ps]
-    f = IndexDataCacheFile(D, NAME, ("stamp", 1))
-    idx = f._load_index()
-    wrong = sum(f.load(k) != ("data",) + k[1:] for k in idx)
-    print("KEPT", len(idx), "WRONG", wrong)
-"""
-
-
 @NEEDS
 def test_numba_cache_saves_from_processes_at_once_keep_every_entry(tmp_path):
     """Four processes saving 40 entries each into one kernel's cache index at once, with refbert's lock on Numba's
     save (kernels/cuda/_common.py lock_numba_cache_saves, on wherever REFBERT_NUMBA_CACHE=1): all 160 kept, each key
     loading its own data. The control, without the lock, loses entries or mismatches them in one of three tries at
     least (Numba's save reads the index, takes the first free data file and writes, unlocked)."""
-    script = tmp_path / "saves.py"
-    script.write_text(_SAVES)
-    env = cudachild.child_env(sim=False)
-
-    def run(d, lock):
-        r = subprocess.run([sys.executable, str(script), str(tmp_path / d), lock], capture_output=True, text=True,
-                           env=env, cwd=ROOT, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        kept, wrong = re.search(r"KEPT (\d+) WRONG (\d+)", r.stdout).groups()
-        return int(kept), int(wrong)
+    from test_kernels_cache import saves_at_once
+    run = saves_at_once(tmp_path, "numba.cuda.core.caching", "softmax.forward-144.py311", """
+        from refbert_kernels.cuda import _common as C
+        C.lock_numba_cache_saves()
+    """, env=cudachild.child_env(sim=False))
     assert run("locked", "1") == (160, 0)
     assert any(run(f"bare{i}", "0") != (160, 0) for i in range(3))

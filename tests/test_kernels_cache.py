@@ -75,17 +75,15 @@ def test_dependencies_follow_the_imports_of_the_kernel_files():
     assert _cache.stamp(os.path.join(kernels, "layernorm.py")) != _cache.stamp(os.path.join(kernels, "softmax.py"))
 
 
-_SAVES = """
+SAVES = """
 import multiprocessing as mp, os, sys
-from numba.core.caching import IndexDataCacheFile
+from {caching} import IndexDataCacheFile
 D, LOCK = sys.argv[1], sys.argv[2] == "1"
-NAME = "softmax._forward_v3-120.py311"                # (one kernel function's index, which all its signatures share)
+NAME = {name!r}                                       # (one kernel function's index, which all its signatures share)
 
 def worker(w, start):
     if LOCK:
-        import refbert_kernels                        # (installs the lock on import)
-        from numba.core import caching
-        assert caching.IndexDataCacheFile.save.refbert_locked
+{lock}
     f = IndexDataCacheFile(D, NAME, ("stamp", 1))
     start.wait()
     for i in range(40):
@@ -106,20 +104,33 @@ if __name__ == "__main__":
 """
 
 
+def saves_at_once(tmp_path, caching, name, lock, env=None):
+    """A script for SAVES (Numba's caching module `caching`, kernel index `name`, `lock` the code that locks saves in
+    each worker) and run(folder, "1" or "0"): (entries kept, entries loading another's data) of 4 processes saving
+    40 entries each into one index at once, with or without the lock. Used here (the CPU kernels' cache) and by
+    tests/test_cuda_ptx.py (Numba CUDA's)."""
+    script = tmp_path / "saves.py"
+    script.write_text(SAVES.format(caching=caching, name=name, lock=textwrap.indent(textwrap.dedent(lock), " " * 8)))
+
+    def run(d, locked):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / d), locked], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        words = r.stdout.split()
+        return int(words[words.index("KEPT") + 1]), int(words[words.index("WRONG") + 1])
+    return run
+
+
 def test_cache_saves_from_processes_at_once_keep_every_entry(tmp_path):
     """Processes that compile the same kernel at once (refbert check's workers, the suite's workers, two commands)
     save into one index: importing refbert_kernels puts a lock around Numba's save (_cache.lock_saves), so four
     processes saving 40 signatures each keep all 160, each loading its own data. The control, Numba's save without
     the lock, loses entries or points a key at another's data in one of three tries at least (its save reads the
     index, takes the first free data file and writes, unlocked)."""
-    script = tmp_path / "saves.py"
-    script.write_text(_SAVES)
-
-    def run(d, lock):
-        r = subprocess.run([sys.executable, str(script), str(tmp_path / d), lock], capture_output=True, text=True,
-                           cwd=ROOT, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        words = r.stdout.split()
-        return int(words[words.index("KEPT") + 1]), int(words[words.index("WRONG") + 1])
+    run = saves_at_once(tmp_path, "numba.core.caching", "softmax._forward_v3-120.py311", """
+        import refbert_kernels                        # (installs the lock on import)
+        from numba.core import caching
+        assert caching.IndexDataCacheFile.save.refbert_locked
+    """)
     assert run("locked", "1") == (160, 0)
     assert any(run(f"bare{i}", "0") != (160, 0) for i in range(3))
