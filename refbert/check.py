@@ -237,10 +237,7 @@ def _version_rows(job):
     """(job, rows) for job = (spec index, version): the version in float64 and float32, worst over the spec's
     shapes and over its builds (_builds: a kernel with a threaded build and a one-thread twin is checked as both).
     A worker process's job when the kernels are checked side by side (each process compiles, and caches, what it
-    checks, its cache saves locked: refbert_kernels._cache.lock_saves)."""
-    if multiprocessing.parent_process() is not None:
-        from refbert_kernels import _cache
-        _cache.lock_saves()
+    checks, its cache saves locked: refbert_kernels installs _cache.lock_saves on import, in every process)."""
     index, v = job
     spec = _kernel_specs()[index]
     rows = []

@@ -290,9 +290,9 @@ def test_sm_count_and_smem_limit_follow_the_current_device():
                     asked.append(d)
                     return {"multiProcessorCount": (132, 114)[d]}
 
-            @staticmethod
-            def Device():
-                return type("Dev", (), {"id": current[0]})()
+                @staticmethod
+                def getDevice():
+                    return current[0]
 
     fake = FakeCupy()
     assert [K._sm_count(fake) for current[0] in (0, 1, 0, 1)] == [132, 114, 132, 114]

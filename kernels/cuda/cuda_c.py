@@ -1310,7 +1310,7 @@ def _ce_done(xp):
 def _device_id(xp):
     """The current device's ordinal (None where the array module has none to ask)."""
     try:
-        return int(xp.cuda.Device().id)
+        return int(xp.cuda.runtime.getDevice())       # (a direct call: this is on the launch path)
     except Exception:
         return None
 
