@@ -167,7 +167,8 @@ def model_batch(cfg, head, B=2, T=6, seed=0):
         lab[1, 4:] = -100
         x.update(labels=lab)
     elif head == "BertForQuestionAnswering":
-        x.update(start_positions=np.array([1, 2])[:B], end_positions=np.array([3, T + 5])[:B])  # T+5: clamped, ignored
+        # past the end (T + 2, T + 5): clamped to T and ignored, as HF does, one start and one end on different rows
+        x.update(start_positions=np.array([T + 2, 2])[:B], end_positions=np.array([3, T + 5])[:B])
     elif head == "BertForMultipleChoice":
         x = {k: np.stack([v, v[::-1]], 1) for k, v in x.items()}  # (B, 2 choices, T)
         x.update(labels=np.array([1, 0])[:B])

@@ -63,6 +63,16 @@ def _normalise(tensors, prefix):
     return out
 
 
+def _label_id(i):
+    """A label id as HF's config takes it: an integer, or its decimal text (JSON's keys are strings). int() alone
+    would also take 1.7 (as 1) and True (as 1): those are refused (ValueError)."""
+    if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
+        return int(i)
+    if isinstance(i, str) and i.strip().lstrip("-").isdigit():
+        return int(i)
+    raise ValueError(f"not an integer id: {i!r}")
+
+
 def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None):
     """cls.from_pretrained(path): a model in eval mode, as HF's from_pretrained returns. id2label ({id: name})
     replaces the checkpoint's labels, as for a classifier head about to be fine-tuned (HF's num_labels= / id2label=)."""
@@ -74,13 +84,13 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
     config = BertConfig.from_pretrained(path)
     if id2label is not None:
         try:
-            ids = sorted(int(i) for i in id2label) if isinstance(id2label, dict) else None
+            ids = sorted(_label_id(i) for i in id2label) if isinstance(id2label, dict) else None
         except (TypeError, ValueError):
             ids = None
         if not ids or ids != list(range(len(ids))):
             raise ValueError(f"{cls.__name__}.from_pretrained: argument 'id2label' expected a dict {{id: name}} "
                              f"with ids 0 .. n - 1, got {id2label!r:.80}")
-        config.id2label = {int(i): str(n) for i, n in id2label.items()}
+        config.id2label = {_label_id(i): str(n) for i, n in id2label.items()}
         config.label2id = {n: i for i, n in config.id2label.items()}
         config.validate()
     if not config.extra.get("tie_word_embeddings", True):

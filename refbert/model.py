@@ -362,7 +362,7 @@ def mlm_head_forward(ctx, P, cfg, h, word_emb_name, labels, decode="all", pad_ro
     E, bias = P[word_emb_name], P["cls.predictions.bias"]
     rows = None if labels is None else np.flatnonzero(labels.reshape(-1) != -100)   # (n,)
     targets = None if rows is None else labels.reshape(-1)[rows]
-    shown = rows
+    shown = None if rows is None else rows.copy()                   # the user's; the gather's backward reads rows
     if pad_rows is not None and (isinstance(pad_rows, (bool, np.bool_)) or not isinstance(pad_rows, (int, np.integer))
                                  or pad_rows < 1):
         raise ValueError(f"mlm: attribute 'mlm_rows' expected None or a positive integer (the labelled rows padded "
@@ -779,7 +779,7 @@ class BertForNextSentencePrediction(_Head):
         logits, c_nsp = dense_forward(ctx, self.params, "cls.seq_relationship", enc["pooler_output"])
         loss = head_backward = None
         if labels is not None:
-            self._labels("labels", labels, (input_ids.shape[0],), 2, allow=None)
+            self._labels("labels", labels, (input_ids.shape[0],), 2)     # -100: ignored, as HF's CrossEntropyLoss
             loss, c_l = o.cross_entropy_forward(logits.copy(), labels)  # a copy: the output stays the user's
 
             def head_backward(dloss, grads):

@@ -285,6 +285,46 @@ def test_over_long_lines_are_truncated(hf_tokenizer):
         assert batch["input_ids"].shape[1] == 32
 
 
+def test_no_sentence_task_fills_max_seq_length():
+    """Without a sentence task an instance is [CLS] A [SEP]: two specials, so a chunk longer than the limit is cut
+    to exactly max_seq_length tokens (max_num_tokens = max_seq_length - 2), not one short of it (the pair's - 3).
+    max_seq_length 16, short_seq_prob 0: target 14. One 50-token sentence is one chunk; 9 sentences of 5 tokens
+    close a chunk every 3 sentences (15 >= 14 tokens): 3 chunks, each cut from 15 tokens to 14."""
+    tok = Stub()
+    one_long = [" ".join(f"t{i}" for i in range(50))]
+    five_each = [" ".join(f"s{j}_{i}" for i in range(5)) for j in range(9)]
+    for doc, n_chunks in ((one_long, 1), (five_each, 3)):
+        words = [t for s in doc for t in s.split()]
+        for seed in range(5):
+            insts = create_instances([doc], tok, 16, 0.0, None, rng=np.random.default_rng(seed))
+            assert len(insts) == n_chunks
+            for x in insts:
+                assert x.tokens[0] == "[CLS]" and x.tokens[-1] == "[SEP]" and x.next_sentence_label is None
+                assert len(x.tokens) == 16 and x.segment_ids == (0,) * 16
+                assert is_slice(list(x.tokens[1:-1]), words)
+
+
+def test_random_b_stops_at_the_sentence_that_reaches_its_target():
+    """NSP's random B takes sentences until it holds target_seq_length - len(A) tokens: a sentence that brings it
+    to exactly that many is the last one. Document 0 is one 15-token sentence (A: a one-sentence chunk always gets
+    a random B from document 1); document 1 is 30 one-token sentences b0..b29. max_seq_length 23 and
+    short_seq_prob 0 give target 20, so B = the 5 sentences from a uniform start j (fewer when j > 25), A + B fits
+    and nothing is truncated. Taking one sentence more would make 21 tokens, and the truncation would cut A."""
+    a_words = [f"a{i}" for i in range(15)]
+    docs = [[" ".join(a_words)], [f"b{j}" for j in range(30)]]
+    exact = 0
+    for seed in range(20):
+        insts = create_instances(docs, Stub(), 23, 0.0, "nsp", rng=np.random.default_rng(seed))
+        (x,) = [x for x in insts if x.tokens[1].startswith("a")]     # document 0's only instance
+        a, b = split(x)
+        assert x.next_sentence_label == 1 and a == a_words
+        j = int(b[0][1:])
+        assert b == [f"b{k}" for k in range(j, min(j + 5, 30))]
+        exact += j <= 24                 # a sentence after the fifth existed: the stop was the rule's, not the end's
+    # The check above is not vacuous: exact ~ Binomial(20, 25/30), and P(exact < 5) = 8.7e-10 (binomial tail).
+    assert exact >= 5
+
+
 # --- mask_tokens ---------------------------------------------------------------------------------------------
 
 def sequence(n_a=62, n_b=62):
@@ -432,6 +472,47 @@ def test_ngram_lengths_follow_one_over_n():
             assert ok, (whole_word, info)
 
 
+def test_candidate_words_hash_is_a_word_not_a_piece():
+    """Only a "##"-prefixed piece continues a word. "#" alone is a whole token (BERT splits punctuation off:
+    BertTokenizerFast gives "a # b" and "a#b" as ['a', '#', 'b']), so under whole_word it is a word of its own."""
+    toks = ["[CLS]", "a", "#", "b", "##c", "#", "[SEP]", "##d", "e"]
+    assert data._candidate_words(toks, True) == [[[1], [2], [3, 4], [5]], [[7], [8]]]
+    assert data._candidate_words(toks, False) == [[[1], [2], [3], [4], [5]], [[7], [8]]]
+
+
+def test_ngram_span_is_shortened_to_fit_the_budget():
+    """[CLS] a b c [SEP] has a budget of one position (round(5 * 0.15) = 1). With ngram=3 the first shuffled start
+    is uniform over the three words and any span drawn there is shortened to its first word, so each word is the
+    masked one with probability 1/3 (a span not shortened to one word would be skipped, biasing to the last word,
+    which only fits n = 1). 3000 calls: each count ~ Binomial(3000, 1/3), sd 25.8; the 5-sd bound (module
+    docstring) over 3 comparisons fails a correct implementation with probability <= 1.7e-6."""
+    tokens = ["[CLS]", "a", "b", "c", "[SEP]"]
+    rng = np.random.default_rng(21)
+    counts = {1: 0, 2: 0, 3: 0}
+    n = 3000
+    for _ in range(n):
+        _, positions, labels = mask_tokens(tokens, SPECIALS + ["a", "b", "c"], rng, ngram=3)
+        assert len(positions) == 1 and labels == [tokens[positions[0]]]
+        counts[positions[0]] += 1
+    for c in counts.values():
+        ok, info = within(c, n, 1 / 3)
+        assert ok, (counts, info)
+
+
+def test_ngram_spans_never_overlap():
+    """An n-gram span overlapping positions already chosen is skipped, so no position is masked twice: over 500
+    calls with 3-grams (whole words or not), the positions are distinct, sorted, and within the budget."""
+    tokens, words = sequence(30, 30)
+    toks_ww = ["[CLS]"] + [t for i in range(40) for t in ([f"w{i}"] + ["##x"] * (i % 3))] + ["[SEP]"]
+    rng = np.random.default_rng(22)
+    for toks, whole_word in ((tokens, False), (toks_ww, True)):
+        budget = min(20, round(len(toks) * 0.4))
+        for _ in range(500):
+            _, positions, _ = mask_tokens(toks, SPECIALS + words, rng, masked_lm_prob=0.4, whole_word=whole_word,
+                                          ngram=3)
+            assert positions == sorted(set(positions)) and 0 < len(positions) <= budget
+
+
 def test_mask_tokens_bad_input():
     tokens, words = sequence(4, 4)
     rng = np.random.default_rng(0)
@@ -472,6 +553,18 @@ def test_encode_arrays():
         encode([x2._replace(tokens=("[CLS]", "zzz", "[SEP]", "b", "[SEP]"))], tok, 8)
     with pytest.raises(ValueError, match="'instances' expected next_sentence_label on all instances or on none"):
         encode([x1, x2._replace(next_sentence_label=None)], tok, 8)
+
+
+def test_encode_refuses_segment_ids_of_another_length():
+    """One segment id per token: a shorter tuple would otherwise be broadcast by NumPy (one id over five tokens)
+    without a word, a longer one fail inside NumPy without naming the argument."""
+    tok = Stub(["a", "b"])
+    x = Instance(("[CLS]", "a", "[SEP]", "b", "[SEP]"), (0, 0, 0, 1, 1), 0)
+    encode([x], tok, 8)                                                    # the right length passes
+    for ids in ((1,), (0, 0, 0, 1), (0, 0, 0, 1, 1, 1)):
+        with pytest.raises(ValueError, match=rf"encode: argument 'instances' expected .* one segment id per token, "
+                                             rf"got 5 tokens and {len(ids)} segment ids in instance 1"):
+            encode([x, x._replace(segment_ids=ids)], tok, 8)
 
 
 # --- PretrainingData ------------------------------------------------------------------------------------------

@@ -74,6 +74,24 @@ def test_outputs_and_every_gradient_match_hf(head, tmp_path, torch):
         assert rel_error(g, hf_grads[k], floor) <= 1e-8, (k, rel_error(g, hf_grads[k], floor))
 
 
+@pytest.mark.parametrize("head", ["BertForNextSentencePrediction", "BertForPreTraining"])
+def test_ignored_next_sentence_labels_match_hf(head, tmp_path, torch):
+    """A next-sentence label of -100 is ignored, as HF's CrossEntropyLoss ignores it: the loss and every gradient
+    equal HF's on a batch whose first row's label is -100 (tolerances as the module's: float64 in another order)."""
+    cfg = tiny(head)
+    hf = hf_model(head, cfg, tmp_path)
+    x = batch(cfg, head)
+    x["labels" if head == "BertForNextSentencePrediction" else "next_sentence_label"] = np.array([-100, 1])
+    ours = getattr(refbert, head).from_pretrained(tmp_path, dtype=np.float64)
+    out, theirs = ours(**x), hf(**torch_inputs(x))
+    assert abs(float(out.loss) - theirs.loss.item()) <= 1e-10
+    grads = ours.backward()
+    theirs.loss.backward()
+    floor = 1e-6 * max(np.abs(g).max() for g in grads.values())    # (as test_outputs_and_every_gradient_match_hf)
+    for k, p in hf.named_parameters():
+        assert rel_error(grads[k], p.grad.numpy(), floor) <= 1e-8, k
+
+
 def test_float32_load_matches_float64_hf(tmp_path):
     cfg = tiny()
     hf = hf_model("BertForPreTraining", cfg, tmp_path)

@@ -158,7 +158,11 @@ def test_each_op_rounds_inputs_and_outputs_once(op, compute):
     else:
         _close_to_rounded(out, ref, compute, "out")
         dout = R(np.random.default_rng(4).standard_normal(out.shape).astype(np.float32))
-    g = getattr(mops, f"{op}_backward")(dout, cache)
+    # the upstream gradient as a float32 sum hands it (off the grid: the spec's rule 4 rounds it on entry; the
+    # reference reads the rounded one)
+    d_in = dout if op == "cross_entropy" else np.random.default_rng(4).standard_normal(out.shape).astype(np.float32)
+    assert op == "cross_entropy" or not on_grid(d_in, compute)
+    g = getattr(mops, f"{op}_backward")(d_in, cache)
     gref = getattr(ops, f"{op}_backward")(np.float64(dout) if op == "cross_entropy" else dout.astype(np.float64),
                                           ref_cache)
     g, gref = (g, gref) if isinstance(g, tuple) else ((g,), (gref,))
@@ -169,6 +173,37 @@ def test_each_op_rounds_inputs_and_outputs_once(op, compute):
             assert not on_grid(a, compute), (op, i)         # a master's gradient is never rounded
         else:
             _close_to_rounded(a, b, compute, f"grad {i}")
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_regression_targets_are_constants_never_rounded(compute):
+    """mse and bce_with_logits read their targets as given (MIXED_CONSTANTS: a target is data, not a compute-dtype
+    activation): the loss equals the float32 loss of the rounded predictions against the unrounded targets, bit
+    for bit (the same float32 function on the same float32 inputs), and not the one with rounded targets."""
+    R = ops.ROUND[compute]
+    r = np.random.default_rng(5)
+    pred = r.standard_normal((4, 3)).astype(np.float32)
+    target = np.full((4, 3), 0.1, np.float32) + r.standard_normal((4, 3)).astype(np.float32) * 0.01
+    assert not on_grid(target, compute)
+    mops = mixed.MixedOps(refbert.model.get_backend("numpy"), compute)
+    for op, t in (("mse", target), ("bce_with_logits", np.clip(target * 5, 0, 1))):
+        got = getattr(mops, f"{op}_forward")(pred, t)[0]
+        want = getattr(ops, f"{op}_forward")(R(pred), t)[0]
+        rounded = getattr(ops, f"{op}_forward")(R(pred), R(t))[0]
+        assert got.dtype == np.float32 and got == want and rounded != want, (op, got, want, rounded)
+
+
+def test_numpy_backend_runs_the_spec_attention_and_says_so():
+    """On the numpy backend the attention is the spec's own code (ops.attention_*_mixed, FA2's arithmetic: "spec"),
+    every other op the float32 op between roundings ("rounded"); nothing is "own". A float64 q is refused by the
+    attention in its own name."""
+    mops = mixed.MixedOps(refbert.model.get_backend("numpy"), "bfloat16")
+    spec = {"attention_forward", "attention_backward", "attention_probs"}
+    assert {n for n, how in mops.how.items() if how == "spec"} == spec
+    assert all(how == "rounded" for n, how in mops.how.items() if n not in spec), mops.how
+    q = np.zeros((1, 2, 4))
+    with pytest.raises(ValueError, match=r"^attention: argument 'q' expected float32 \(mixed precision\), got float64"):
+        ops.attention_forward_mixed(q, q, q, 2)
 
 
 def _close_to_rounded(got, ref64, compute, what):

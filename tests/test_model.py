@@ -105,6 +105,10 @@ def test_qa_span_decoder():
     # (3, 3) = 8 and null 0
     assert M.decode_qa_span(s, e) == [(0, 0, 10.0), (1, 3, 9.0)]
     assert M.decode_qa_span(s, e, null_score_diff_threshold=6.0)[0] == (2, 3, 5.0)
+    # null 10 against the span's 5 is a difference of exactly 5: the null answer only when the difference is
+    # greater than the threshold (BERT's run_squad.py and HF's postprocessing: score_diff > threshold)
+    assert M.decode_qa_span(s, e, null_score_diff_threshold=5.0)[0] == (2, 3, 5.0)
+    assert M.decode_qa_span(s, e, null_score_diff_threshold=4.5)[0] == (0, 0, 10.0)
     # at most 2 tokens: (2, 3) = 0 + 8 and (3, 3) = 8 tie; the first in reading order wins
     assert M.decode_qa_span(s, e, max_answer_length=2)[1] == (2, 3, 8.0)
 
@@ -340,13 +344,21 @@ def test_a_head_without_labels_keeps_no_layer_caches(monkeypatch):
     assert kept == [False, True]
 
 
-def test_outputs_do_not_share_memory_with_what_the_backward_reads():
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("decode", ["all", "labelled"])
+def test_outputs_do_not_share_memory_with_what_the_backward_reads(backend, decode):
+    """A user may write into any output array between forward and backward; the gradients stay bit for bit those
+    of the untouched run. With the labelled decoder, masked_lm_positions are the rows the gather's backward
+    scatters to and masked_lm_logits the loss's input (the numba cross-entropy keeps a view of its logits for the
+    backward), so the model hands the user copies of both (the positions were shared until 2026-12-07)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
     cfg = tiny("BertForPreTraining")
     x = batch(cfg, "BertForPreTraining")
     grads = []
     for scribble in (False, True):
-        model = refbert.BertForPreTraining(cfg, seed=0, dtype=np.float64).eval()
-        out = model(**x, output_hidden_states=True, output_attentions=True)
+        model = refbert.BertForPreTraining(cfg, seed=0, dtype=np.float64, backend=backend).eval()
+        out = model(**x, output_hidden_states=True, output_attentions=True, mlm_decode=decode)
         if scribble:                              # a user writing into every output array
             for v in out.values():
                 for a in (v if isinstance(v, tuple) else (v,)):
@@ -375,3 +387,50 @@ def test_every_parameter_on_drawn_shapes(B, T, H, seed):
              labels=r.integers(0, cfg.num_labels, B))
     errs = check_model(model, x, n_dirs=1)
     assert max(errs.values()) <= TOLERANCE, errs
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForTokenClassification",
+                                  "BertForMultipleChoice"])
+def test_classifier_dropout_is_its_own_rate(head):
+    """HF's classifier_dropout: the rate of the dropout before the classifier, hidden_dropout_prob's when None.
+    (a) classifier_dropout=0 beside hidden and attention dropout 0.5, train mode: the logits are the classifier
+    applied to this very forward's undropped features (the last hidden state, pooled for the pooled heads), equal
+    within float64 rounding (the same products, ~1e-15 relative; 1e-12 allows for the order of their sums).
+    (b) classifier_dropout=0.5 with every other rate 0: train mode's logits differ from eval mode's (the encoder
+    is the same in both, so only that dropout can move them; all 2 x 12 features kept has probability 2^-24).
+    (c) classifier_dropout=None with hidden_dropout_prob=0.5: the same bits as classifier_dropout=0.5 (the same
+    seed draws the same masks), not those of 0."""
+    x = batch(tiny(head), head)
+    x.pop("labels")
+    cfg = tiny(head, hidden_dropout_prob=0.5, attention_probs_dropout_prob=0.5, classifier_dropout=0.0)
+    model = getattr(refbert, head)(cfg, seed=0, dtype=np.float64).train(True)
+    out = model(**x, output_hidden_states=True)
+    h, P = out.hidden_states[-1], model.params
+    feats = h if head == "BertForTokenClassification" else \
+        np.tanh(h[:, 0] @ P["bert.pooler.dense.weight"].T + P["bert.pooler.dense.bias"])
+    want = feats @ P["classifier.weight"].T + P["classifier.bias"]
+    got = np.asarray(out.logits).reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    cfg = tiny(head, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.5)
+    model = getattr(refbert, head)(cfg, seed=0, dtype=np.float64)
+    train, ev = model.train(True)(**x).logits, model.eval()(**x).logits
+    assert not np.array_equal(np.asarray(train), np.asarray(ev))
+    runs = {}
+    for rate in (None, 0.5, 0.0):
+        cfg = tiny(head, hidden_dropout_prob=0.5, classifier_dropout=rate)
+        runs[rate] = np.asarray(getattr(refbert, head)(cfg, seed=0, dtype=np.float64).train(True)(**x).logits)
+    assert np.array_equal(runs[None], runs[0.5]) and not np.array_equal(runs[None], runs[0.0])
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForTokenClassification",
+                                  "BertForMultipleChoice", "BertForNextSentencePrediction"])
+def test_a_label_past_the_classes_is_refused_by_the_head(head):
+    """A class label equal to the number of classes (one past the last) is refused by the head, in its own name,
+    before any op sees it: the message names the class, the argument and the valid range, [0, n) or -100."""
+    cfg = tiny(head)
+    x = batch(cfg, head)
+    n = {"BertForMultipleChoice": x["input_ids"].shape[1], "BertForNextSentencePrediction": 2}.get(head, cfg.num_labels)
+    x["labels"] = x["labels"].copy()
+    x["labels"].reshape(-1)[-1] = n
+    with pytest.raises(ValueError, match=rf"^{head}: argument 'labels' expected values in \[0, {n}\) or -100, got {n}"):
+        getattr(refbert, head)(cfg, dtype=np.float64)(**x)

@@ -332,10 +332,14 @@ def test_float64_scalars_keep_float32(dtype):
     assert ops.dropout_forward(x, np.float64(0.5), DropoutRNG(0))[0].dtype == dtype
 
 
-def test_empty_mse_is_zero_not_nan():
-    """N = 0: loss 0 and empty gradients, as cross_entropy and bce_with_logits (torch would give NaN)."""
-    loss, cache = ops.mse_forward(F(0), F(0))
-    assert loss == 0.0 and [g.shape for g in ops.mse_backward(1.0, cache)] == [(0,), (0,)]
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_empty_mse_is_zero_not_nan(dtype):
+    """N = 0: loss 0 and empty gradients, as cross_entropy and bce_with_logits (torch would give NaN), in the
+    inputs' dtype like every other output (float32 stays float32)."""
+    loss, cache = ops.mse_forward(np.zeros(0, dtype), np.zeros(0, dtype))
+    grads = ops.mse_backward(1.0, cache)
+    assert loss == 0.0 and [g.shape for g in grads] == [(0,), (0,)]
+    assert np.asarray(loss).dtype == dtype and [g.dtype for g in grads] == [dtype, dtype]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

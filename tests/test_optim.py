@@ -292,6 +292,27 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     assert opt.step_count == 0 and opt.eps == 1e-6
 
 
+def test_load_state_dict_refuses_negative_second_moment():
+    """v is a running mean of squared gradients, so it is never negative; a negative entry would give sqrt(v) = NaN
+    at the next step. load_state_dict refuses it by name and changes nothing (m may be negative: it is a mean of
+    gradients)."""
+    P = make_params(np.random.default_rng(7))
+    opt = AdamW(P)
+    opt.step(make_grads(np.random.default_rng(8), P))
+    good = opt.state_dict()
+    before = copy(opt.v)
+    v = copy(good["v"])
+    v["cls.predictions.bias"][2] = -1e-12
+    with pytest.raises(ValueError, match=r"AdamW.load_state_dict: argument 'state\['v'\]' key 'cls.predictions.bias' "
+                                         r"expected finite values, all >= 0, got others"):
+        opt.load_state_dict(dict(good, v=v, step_count=5))
+    assert opt.step_count == 1 and all(np.array_equal(opt.v[k], before[k]) for k in P)
+    m = copy(good["m"])
+    m["cls.predictions.bias"][2] = -1.0
+    opt.load_state_dict(dict(good, m=m))
+    assert opt.m["cls.predictions.bias"][2] == -1.0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # dtypes and the model
 
@@ -365,6 +386,8 @@ BAD = [
     (lambda: AdamW(_P(), lr="1e-3"), r"argument 'lr'"),
     (lambda: AdamW(_P(), betas=(1.0, 0.999)), r"argument 'betas\[0\]' expected a finite number in \[0.0, 1.0\)"),
     (lambda: AdamW(_P(), betas=(0.9, -0.1)), r"argument 'betas\[1\]'"),
+    # beta2 = 1 would make the bias correction sqrt(1 - beta2^t) zero (v never moves from 0): open at 1, as beta1
+    (lambda: AdamW(_P(), betas=(0.9, 1.0)), r"argument 'betas\[1\]' expected a finite number in \[0.0, 1.0\), got 1.0"),
     (lambda: AdamW(_P(), betas=(0.9,)), r"argument 'betas' expected a pair"),
     (lambda: AdamW(_P(), eps=0.0), r"argument 'eps' expected a finite number in \(0.0, inf\)"),
     (lambda: AdamW(_P(), weight_decay=-0.01), r"argument 'weight_decay'"),
@@ -436,6 +459,29 @@ def test_default_no_decay_exempts_the_same_tensors_as_google_on_every_head():
         google = {k: not any(re.search(r, k) for r in ["LayerNorm", "layer_norm", "bias"]) for k in P}
         assert ours == google, head
         assert any(ours.values()) and not all(ours.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the loss scaler at float32's top
+
+def test_grad_scaler_keeps_its_scale_when_growth_would_overflow(torch):
+    """torch's _amp_update_scale_ grows the scale only when scale * growth_factor is finite in float32, and resets
+    the growth tracker either way: from 2**126 a growth step reaches 2**127, float32's largest power of two; the
+    next one (2**128 = inf in float32) leaves it there. Compared with torch.amp.GradScaler("cpu") after each step,
+    and with those powers of two (exact in float32, so ==)."""
+    kw = dict(init_scale=2.0 ** 126, growth_factor=2.0, backoff_factor=0.5, growth_interval=1)
+    ts, ours = torch.amp.GradScaler("cpu", **kw), GradScaler(**kw)
+    tp = torch.nn.Parameter(torch.zeros(3))
+    topt = torch.optim.SGD([tp], lr=0.0)
+    for expected in (2.0 ** 127, 2.0 ** 127, 2.0 ** 127):
+        ts.scale(torch.ones(()))                         # (torch creates its scale tensor lazily here)
+        tp.grad = torch.ones(3)
+        ts.unscale_(topt)
+        ts.update()
+        assert ours.unscale_({"w": np.ones(3, np.float32)}) is False
+        ours.update()
+        assert ours.get_scale() == expected == ts.get_scale()
+        assert ours.state_dict() == ts.state_dict() and ours.state_dict()["_growth_tracker"] == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------

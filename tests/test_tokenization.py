@@ -253,6 +253,31 @@ def test_unicode_table_disagreements_are_rare_and_recent():
     assert {unicodedata.category(ch)[0] for ch in bad} <= {"M", "P", "C", "S"}
 
 
+# The CJK blocks BERT spaces out (google-research/bert's _is_chinese_char; tokenizers' BertNormalizer has the same)
+CJK_RANGES = [(0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+              (0x2B920, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)]
+
+
+def test_cjk_block_edges_match_tokenizers_pipeline():
+    """Each CJK block's first and last code point, and the ones just outside, between two letters: words equal to
+    tokenizers' BertNormalizer + BertPreTokenizer (cased and lower-cased), and a code point inside a block is a
+    word of its own. Random text almost never lands on a block's last code points (Extension A has ended at U+4DBF
+    since Unicode 13), so they are named here, with U+4DB5, where Extension A ended before."""
+    normalizers = pytest.importorskip("tokenizers.normalizers")
+    pre_tokenizers = pytest.importorskip("tokenizers.pre_tokenizers")
+    pre = pre_tokenizers.BertPreTokenizer()
+    points = sorted({cp for lo, hi in CJK_RANGES for cp in (lo - 1, lo, hi, hi + 1)} | {0x4DB5})
+    for lower in (True, False):
+        norm = normalizers.BertNormalizer(lowercase=lower)
+        ours = BasicTokenizer(do_lower_case=lower)
+        for cp in points:
+            text = "a" + chr(cp) + "b"
+            theirs = [w for w, _ in pre.pre_tokenize_str(norm.normalize_str(text))]
+            assert ours.tokenize(text) == theirs, (lower, hex(cp))
+            if any(lo <= cp <= hi for lo, hi in CJK_RANGES):
+                assert len(theirs) == 3 and theirs[0] == "a" and theirs[2] == "b", (lower, hex(cp))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The stages against tokenizers' pipeline and HF's Python classes
 # ---------------------------------------------------------------------------------------------------------------
@@ -479,6 +504,23 @@ def test_longest_first_truncation(toks, n0, n1, max_length, keep):
     cat, mat = ours.convert_tokens_to_ids(["cat", "mat"])
     assert (got["input_ids"].count(cat), got["input_ids"].count(mat)) == keep
     assert got["token_type_ids"] == [0] * (keep[0] + 2) + [1] * (keep[1] + 1)
+
+
+@pytest.mark.parametrize("strategy", ["only_first", "only_second"])
+def test_only_one_side_truncation_never_empties_it(toks, strategy):
+    """"the cat" / "sat on" with max_length 5 leaves room for 2 of the 4 tokens: only_first (only_second) would
+    have to remove all of the text (text_pair). HF's fast tokenizer refuses that rather than leave an empty
+    sequence, and so must refbert, naming max_length; one token more of room (6) truncates as fast does."""
+    ours, fast, _ = toks["hand"]
+    with pytest.raises(Exception, match="Truncation error"):
+        fast("the cat", "sat on", truncation=strategy, max_length=5)
+    which = "text" if strategy == "only_first" else "text_pair"
+    with pytest.raises(ValueError, match=rf"argument 'max_length' is too small for truncation='{strategy}': the "
+                                         rf"{which} has 2 tokens, 2 would have to go"):
+        ours("the cat", "sat on", truncation=strategy, max_length=5)
+    got = ours("the cat", "sat on", truncation=strategy, max_length=6)
+    assert got["input_ids"] == fast("the cat", "sat on", truncation=strategy, max_length=6)["input_ids"]
+    assert len(got["input_ids"]) == 6
 
 
 # ---------------------------------------------------------------------------------------------------------------
