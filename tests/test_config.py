@@ -3,7 +3,9 @@ parameters of the real Hugging Face classes, built on torch's meta device (shape
 that need no peer (presets, parameter counts against the paper, bad values) run without torch and transformers."""
 import dataclasses
 import json
+import math
 import os
+import re
 
 import pytest
 
@@ -295,3 +297,60 @@ def test_constructor_takes_hf_to_dict_both_ways(transformers):
     assert_same_fields(ours, back) and back.foo == 1
     assert {k: v for k, v in back.to_dict().items() if k != "transformers_version"} == \
         {k: v for k, v in hf.to_dict().items() if k != "transformers_version"}
+
+
+# ---- what a mutation audit found uncaught ---------------------------------------------------------------------------
+
+MORE_BAD = [
+    ("initializer_range", math.inf), ("initializer_range", math.nan), ("layer_norm_eps", math.inf),
+    ("layer_norm_eps", True),                  # a bool is not a number here, though Python's bool is an int
+    ("attention_probs_dropout_prob", False),
+    ("hidden_dropout_prob", None),             # None means "use hidden_dropout_prob" for classifier_dropout only
+    ("id2label", {}),                          # zero labels: no classifier to build
+]
+
+
+@pytest.mark.parametrize("name,value", MORE_BAD)
+def test_more_bad_values_name_the_field(name, value):
+    """Values outside a field's documented range (an infinite std or epsilon, a bool where a real number is meant, a
+    missing dropout probability, an empty label map) are refused with a ValueError naming the field, what it
+    expected and the value that came."""
+    got = re.escape(repr(sorted(value)) if isinstance(value, dict) else repr(value))
+    with pytest.raises(ValueError, match=f"BertConfig: field '{name}' expected .*, got {got}$"):
+        BertConfig(**{name: value})
+
+
+def test_preset_overrides_beat_the_preset():
+    """preset(name, **overrides) takes the preset's sizes and then the caller's: an override of a field the preset
+    itself sets (hidden_size, heads, layers) wins, as the docstring's "with any field overridden" promises."""
+    cfg = BertConfig.preset("tiny", hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size) == (3, 64, 4, 512)
+
+
+def test_to_json_file_refuses_a_config_made_invalid_by_hand(tmp_path):
+    """A field changed by hand after construction is checked again before writing: no invalid config.json (one HF or
+    refbert would refuse to load) reaches the disk."""
+    cfg = BertConfig()
+    cfg.hidden_size = 7
+    with pytest.raises(ValueError, match="field 'hidden_size' expected a multiple of num_attention_heads = 12, got 7"):
+        cfg.to_json_file(tmp_path / "config.json")
+    assert os.listdir(tmp_path) == []
+
+
+def test_extra_cannot_carry_model_type():
+    """model_type is written by to_dict itself ("bert"); an extra key of that name would overwrite it in config.json
+    and turn the file into another model's, so it is refused like any other key that is not extra's to hold."""
+    with pytest.raises(ValueError, match="field 'extra' expected no key that is a field of BertConfig.*'model_type'"):
+        BertConfig(extra={"model_type": "roberta"})
+
+
+def test_config_keeps_its_own_copies():
+    """The config holds its own architectures list (a tuple becomes a list, as JSON has no tuples) and to_dict hands
+    out a deep copy of the extra keys, so editing what went in or came out never changes the config."""
+    arch = ["BertForMaskedLM"]
+    cfg = BertConfig(architectures=arch, extra={"zzz": [1, 2]})
+    arch.append("BertModel")
+    assert cfg.architectures == ["BertForMaskedLM"]
+    assert BertConfig(architectures=("BertModel",)).architectures == ["BertModel"]
+    cfg.to_dict()["zzz"].append(3)
+    assert cfg.extra == {"zzz": [1, 2]}

@@ -4,6 +4,7 @@ Known-answer vectors: Random123's kat_vectors (Salmon et al., SC'11), the lines 
 <out x4>"; an independent implementation either matches them bit for bit or is wrong.
 """
 import math
+import re
 
 import numpy as np
 import pytest
@@ -75,3 +76,39 @@ def test_keep_blocks_carry_the_counter_high_word():
         kb = np.empty((m, 4), np.bool_)
         philox._keep_blocks(kb, b0, 77, 9, thr, [np.empty(m, np.uint64) for _ in range(5)])
         np.testing.assert_array_equal(kb.reshape(-1), random_words(77, 9, 4 * m, start=4 * b0) >= np.uint64(thr))
+
+
+def test_threshold_is_p_times_2_to_the_32_rounded_to_nearest():
+    """threshold(p) is round(p * 2^32), the cut the module docstring defines and every kernel must reproduce: the
+    expected integers come from exact rational arithmetic (Fraction holds the float p exactly), so truncating instead
+    of rounding, or any off-by-one, shows. None of these p lands on a half, so the tie rule plays no part."""
+    from fractions import Fraction
+    for p in (0.05, 0.1, 1 / 3, 0.9, 2.0 ** -32 * 7.75):
+        want = round(Fraction(p) * 2 ** 32)
+        assert Fraction(p) * 2 ** 32 % 1 != Fraction(1, 2), p
+        assert threshold(p) == want, p
+    assert threshold(0.5) == 2 ** 31 and threshold(0.0) == 0 and threshold(1.0) == 2 ** 32
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 2 ** 70, 1.5, "7", None])
+def test_dropout_rng_refuses_a_seed_that_is_not_a_64_bit_integer(seed):
+    """The whole state is a 64-bit seed (two 32-bit Philox key words): 2^64 would wrap onto seed 0's masks, and a
+    float or a string must not be silently converted. Each is a ValueError naming the argument and the value."""
+    with pytest.raises(ValueError, match=rf"'seed' expected an integer in \[0, 2\^64\), got {re.escape(repr(seed))}"):
+        DropoutRNG(seed)
+    assert DropoutRNG(2 ** 64 - 1).seed == 2 ** 64 - 1 and DropoutRNG(np.uint64(3)).seed == 3
+
+
+def test_dropout_rng_resumes_from_a_given_call_count():
+    """DropoutRNG(seed, calls) continues a run: its next dropout call is number `calls`, as after that many calls."""
+    assert DropoutRNG(5, calls=3).next_stream() == (5, 3)
+    assert DropoutRNG(5, 3).state == {"seed": 5, "calls": 3}
+
+
+def test_seed_from_a_seed_sequence_fills_64_bits():
+    """from_seed_sequence must draw a full 64-bit seed, not a 32-bit one: over 16 seed sequences a uniform 64-bit
+    draw stays below 2^32 every time with probability 2^-512. The same sequence gives the same seed (reproducible),
+    different sequences different seeds."""
+    seeds = [DropoutRNG.from_seed_sequence(np.random.SeedSequence(i)).seed for i in range(16)]
+    assert max(seeds) >= 2 ** 32 and len(set(seeds)) == 16 and all(0 <= s < 2 ** 64 for s in seeds)
+    assert DropoutRNG.from_seed_sequence(np.random.SeedSequence(3)).seed == seeds[3]

@@ -191,6 +191,16 @@ def test_truncated_file_is_rejected_at_every_cut(tmp_path, good):
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, ["'a'", "gap"]),
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8, ["trailing"]),
     ({"__metadata__": {"n": 1}}, b"", ["__metadata__"]),
+    # a span longer than shape x itemsize (4 bytes for one F32): a mismatch whichever way, not only when short
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8, ["'a'", "expected 4 bytes", "got 8"]),
+    # JSON true / false are not integers (Python's bool is an int subclass; the spec's fields are unsigned ints)
+    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4, ["'a'", "shape", "True"]),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [False, 4]}}, b"\0" * 4, ["'a'", "data_offsets"]),
+    # data_offsets is exactly [begin, end]
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 4]}}, b"\0" * 4, ["'a'", "data_offsets"]),
+    ({"a": {"dtype": "F32", "shape": [0], "data_offsets": [0]}}, b"", ["'a'", "data_offsets"]),
+    # a real safetensors code this reader does not support (float8) is refused by name, not a KeyError later
+    ({"a": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}}, b"\0", ["'a'", "'F8_E4M3'"]),
 ])
 def test_malformed_header_is_rejected(tmp_path, header, data, words):
     path = write_raw(tmp_path / "bad.safetensors", header, data)
@@ -276,3 +286,95 @@ def test_a_missing_folder_is_named_as_such(tmp_path):
     with pytest.raises(FileNotFoundError, match="the folder '.*afile' is a file"):
         fileio.write_text(tmp_path / "afile" / "x.json", "{}")
     assert sorted(os.listdir(tmp_path)) == ["afile"]              # nothing made on the way
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a mutation audit found uncaught
+
+ALL_NUMPY_DTYPES = [np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32,
+                    np.uint16, np.uint8, np.bool_]
+
+
+def header_of(path):
+    """The JSON header of a safetensors file, read by hand from the spec's layout (8-byte little-endian length)."""
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+
+
+def test_every_dtype_code_agrees_with_safetensors(tmp_path):
+    """For every NumPy dtype the format has, the dtype code and the bytes agree with the `safetensors` package both
+    ways: a file it writes loads with the same dtype, bits and code (load_dtypes), and a file we write carries the
+    code it writes and loads back through it unchanged. Signed and unsigned ints of one width differ only in their
+    code, so a swapped code (I8 read as U8, I16 as U16) shows here and nowhere else."""
+    st_np = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(7)
+    t = {np.dtype(d).name: sample(d, (5,), rng) for d in ALL_NUMPY_DTYPES}
+    st_np.save_file(t, str(tmp_path / "ref.safetensors"))
+    codes = {k: v["dtype"] for k, v in header_of(tmp_path / "ref.safetensors").items() if k != "__metadata__"}
+    assert len(set(codes.values())) == len(ALL_NUMPY_DTYPES)
+    got = sio.load_file(tmp_path / "ref.safetensors")
+    assert all(same(got[k], a) for k, a in t.items()) and sio.load_dtypes(tmp_path / "ref.safetensors") == codes
+    sio.save_file(t, tmp_path / "ours.safetensors")
+    assert {k: v["dtype"] for k, v in header_of(tmp_path / "ours.safetensors").items()} == codes
+    back = st_np.load_file(str(tmp_path / "ours.safetensors"))
+    assert all(same(back[k], a) for k, a in t.items())
+
+
+def test_load_dtypes_reports_the_stored_code_not_the_loaded_one(tmp_path):
+    """load_dtypes tells the precision a tensor was written in: BF16 stays "BF16" there although load_file widens it
+    to float32. The expected codes are those safetensors.torch itself wrote into the header."""
+    torch = pytest.importorskip("torch")
+    st_torch = pytest.importorskip("safetensors.torch")
+    t = {"b": torch.ones(2).bfloat16(), "h": torch.ones(2).half(), "f": torch.ones(2)}
+    st_torch.save_file(t, str(tmp_path / "m.safetensors"))
+    codes = {k: v["dtype"] for k, v in header_of(tmp_path / "m.safetensors").items() if k != "__metadata__"}
+    assert codes == {"b": "BF16", "h": "F16", "f": "F32"}
+    assert sio.load_dtypes(tmp_path / "m.safetensors") == codes
+    assert sio.load_file(tmp_path / "m.safetensors")["b"].dtype == np.float32
+
+
+def test_header_length_one_byte_past_the_end(tmp_path, good):
+    """A file cut inside its header is named as such ("header length ... runs past the end"), found from the length
+    field before any JSON is parsed, rather than reported as bad JSON."""
+    raw = good.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(raw[:8 + n - 1])
+    with pytest.raises(ValueError, match=rf"header length {n} runs past the end of the file \({7 + n} bytes"):
+        sio.load_file(path)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, "float16", object])
+def test_load_file_refuses_a_target_dtype_other_than_float32_or_float64(tmp_path, good, dtype):
+    """load_file's `dtype` converts float tensors to float32 or float64 only (what refbert computes in); float16 or
+    anything else is a ValueError naming the argument, what it accepts and what came."""
+    with pytest.raises(ValueError, match=r"load_file: argument 'dtype' expected None, np.float32 or np.float64, got"):
+        sio.load_file(good, dtype=dtype)
+
+
+def test_save_rejects_metadata_with_non_str_keys(tmp_path):
+    """The spec's __metadata__ is str -> str. A non-str key would be turned into a string by json.dumps and come back
+    as another key, so it is refused up front, and nothing is written."""
+    with pytest.raises(ValueError, match=r"argument 'metadata' expected None or a dict of str -> str, got \{1: 'x'\}"):
+        sio.save_file({"x": np.zeros(1)}, tmp_path / "t.safetensors", metadata={1: "x"})
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_never_overwrites_an_existing_temporary_file(tmp_path, monkeypatch):
+    """The temporary file is created exclusively: if its name already exists (another writer's file, here forced by
+    fixing the random part of the name), save_file fails with FileExistsError and neither touches that file nor
+    deletes it. The name is learnt from a first save whose rename is made to fail."""
+    monkeypatch.setattr(sio.secrets, "token_hex", lambda n: "0" * (2 * n))
+    names = []
+
+    def record(src, dst):
+        names.append(src)
+        raise OSError("rename failed (simulated)")
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", record)
+        with pytest.raises(OSError, match="simulated"):
+            sio.save_file({"w": np.ones(2)}, tmp_path / "t.safetensors")
+    (tmp := tmp_path / os.path.basename(names[0])).write_bytes(b"another writer's bytes")
+    with pytest.raises(FileExistsError):
+        sio.save_file({"w": np.ones(2)}, tmp_path / "t.safetensors")
+    assert tmp.read_bytes() == b"another writer's bytes" and sorted(os.listdir(tmp_path)) == [tmp.name]

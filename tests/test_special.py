@@ -235,3 +235,33 @@ def test_expit_against_exact_and_scipy():
     with mpmath.workprec(80):
         w32 = np.array([float(1 / (1 + mpmath.exp(-mpmath.mpf(float(v))))) for v in x32]).astype(np.float32)
     assert (np.abs(got.astype(np.float64) - w32) / np.maximum(np.spacing(np.abs(w32)), 1.4e-45)).max() <= 4
+
+
+def test_float16_and_bool_inputs_are_computed_as_float64():
+    """float16 and bool arrays are widened to float64 (as ints are), not computed or returned in float16 (whose 3
+    significant digits would throw away the accuracy this module exists for). The expected values are mpmath's
+    exact ones at the (exactly representable) float16 / bool values: erf, erfc, ndtr within F64_TOL, expit within
+    the 3 ulp its three roundings allow (see test_expit_against_exact_and_scipy)."""
+    mpmath = pytest.importorskip("mpmath")
+    x16 = np.array([-2.5, -0.3, 0.0, 0.1, 1.0, 3.0], np.float16)
+    xb = np.array([True, False, True])
+    for x in (x16, xb):
+        xs = x.astype(np.float64)
+        for fn, ref, tol in (("erf", "erf", F64_TOL), ("erfc", "erfc", F64_TOL), ("ndtr", "ncdf", F64_TOL)):
+            got = getattr(special, fn)(x)
+            assert got.dtype == np.float64, (fn, x.dtype, got.dtype)
+            assert ulps(got, exact(ref, xs)).max() <= tol, (fn, x.dtype)
+        got = special.expit(x)
+        with mpmath.workprec(120):
+            want = np.array([float(1 / (1 + mpmath.exp(-mpmath.mpf(float(v))))) for v in xs])
+        assert got.dtype == np.float64 and ulps(got, want).max() <= 3, x.dtype
+
+
+def test_non_native_byte_order_gives_native_results():
+    """A big-endian input (as read from some files) yields an array of the native float64 / float32 dtype, equal to
+    the dtype a native input gives, so that callers comparing or concatenating dtypes see no byte-order variant."""
+    x = np.linspace(-4, 4, 9)
+    for f in (special.erf, special.erfc, special.ndtr, special.expit):
+        for big, native in ((">f8", np.float64), (">f4", np.float32)):
+            got = f(x.astype(big))
+            assert got.dtype == np.dtype(native) and got.dtype.isnative, (f.__name__, big, got.dtype)
