@@ -315,3 +315,94 @@ def test_gpu_bench_report_carries_the_study():
     md = bench_cuda.precision_md(rows, precision)
     assert md[2].startswith("| mode | op | dtype | tensor | max ulp") and "| cond ulp |" in md[2]
     assert len(md) == 4 + len(rows) and all(r[1] in line for r, line in zip(rows, md[4:]))
+
+
+def test_summarize_mean_and_nan_by_hand():
+    """Three elements off by 0, 1 and 8 float16 ulps: max 8, mean 3 (not the median, 1); a NaN on both sides
+    counts 0 (as equal infinities do), a NaN on one side inf."""
+    f16 = np.float16
+    ref = np.array([1.0, 1.0, 2.0])
+    got = ref + np.array([0.0, 2.0 ** -10, 8 * 2.0 ** -9])
+    mx, mean, norm, _ = P.summarize(got, ref, f16)
+    assert (mx, mean) == (8.0, 3.0)
+    assert norm == 8.0                                   # the largest |diff|, 2^-6, against ulp(2.0) = 2^-9
+    assert P.ulp_error(np.nan, np.nan, f16) == 0.0 and P.ulp_error(1.0, np.nan, f16) == np.inf
+
+
+def test_dtype_of_refuses_an_unknown_name():
+    """A dtype that is not one of the study's: a ValueError naming the argument, the choices and what came."""
+    with pytest.raises(ValueError, match=r"dtype expected one of float32, float16.*got 'float8'"):
+        P.dtype_of("float8")
+
+
+def test_terms_bound_every_reference_element():
+    """A sum's magnitude is at most the sum of its terms' magnitudes: for every op, output and gradient,
+    terms() >= |the float64 reference| element by element (a term left out of terms(), e.g. cross-entropy's
+    one-hot or softmax's row sum in attention, breaks it where that term dominates). Exact arithmetic holds with
+    equality at most; float64 rounding of both sides: 1e-12 relative."""
+    for name, dt in (("float16", np.float16), ("float32", np.float32)):
+        for c in P.cases("tiny", seed=2, storage=dt):
+            rounded = {k: P.round_to(v, dt) for k, v in c.inputs.items()}
+            ref_out, ref_g, dout = P._reference(c, rounded, dt, 2)
+            mags = P.terms(c, rounded, dout, dt)
+            assert len(mags) == 1 + len(ref_g), c.op
+            for tensor, ref, m in zip(["out", *c.wrt], [ref_out, *ref_g], mags):
+                ref = np.abs(ref[np.isfinite(ref)]) if tensor == "out" else np.abs(ref)
+                m = np.asarray(m)[np.isfinite(ref_out)] if tensor == "out" else np.broadcast_to(m, ref.shape)
+                assert (m >= ref * (1 - 1e-12)).all(), (name, c.op, tensor, float((ref - m).max()))
+
+
+@pytest.mark.parametrize("op", ["layernorm", "softmax", "cross_entropy"])
+def test_oracle_rows_are_float32_rounded_once_to_storage(op):
+    """run_oracle's row for each tensor, recomputed by hand from refbert.ops: the float32 result rounded once to
+    float16 against the float64 reference on the same rounded inputs (max, mean, norm), and the "f32 max" column
+    the float32 result before that rounding. The same arithmetic on the same numbers: equal to 1e-12."""
+    f16 = np.float16
+    c = next(c for c in P.cases("tiny", seed=4) if c.op == op)
+    rounded = {k: P.round_to(v, f16) for k, v in c.inputs.items()}
+    ref_out, ref_g, dout = P._reference(c, rounded, f16, 4)
+    out, cache = getattr(ops, c.forward)(**{k: v.astype(np.float32) for k, v in rounded.items()}, **P._kw(c))
+    g = P._as_tuple(getattr(ops, c.backward)(np.asarray(dout).astype(np.float32)[()], cache))
+    rows = P.run_oracle(c, f16, 4)
+    assert [r[0] for r in rows] == ["out", *(f"d{w}" for w in c.wrt)]
+    for row, y, x in zip(rows, [out, *g], [ref_out, *ref_g]):
+        y = np.asarray(y, np.float64)
+        e = P.ulp_error(P.round_to(y, f16), x, f16)
+        diff = np.abs(P.round_to(y, f16) - x)[np.isfinite(x)]
+        norm = diff.max() / P.ulp(np.abs(x[np.isfinite(x)]).max(), f16)
+        assert row[1:4] == pytest.approx((e.max(), e.mean(), norm), rel=1e-12), (op, row[0])
+        assert row[5] == pytest.approx(P.ulp_error(y, x, f16).max(), rel=1e-12), (op, row[0])
+    assert any(r[1] != r[5] for r in rows)               # the final rounding shows: the two columns differ
+
+
+def test_model_study_errors_recomputed_by_hand():
+    """model_study's float32 and fp16-mixed runs, recomputed from the model directly: one eval-mode step of
+    BertForPreTraining on the study's batch, float32 (and the fp16 spec through the study's reported loss scale,
+    divided out) against float64, every parameter's gradient reported, its error max |g - g64| / max(max |g64|,
+    1% of the largest |g64| of the model), the loss's |l - l64| / |l64|. The same arithmetic: equal to 1e-12.
+    u (half an ulp of 1): 2^-8 for bfloat16, 2^-11 for float16, none for float32."""
+    from refbert import model as M
+    from refbert.config import BertConfig
+    d = P.model_study("tiny", precisions=("fp16-mixed",), peer=False)
+    s = P.MODEL_SIZES["tiny"]
+    cfg = BertConfig.preset("tiny", vocab_size=s["vocab_size"], max_position_embeddings=512)
+    batch = P._batch(s["B"], s["T"], cfg.vocab_size, 0)
+    m64 = M.BertForPreTraining(cfg, seed=0, dtype=np.float64).eval()
+    l64 = float(m64(**batch).loss)
+    g64 = m64.backward()
+    floor = 0.01 * max(np.abs(v).max() for v in g64.values())
+    assert [t["name"] for t in d["tensors"]] == list(M.BertForPreTraining(cfg).parameters())
+    for run, prec, scale in (("refbert float32", "fp32", 1.0), ("refbert fp16-mixed", "fp16-mixed",
+                                                                d["scales"]["refbert fp16-mixed"])):
+        m = M.BertForPreTraining(cfg, seed=0, dtype=np.float32, precision=prec).eval()
+        for k in m.params:
+            m.params[k][...] = m64.params[k]
+        loss = float(m(**batch).loss)
+        g = {k: np.asarray(v, np.float64) / scale for k, v in m.backward(scale).items()}
+        assert d["loss"][run][1] == pytest.approx(abs(loss - l64) / abs(l64), rel=1e-12), run
+        for t in d["tensors"]:
+            sc = max(np.abs(g64[t["name"]]).max(), floor)
+            assert t["errs"][run] == pytest.approx(np.abs(g[t["name"]] - g64[t["name"]]).max() / sc, rel=1e-12), \
+                (run, t["name"])
+    assert (P._u("refbert bf16-mixed"), P._u("refbert fp16-mixed"), P._u("refbert float32")) == \
+        (2.0 ** -8, 2.0 ** -11, None)

@@ -499,3 +499,194 @@ def test_an_unanswerable_qa_row_may_carry_answer_start_minus_one(tmp_path):
     f.write_text('{"question": "q", "context": "c a", "answer_text": "", "answer_start": -1}\n'
                  '{"question": "q", "context": "c a", "answer_text": "a", "answer_start": 2}\n')
     assert [r["answer_start"] for r in read_rows(str(f), "qa")] == [-1, 2]
+
+
+def test_resume_at_and_across_epoch_ends_is_bit_exact(demo, tmp_path):
+    """At batch size 64 the 255 training sequences make 4 steps an epoch (the last batch 63), so a run of 11 steps
+    saving every 2 checkpoints at an epoch's end (step 4) and in an epoch's middle (step 6). Stopped after step 5,
+    resumed from step 4, stopped again after step 7, resumed from step 6 to the end (crossing the end of epoch 1):
+    every logged row, every evaluation and the final weights are the uninterrupted run's, bit for bit. The
+    checkpoints' positions are counted by hand; the learning rate logged at step s (the update at s - 1) is
+    3e-3 times google's multiplier, warmup int(0.25 * 11) = 2 steps; evaluations every 3 steps and at the last."""
+    args = ("--batch-size", "64", "--steps", "11", "--save-every", "2", "--eval-every", "3", "--warmup", "0.25")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert cli.main(pretrain_args(demo, full, *args)) == 0
+    assert cli.main(pretrain_args(demo, cut, *args, "--stop-after", "5")) == 0
+    state = json.load(open(cut / "checkpoint-0000004" / "trainer_state.json"))
+    assert (state["step"], state["epoch"], state["batch"]) == (4, 1, 0)          # epoch 0 done: epoch 1 next
+    assert cli.main(["pretrain", "--out", str(cut), "--resume", "--stop-after", "7", "--allow-changed-schedule"]) == 0
+    state = json.load(open(cut / "checkpoint-0000006" / "trainer_state.json"))
+    assert (state["step"], state["epoch"], state["batch"]) == (6, 1, 2)          # two batches of epoch 1 done
+    assert cli.main(["pretrain", "--out", str(cut), "--resume"]) == 0
+    assert rows(full / "log.csv") == rows(cut / "log.csv") and rows(full / "eval.csv") == rows(cut / "eval.csv")
+    from refbert import safetensors_io
+    a = safetensors_io.load_file(str(full / "model" / "model.safetensors"))
+    b = safetensors_io.load_file(str(cut / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    log = rows(full / "log.csv")
+    assert [int(r["step"]) for r in log] == list(range(1, 12))
+    assert [int(r["epoch"]) for r in log] == [0] * 4 + [1] * 4 + [2] * 3
+    want = [3e-3 * (s / 2 if s < 2 else 1 - s / 11) for s in range(11)]
+    assert [float(r["lr"]) for r in log] == pytest.approx(want, rel=1e-5)       # (logged to 6 significant digits)
+    assert [int(r["step"]) for r in rows(full / "eval.csv")] == [3, 6, 9, 11]
+    assert json.load(open(full / "latest.json")) == {"checkpoint": "checkpoint-0000011"}
+    assert sorted(p for p in os.listdir(full) if p.startswith("checkpoint-")) == ["checkpoint-0000010",
+                                                                                  "checkpoint-0000011"]
+
+
+def test_held_out_evaluation_is_in_eval_mode_and_weighted_by_sequence(demo):
+    """evaluate_pretraining with heavy dropout (0.5) and batches of 4 over the 19 held-out sequences (the last
+    batch 3): its NSP loss and accuracy are those of one eval-mode forward over all 19 at once (dropout off; each
+    batch's mean weighted by its sequences), within float32 summation order (1e-5 relative); it leaves the model
+    in train mode, as it found it."""
+    from refbert import model as M
+    from refbert import train as T
+    from refbert.defaults import PRETRAIN
+    from refbert.tokenization import BertTokenizer
+    a = {**PRETRAIN, "corpus": str(demo / "small.txt"), "max_seq_length": 32}
+    tok = BertTokenizer(str(demo / "tok" / "vocab.txt"))
+    eval_data = T.pretraining_data(a, tok)[1]
+    cfg = BertConfig.from_json_file(str(demo / "config.json"))
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.5
+    model = M.BertForPreTraining(cfg, seed=3).train()
+    got = T.evaluate_pretraining(model, eval_data, 4)
+    assert model.training
+    (whole,) = list(eval_data.batches(0, 64))
+    assert len(whole["input_ids"]) == 19
+    model.eval()
+    with M.no_grad():
+        want = T.pretraining_metrics(model(**whole), whole)
+    assert got["nsp_loss"] == pytest.approx(want["nsp_loss"], rel=1e-5)
+    assert got["nsp_acc"] == pytest.approx(want["nsp_acc"], rel=1e-12)
+
+
+def test_apply_clips_the_gradients_to_norm_one_and_returns_the_norm_before():
+    """_apply hands the optimizer gradients scaled to global norm 1 (torch's clip_coef 1 / (norm + 1e-6): within
+    1e-6 of 1) with this step's learning rate, and returns the norm before clipping: 5 for (3, 0, 4), by hand. A
+    set already under norm 1 passes unscaled."""
+    from refbert import train as T
+
+    class Recorder:
+        def step(self, grads, lr=None):
+            self.grads, self.lr = {k: v.copy() for k, v in grads.items()}, lr
+
+    opt = Recorder()
+    grads = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]])}
+    assert T._apply(grads, opt, T._scaler("no"), 0.25) == pytest.approx(5.0, rel=1e-15)
+    assert opt.lr == 0.25
+    np.testing.assert_allclose(opt.grads["a"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(opt.grads["b"], [[0.8]], rtol=1e-6)
+    small = {"a": np.array([0.3, 0.0]), "b": np.array([[0.4]])}
+    assert T._apply(small, opt, T._scaler("no"), 0.5) == pytest.approx(0.5, rel=1e-15)
+    assert np.array_equal(opt.grads["a"], [0.3, 0.0]) and np.array_equal(opt.grads["b"], [[0.4]])
+
+
+def test_a_checkpoint_never_appears_half_written(demo, tmp_path, monkeypatch):
+    """While a checkpoint's files are being written (watched at every safetensors write), neither its folder nor
+    latest.json's pointer to it exists yet: they appear whole, after; the previous checkpoint stays until then."""
+    import refbert
+    from refbert import safetensors_io
+    from refbert import train as T
+    cfg = BertConfig.from_json_file(str(demo / "config.json"))
+    model = refbert.BertForPreTraining(cfg, seed=0)
+    tok = refbert.BertTokenizer(str(demo / "tok" / "vocab.txt"))
+    opt = T.AdamW(model.parameters(), lr=1e-3)
+    out = tmp_path / "run"
+    out.mkdir()
+    T.save_checkpoint(str(out), "checkpoint-0000001", model, tok, opt, dict(step=1))
+    real, seen = safetensors_io.save_file, []
+
+    def watched(arrays, path, *args, **kw):
+        seen.append(path)
+        assert not (out / "checkpoint-0000002").exists(), "the checkpoint's folder exists before it is complete"
+        assert json.load(open(out / "latest.json")) == {"checkpoint": "checkpoint-0000001"}
+        assert (out / "checkpoint-0000001" / "optimizer.safetensors").exists()
+        return real(arrays, path, *args, **kw)
+    monkeypatch.setattr(safetensors_io, "save_file", watched)
+    T.save_checkpoint(str(out), "checkpoint-0000002", model, tok, opt, dict(step=2))
+    assert len(seen) == 2                                       # the model's weights and the optimizer's moments
+    assert json.load(open(out / "latest.json")) == {"checkpoint": "checkpoint-0000002"}
+    assert sorted(os.listdir(out)) == ["checkpoint-0000001", "checkpoint-0000002", "latest.json"]
+
+
+def test_finetune_visits_every_row_once_an_epoch_and_logs_the_epoch_mean(demo, tmp_path, monkeypatch):
+    """200 classification rows in batches of 16: 13 steps an epoch (the last of 8 rows), 26 in 2 epochs. Every
+    training row is seen once in each epoch, in a shuffled order that differs between the epochs; log.csv has one
+    row a step, its learning rate 1e-3 times google's multiplier with warmup int(0.1 * 26) = 2 steps; eval.csv's
+    loss is the mean of the epoch's logged losses (6 decimals printed: within 1e-6)."""
+    from refbert import model as M
+    pre = tmp_path / "pre"
+    assert cli.main(pretrain_args(demo, pre, "--steps", "1")) == 0
+    seen, real = [], M.BertForSequenceClassification.__call__
+
+    def record(self, *args, **kw):
+        if self.training:
+            seen.append(kw["input_ids"].copy())
+        return real(self, *args, **kw)
+    monkeypatch.setattr(M.BertForSequenceClassification, "__call__", record)
+    out = tmp_path / "cls"
+    assert cli.main(["finetune", "--task", "classification", "--train", str(demo / "classification_train.jsonl"),
+                     "--dev", str(demo / "classification_dev.jsonl"), "--init", str(pre / "model"), "--out", str(out),
+                     "--epochs", "2", "--batch-size", "16", "--max-seq-length", "32", "--lr", "1e-3"]) == 0
+    assert [len(b) for b in seen] == ([16] * 12 + [8]) * 2
+    from refbert.tokenization import BertTokenizer
+    tok = BertTokenizer.from_pretrained(str(pre / "model"))
+    texts = [json.loads(line)["text"] for line in (demo / "classification_train.jsonl").read_text().splitlines()]
+    ids = tok(texts, padding="max_length", truncation=True, max_length=32, return_tensors="np")["input_ids"]
+    key = lambda a: sorted(map(bytes, a.astype(np.int64)))                                  # noqa: E731
+    epochs = [np.concatenate(seen[:13]), np.concatenate(seen[13:])]
+    assert key(epochs[0]) == key(epochs[1]) == key(ids)                 # each row once an epoch
+    assert not np.array_equal(epochs[0], ids) and not np.array_equal(epochs[0], epochs[1])  # shuffled, anew
+    log = rows(out / "log.csv")
+    assert [int(r["step"]) for r in log] == list(range(1, 27))
+    assert [float(r["lr"]) for r in log] == pytest.approx([1e-3 * (s / 2 if s < 2 else 1 - s / 26)
+                                                           for s in range(26)], rel=1e-5)   # (6 significant digits)
+    ev = rows(out / "eval.csv")
+    assert [(int(r["step"]), int(r["epoch"])) for r in ev] == [(13, 1), (26, 2)]
+    for e, r in enumerate(ev):
+        assert float(r["loss"]) == pytest.approx(np.mean([float(x["loss"]) for x in log[13 * e:13 * e + 13]]),
+                                                 abs=1e-6)
+
+
+def test_finetune_evaluation_runs_in_eval_mode():
+    """evaluate's accuracy on labels that are the eval-mode (dropout off) predictions is 1, even with dropout 0.9
+    (which, left on, would change many of 64 predictions)."""
+    from refbert import model as M
+    from refbert import train as T
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                     max_position_embeddings=16, hidden_dropout_prob=0.9, attention_probs_dropout_prob=0.9,
+                     id2label={0: "a", 1: "b", 2: "c"})
+    model = M.BertForSequenceClassification(cfg, seed=0)
+    r = np.random.default_rng(0)
+    arrays = dict(input_ids=r.integers(5, 40, (64, 12)), token_type_ids=np.zeros((64, 12), np.int64),
+                  attention_mask=np.ones((64, 12), np.int64))
+    with M.no_grad():
+        arrays["labels"] = model.eval()(**arrays).logits.argmax(-1)
+    model.train()
+    assert T.evaluate(model, "classification", [{}] * 64, arrays, None, 16, cfg.id2label) == {"accuracy": 1.0}
+
+
+def test_unigram_baseline_is_the_entropy_of_the_masked_tokens():
+    """The MLM baseline printed and plotted: the entropy, in nats, of the labelled tokens' frequencies over the
+    epoch-0 batches. Labels 7, 7, 8, 9 (ignored -100s aside) by hand: -(1/2 ln 1/2 + 2 * 1/4 ln 1/4) = 1.5 ln 2."""
+    from refbert import train as T
+
+    class Data:
+        def batches(self, epoch, batch_size):
+            assert epoch == 0
+            yield {"labels": np.array([[7, -100, 7], [-100, 8, -100]])}
+            yield {"labels": np.array([[9, -100, -100]])}
+
+    class Tok:
+        vocab = dict.fromkeys(range(12))
+    assert T.unigram_baseline(Data(), Tok(), 2) == pytest.approx(1.5 * np.log(2), rel=1e-12)
+
+
+def test_a_negative_or_nan_warmup_is_refused_before_anything_is_written(demo, tmp_path, fails):
+    """--warmup takes any float on the command line: a negative or NaN one is refused by name, with what was
+    expected and what came, and --out is not created."""
+    y = tmp_path / "y"
+    for value in ("-1", "nan"):
+        fails(pretrain_args(demo, y, "--warmup", value),
+              f"--warmup: expected a number of steps (or a fraction) >= 0, got {float(value)}")
+        assert not y.exists()
