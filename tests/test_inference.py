@@ -134,3 +134,34 @@ def test_embed_mean_and_cls_pooling_are_the_peers(tmp_path, capsys):
     assert mean.shape == (len(texts), 32)
     np.testing.assert_allclose(mean, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cls, o.pooler_output[[0, 4]].numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", [-0.5, 0.5, float("inf")])
+def test_predict_answers_with_the_peers_best_span(tmp_path, capsys, side):
+    """Question answering: the answer is the context's characters from the start of the best span's first token to
+    the end of its last (the fast tokenizer's offsets), the best span the BERT paper's: start + end logits of the
+    peer, start <= end, both in the context, at most 30 tokens; the null answer ("", start None) when the [CLS]
+    score beats it by more than --null-threshold. The threshold is set half a logit either side of the peer's own
+    margin (null - best), and at inf (never null). Spans are compared exactly: the peer's best beats the runner-up
+    by more than float32 noise between the two forwards (1e-4, asserted), so both pick the same."""
+    folder, hf, tok = hf_folder(tmp_path, "BertForQuestionAnswering")
+    question, context = "find the key", "open the files sort a list of rows save data"
+    enc = tok(question, context, truncation="longest_first", max_length=MAX_POS, return_offsets_mapping=True)
+    off = enc.pop("offset_mapping")
+    with torch.no_grad():
+        out = hf(**{k: torch.tensor([v]) for k, v in enc.items()})
+    start, end = out.start_logits[0].double().numpy(), out.end_logits[0].double().numpy()
+    ctx = [t for t, (tt, (a, b)) in enumerate(zip(enc["token_type_ids"], off)) if tt == 1 and b > a]
+    spans = sorted(((start[s] + end[e], s, e) for s in ctx for e in ctx if s <= e < s + 30), reverse=True)
+    assert spans[0][0] - spans[1][0] > 1e-4
+    best, s, e = spans[0]
+    threshold = start[0] + end[0] - best + side                    # side < 0: null; side > 0: the span
+    capsys.readouterr()
+    assert cli.main(["predict", str(folder), "--question", question, "--context", context,
+                     "--null-threshold", repr(float(threshold))]) == 0
+    (res,) = printed(capsys)
+    if side < 0:
+        assert res["answer"] == "" and res["start"] is None, res
+    else:
+        assert res["answer"] == context[off[s][0]:off[e][1]] and res["start"] == off[s][0], (res, s, e)
+        assert res["answer"]                                   # a span of at least one token's characters
