@@ -544,12 +544,14 @@ def wrong_backward(monkeypatch, change):
     monkeypatch.setattr(refbert.BertForPreTraining, "backward", wrong)
 
 
-def test_self_check_torch_catches_what_finite_differences_cannot(tmp_path, monkeypatch, torch, transformers):
+def test_self_check_torch_catches_what_finite_differences_cannot(tmp_path, monkeypatch, capsys, torch, transformers):
     """A gradient off by 1e-9 hides under the finite differences' 1e-7 bar; transformers + torch autograd in
-    float64 (noise ~1e-15 of it) sees it: the peer is the finer check."""
+    float64 (noise ~1e-15 of it) sees it: the peer is the finer check, and its failure alone makes verify exit 1."""
     ckpt = refbert_ckpt(tmp_path / "ckpt")
     wrong_backward(monkeypatch, 1e-9)
-    rep = verify.verify_self(ckpt, log=lambda *a: None)
+    code, out, err = cli_run(capsys, "verify", ckpt, "--json", tmp_path / "r.json")
+    assert code == 1 and "FAILED" in out, out + err
+    rep = json.loads((tmp_path / "r.json").read_text())
     assert all(r["ok"] for r in rep["finite_differences"]["rows"])       # 1e-9 is inside FD's 1e-7 bar
     assert [r["key"] for r in rep["hf"]["rows"] if not r["ok"]] == [QUERY1]
     assert rep["hf"]["first_failure"]["where"] == "layer 1"
@@ -584,3 +586,140 @@ def test_verify_noise_gpu_without_cuda_says_so_and_exits_2(monkeypatch, capsys, 
     err = capsys.readouterr().err
     assert "SKIPPED" in err and "torch.cuda.is_available() is False" in err and "--device cpu" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the rules of the module docstring, one at a time, on refbert's own float32 dump (no torch run needed)
+
+WE = "grad/bert.encoder.layer.0.intermediate.dense.weight"     # (intermediate, hidden) = (20, 12): not square
+
+
+@pytest.fixture(scope="module")
+def f32_dump(tmp_path_factory):
+    """ckpt/ (refbert_ckpt) and f32.safetensors, refbert's float32 dump of it: a dump that passes (as
+    test_refbert_float32_dump_passes shows), for tests that change one thing of it. Shared: tests only read it."""
+    d = tmp_path_factory.mktemp("f32dump")
+    ckpt = refbert_ckpt(d / "ckpt")
+    verify.dump(ckpt, d / "f32.safetensors", dtype="float32")
+    return ckpt, d / "f32.safetensors"
+
+
+def set_entry(key, value):
+    """A change for rewrite(): entry [0, 0] of tensor `key` set to `value`."""
+    def change(t):
+        t[key] = t[key].copy()
+        t[key][0, 0] = value
+    return change
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_gradient_entry_fails_as_not_finite(f32_dump, tmp_path, capsys, value):
+    """One NaN (or inf) entry in a gradient: NaN compares false with any tolerance and a max that skips NaN would
+    hide it, so the row must fail, saying "not finite", and verify exits 1; --json stays strict JSON (the module's
+    _json writes a non-finite error as null: json has no NaN)."""
+    ckpt, good = f32_dump
+    bad = rewrite(good, tmp_path / "bad.safetensors", set_entry(QUERY1, value))
+    code, out, err = cli_run(capsys, "verify", ckpt, "--against", bad, "--json", tmp_path / "r.json")
+    assert code == 1 and err == ""
+    assert re.search(rf"^{re.escape(QUERY1)} .*FAIL \(not finite\)$", out, re.M), out
+
+    def no_constants(name):
+        raise AssertionError(f"report.json holds {name}: not strict JSON")
+    rep = json.loads((tmp_path / "r.json").read_text(), parse_constant=no_constants)
+    (row,) = [r for r in rep["rows"] if r["key"] == QUERY1]
+    assert not row["ok"] and row["note"] == "not finite" and row["error"] is None
+    assert [r["key"] for r in rep["rows"] if not r["ok"]] == [QUERY1]
+
+
+def test_transposed_gradient_of_the_same_size_fails_on_shape(f32_dump, tmp_path):
+    """A (20, 12) weight's gradient stored as its (12, 20) transpose has the right number of entries but the wrong
+    shape (a classic layout bug): "a wrong shape ... fails its row", it is not reshaped into place."""
+    ckpt, good = f32_dump
+    bad = rewrite(good, tmp_path / "t.safetensors", lambda t: t.__setitem__(WE, np.ascontiguousarray(t[WE].T)))
+    rep = verify.verify_dump(ckpt, bad)
+    notes = {r["key"]: r["note"] for r in rep["rows"] if not r["ok"]}
+    assert notes == {WE: "shape [12, 20], expected [20, 12]"}
+
+
+@pytest.mark.parametrize("key", ["output/seq_relationship_logits", QUERY1])
+def test_integer_output_or_gradient_fails(f32_dump, tmp_path, key):
+    """"an integer tensor ... fails its row": outputs and gradients are real numbers, an int dump of them is a bug."""
+    ckpt, good = f32_dump
+    bad = rewrite(good, tmp_path / "i.safetensors", lambda t: t.__setitem__(key, np.round(t[key]).astype(np.int32)))
+    rep = verify.verify_dump(ckpt, bad)
+    notes = {r["key"]: r["note"] for r in rep["rows"] if not r["ok"]}
+    assert list(notes) == [key] and notes[key].startswith("expected a float tensor"), notes
+
+
+def test_least_precise_tensor_sets_the_dtype(f32_dump, tmp_path):
+    """A float32 dump with one gradient stored as float16: the dump's precision is its least precise tensor's
+    (verify_dump's docstring), so float16 and its factor K = 16, not float32's 8."""
+    ckpt, good = f32_dump
+    mixed = rewrite(good, tmp_path / "m.safetensors", lambda t: t.__setitem__(QUERY1, t[QUERY1].astype(np.float16)))
+    assert safetensors_io.load_dtypes(mixed)[QUERY1] == "F16"
+    rep = verify.verify_dump(ckpt, mixed)
+    assert rep["dtype"] == "float16" and rep["factor"] == verify.FACTOR["float16"] == 16
+
+
+def test_tied_decoder_gradients_listed_too_pass(f32_dump, tmp_path):
+    """torch's named_parameters(remove_duplicate=False) lists the tied MLM decoder: its gradients, the word
+    embeddings' and the MLM bias's, are compared as those tensors, not reported as unexpected keys."""
+    ckpt, good = f32_dump
+
+    def add_aliases(t):
+        for alias, name in verify.ALIASES.items():
+            t[f"grad/{alias}"] = t[f"grad/{name}"].copy()
+    both = rewrite(good, tmp_path / "tied.safetensors", add_aliases)
+    rep = verify.verify_dump(ckpt, both)
+    keys = {r["key"] for r in rep["rows"]}
+    assert {f"grad/{a}" for a in verify.ALIASES} <= keys
+    assert rep["failed"] == 0, [r for r in rep["rows"] if not r["ok"]]
+
+
+def test_fractional_input_ids_are_refused(f32_dump, tmp_path):
+    """Token ids stored as floats are read as integers when they are integers; 1.5 is no token id: a ValueError
+    saying so, not a silent truncation to 1."""
+    ckpt, good = f32_dump
+
+    def fractional(t):
+        ids = t["input/input_ids"].astype(np.float32)
+        ids[0, 1] = 1.5
+        t["input/input_ids"] = ids
+    bad = rewrite(good, tmp_path / "frac.safetensors", fractional)
+    with pytest.raises(ValueError, match=r"'input/input_ids' expected integers, got dtype float32 with fractional"):
+        verify.verify_dump(ckpt, bad)
+
+
+def test_npz_with_a_string_array_is_refused_naming_it(tmp_path):
+    """A dump's tensors are numbers: an .npz holding a string array is a ValueError naming the file and the tensor."""
+    np.savez(tmp_path / "s.npz", **{"input/input_ids": np.zeros((2, 4), np.int64), "output/logits": np.array(["a"])})
+    with pytest.raises(ValueError, match=r"s\.npz', tensor 'output/logits' expected a numeric array, got dtype <U1"):
+        verify.read_dump(tmp_path / "s.npz")
+
+
+def rows_of(failing, keys):
+    """Rows as compare() makes them (key, ok, note) for `keys`, those in `failing` not ok."""
+    return [dict(key=k, ok=k not in failing, note="") for k in keys]
+
+
+def test_locate_walks_the_backward_from_the_last_layer():
+    """Gradients failing in layers 0 and 1 of a 2-layer model, forward right: the backward computes layer 1's before
+    layer 0's (locate's docstring), so layer 1 is where the bug is, whatever order the rows come in."""
+    g = "grad/bert.encoder.layer.{}.attention.self.query.weight"
+    keys = ["output/logits", "hidden_states/0", "hidden_states/1", "hidden_states/2", g.format(0), g.format(1),
+            "grad/bert.embeddings.word_embeddings.weight"]
+    where = verify.locate(rows_of({g.format(0), g.format(1)}, keys), 2)
+    assert where["where"] == "layer 1" and where["key"] == g.format(1)
+
+
+def test_locate_forward_failures():
+    """hidden_states/0 is the embeddings' output; a failing non-loss output comes before the loss computed from it;
+    with hidden_states/L agreeing that output is the head's, with no hidden states the place is only "the forward"."""
+    hs = ["hidden_states/0", "hidden_states/1", "hidden_states/2"]
+    outs = ["output/loss", "output/logits"]                       # the loss listed first: still the logits
+    assert verify.locate(rows_of({"hidden_states/0", "hidden_states/1"}, outs + hs), 2)["where"] == "embeddings"
+    first = verify.locate(rows_of(set(outs), outs + hs), 2)
+    assert first["where"] == "the head" and first["key"] == "output/logits"
+    first = verify.locate(rows_of(set(outs), outs), 2)
+    assert first["where"] == "the forward" and first["key"] == "output/logits"
+    assert verify.locate(rows_of({"output/logits"}, ["output/logits"]), 2)["where"] == "the forward"
