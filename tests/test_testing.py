@@ -445,3 +445,94 @@ def test_noise_parts_gelu_one_element_is_its_conditioning():
     assert abs(moved - want) <= 1e-4 * want, (moved, want)
     assert 0 <= own <= 1, own
     assert T.noise(T.SPECS["gelu"], case)["out"] == max(own, moved)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the rules of the module docstring, by hand: tolerance, ulps, the verdict, the report, the timer
+
+def test_tolerance_is_the_documented_formula():
+    """tolerance = max(FACTOR x the largest finite yardstick, FLOOR_ULPS) = max(8 x noise, 16): the floor alone with
+    no yardstick or a small one, 8 x noise above it; a non-finite yardstick (PyTorch's NaN or inf) sets nothing."""
+    assert (T.FACTOR, T.FLOOR_ULPS) == (8, 16)
+    assert T.tolerance(None) == 16 and T.tolerance() == 16
+    assert T.tolerance(1.0) == 16                      # 8 x 1 under the floor
+    assert T.tolerance(3.0) == 24                      # 8 x 3 above it (not 8 x 3 + 16)
+    assert T.tolerance(3.0, 1.0) == 24 and T.tolerance(None, 5.0) == 40
+    assert T.tolerance(1.0, math.inf) == 16 and T.tolerance(3.0, math.nan) == 24 and T.tolerance(None, math.inf) == 16
+
+
+def test_ulps_by_hand_in_float32():
+    """ulps = max|got - ref| / (eps * max|ref|) over ref's finite entries, eps = 2^-23: 1 + 2^-22 against 1 is 2 ulps.
+    A nonzero tensor (max|ref| = 1 > eps x sibling = 1.2e-4) keeps its own scale; the max, not the mean, of the
+    differences; an infinity in ref (matched) does not enter the scale: 0.5 / (2^-23 x 1) = 2^22."""
+    f32 = np.float32
+    assert T.ulps(np.array([1 + 2 ** -22]), np.array([1.0]), f32, sibling=1e3) == 2.0
+    assert T.ulps(np.array([1.0, 1 + 2 ** -22]), np.array([1.0, 1.0]), f32) == 2.0
+    assert T.ulps(np.array([1.5, np.inf]), np.array([1.0, np.inf]), f32) == 2.0 ** 22
+
+
+def test_a_forward_off_by_forty_ulps_fails_and_four_passes():
+    """add on normal inputs: noise ~1 ulp, so the tolerance is the floor, 16 ulps (8 x noise below it). A forward
+    scaled by 1 + 40 eps is ~40 ulps off (a few times over the floor, well under 10 x it) and fails; by 1 + 4 eps,
+    ~4 ulps, it passes."""
+    f = ops.add_forward
+
+    def scaled(k):
+        return lambda a, b: (lambda o: (o[0] * np.float32(1 + k * 2 ** -23), o[1]))(f(a, b))
+    bad = T.check_op("add", scaled(40), cases=[dict(shape=(2, 3, 4))])
+    (row,) = bad.rows
+    assert not bad.passed and row["tolerance"] == 16 and 35 < row["ulps"] < 45, str(bad)
+    assert T.check_op("add", scaled(4), cases=[dict(shape=(2, 3, 4))]).passed
+
+
+def test_extra_gradients_written_dout_and_no_cases_fail():
+    """Four gradients from linear's backward (three expected) fail with the count; a backward that scales dout in
+    place is caught writing into dout; a check with no cases proves nothing and is not passed."""
+    lin = [dict(lead=(3,), C_in=4, C_out=5)]
+    rep = T.check_op("linear", backward=lambda d, c: (*ops.linear_backward(d, c), np.zeros(1, np.float32)), cases=lin)
+    assert not rep.passed and "backward returned 4 gradient(s), expected 3 (dx, dw, db)" in str(rep), str(rep)
+    f, b = oracle_pair("tanh")
+
+    def scaling_dout(dout, cache):
+        dx = b(dout.copy(), cache)
+        dout *= 2
+        return dx
+    rep = T.check_op("tanh", backward=scaling_dout, cases=[dict(shape=(3, 7))])
+    assert not rep.passed and "wrote into its argument(s) dout" in str(rep), str(rep)
+    assert not T.check_op("tanh", f, b, cases=[]).passed
+
+
+def test_the_table_row_shows_the_worst_case_and_fail():
+    """tanh's backward doubled only on the second case: the dx row is that case (the worst of the two, by error /
+    tolerance), its error over its tolerance, and the table's row for dx ends in FAIL."""
+    f, b = oracle_pair("tanh")
+
+    def wrong_on_2x5(dout, cache):
+        dx = b(dout, cache)
+        return dx * 2 if dx.shape == (2, 5) else dx
+    rep = T.check_op("tanh", backward=wrong_on_2x5, cases=[dict(shape=(3, 7)), dict(shape=(2, 5))])
+    (row,) = rep.rows
+    assert row["tensor"] == "dx" and row["worst_case"] == "case #2" and row["ulps"] > row["tolerance"], row
+    assert row["failed"] == 1 and not row["ok"]
+    table = [line for line in str(rep).splitlines() if line.split()[:2] == ["tanh", "dx"]]
+    assert len(table) == 1 and table[0].rstrip().endswith("FAIL"), str(rep)
+
+
+def test_time_call_takes_the_median_and_runs_min_time(monkeypatch):
+    """A stubbed clock: each call of fn advances it by a set time. Calls of 1, 9, 2 s (after a warm-up) have median
+    2 (min 1, mean 4); with 1 s calls, repeats=3 and min_time=10, calls go on until 10 s are spent: 10 timed calls."""
+    now = [0.0]
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def clocked(durations):
+        it = iter(durations)
+        calls = []
+
+        def fn():
+            calls.append(1)
+            now[0] += next(it)
+        return fn, calls
+    fn, calls = clocked([100.0, 1.0, 9.0, 2.0])
+    assert T.time_call(fn, repeats=3, min_time=0.0) == 2.0 and len(calls) == 4
+    fn, calls = clocked([1.0] * 50)
+    assert T.time_call(fn, repeats=3, min_time=10.0) == 1.0 and len(calls) == 1 + 10
