@@ -1297,10 +1297,7 @@ def _ce_done(xp):
     """Version 3's ticket counter: one zeroed uint32 per array module and device, made at its first use; every
     call's last block puts it back to 0. (Two calls in flight at once on two streams would share it: the model
     runs one stream.)"""
-    try:
-        key = (id(xp), xp.cuda.Device().id)
-    except Exception:                                 # (an array module without devices)
-        key = (id(xp), 0)
+    key = (id(xp), _device_id(xp))                    # (None: an array module without devices)
     done = _CE_DONE.get(key)
     if done is None:
         done = _CE_DONE[key] = xp.zeros(1, np.uint32)
