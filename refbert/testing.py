@@ -445,7 +445,7 @@ SPECS = {s.name: s for s in [
             ("non-contiguous x", dict(lead=(2, 5), C=4, rows=[9, 2], noncontig=True))],
            lambda d: dict(lead=d.lead(), C=d.int(1, 16)),
            lambda torch, t, kw: t["x"].reshape(-1, t["x"].shape[-1])[_t(torch, kw["rows"])],
-           bench=dict(lead=(8, 128), C=768)),
+           bench=dict(lead=(8, 128), C=768), noncontig="x"),
 ]}
 assert set(SPECS) == set(OPS), set(SPECS) ^ set(OPS)
 

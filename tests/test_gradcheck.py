@@ -108,3 +108,30 @@ def test_check_pair_rejects_extra_gradients_and_wrong_shapes():
     with pytest.raises(ValueError, match=r"expected shape \(2, 3\), got \(3, 2\)"):
         check_pair(ops.tanh_forward, lambda d, c: ops.tanh_backward(d, c).T, dict(x=x), ("x",))
     assert rel_error(np.zeros((0, 3)), np.zeros((0, 3))) == 0.0
+
+
+def test_directional_checks_take_n_dirs_directions():
+    """The docstrings' "n_dirs random directions", counted: check_pair in directional mode evaluates the loss at
+    x +- h d for each of n_dirs directions after the one forward that makes the cache (1 + 2 n_dirs calls);
+    check_model perturbs every parameter along n_dirs directions after the one loss it differentiates
+    (1 + 2 n_dirs n_params forwards)."""
+    calls = []
+
+    def forward(x):
+        calls.append(1)
+        return ops.tanh_forward(x)
+    x = np.linspace(-1, 1, 12).reshape(3, 4)
+    for n in (1, 5):
+        calls.clear()
+        check_pair(forward, ops.tanh_backward, dict(x=x), ("x",), mode="directional", n_dirs=n)
+        assert len(calls) == 1 + 2 * n, (n, len(calls))
+
+    class Counted(_AffineHead):
+        def forward(self):
+            calls.append(1)
+            return super().forward()
+    w0, c = np.arange(6.0), np.ones(6)
+    for n in (1, 3):
+        calls.clear()
+        check_model(Counted(w0, c, c), {}, n_dirs=n)
+        assert len(calls) == 1 + 2 * n, (n, len(calls))

@@ -78,7 +78,7 @@ def test_ulp_error_hand_checked():
 
 
 def test_terms_are_the_oracle_on_absolute_values():
-    """terms() by hand for the sums that cancel: softmax's dx, layernorm's db and dw, bias_gelu's db, attention's
+    """terms() by hand for the sums that cancel: softmax's dx, layernorm's db, dw and dx, bias_gelu's db, attention's
     dv (r = u32 / u of the storage only weighs the exp / erf arguments' float32 rounding: small in float16)."""
     cs = {c.op: c for c in P.cases("tiny", seed=1)}
     f16 = np.float16
@@ -95,11 +95,15 @@ def test_terms_are_the_oracle_on_absolute_values():
     c = cs["layernorm"]
     rounded = {k: P.round_to(v, f16) for k, v in c.inputs.items()}
     _, _, dout = P._reference(c, rounded, f16, 1)
-    _, _, dw, db = P.terms(c, rounded, dout, f16)
+    _, ds, dw, db = P.terms(c, rounded, dout, f16)
     np.testing.assert_array_equal(db, np.abs(dout).sum(0))                 # db = sum over rows of dout
     x = rounded["x"]
     rstd = 1 / np.sqrt(x.var(-1, keepdims=True) + 1e-12)
-    np.testing.assert_allclose(dw, (np.abs(dout) * rstd * (np.abs(x) + np.abs(x).mean(-1, keepdims=True))).sum(0))
+    xa = rstd * (np.abs(x) + np.abs(x).mean(-1, keepdims=True))             # |xhat|'s terms: (|x| + mean|x|) rstd
+    np.testing.assert_allclose(dw, (np.abs(dout) * xa).sum(0))
+    # ds = rstd (wdy - xhat mean(wdy xhat) - mean(wdy)), wdy = dout w: each of the three terms by magnitude
+    wdy = np.abs(dout) * np.abs(rounded["w"])
+    np.testing.assert_allclose(ds, rstd * (wdy + xa * (wdy * xa).mean(-1, keepdims=True) + wdy.mean(-1, keepdims=True)))
     c = cs["bias_gelu"]
     rounded = {k: P.round_to(v, f16) for k, v in c.inputs.items()}
     _, _, dout = P._reference(c, rounded, f16, 1)

@@ -536,3 +536,119 @@ def test_time_call_takes_the_median_and_runs_min_time(monkeypatch):
     assert T.time_call(fn, repeats=3, min_time=0.0) == 2.0 and len(calls) == 4
     fn, calls = clocked([1.0] * 50)
     assert T.time_call(fn, repeats=3, min_time=10.0) == 1.0 and len(calls) == 1 + 10
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what the harness promises and no other test would notice missing: the non-contiguous input, the noise's worst
+# sample, the bench's arithmetic, --model rejecting a wrong op
+
+def test_every_non_contiguous_edge_case_is_a_strided_view_of_the_same_values():
+    """Every op whose spec names an input for its "non-contiguous" edge case gets that input as a strided view
+    (not C-contiguous, strides other than the packed ones) holding the values the contiguous build holds. (Found
+    gather_rows' case built contiguous: its spec named no input.)"""
+    seen = 0
+    for op in T.OPS:
+        spec = T.SPECS[op]
+        for case in T.edge_cases(op):
+            if not case.params.get("noncontig"):
+                continue
+            seen += 1
+            assert spec.noncontig is not None, f"{op}: a non-contiguous case with no input named to make so"
+            xd, _ = T.build(spec, case, np.float32)
+            plain = dict(case.params, noncontig=False)
+            ref, _ = T.build(spec, T.Case(case.label, plain, seed=case.seed), np.float32)
+            x = xd[spec.noncontig]
+            assert not x.flags.c_contiguous and x.strides[-1] == 2 * x.itemsize, (op, x.strides)
+            assert np.array_equal(x, ref[spec.noncontig]), op
+    assert seen == sum(T.SPECS[op].noncontig is not None for op in T.OPS) >= 15
+
+
+def test_a_forward_that_assumes_packed_memory_fails_the_non_contiguous_case_only():
+    """tanh's forward reading x's buffer as if it were packed (as a C kernel handed x.data would): right on every
+    contiguous case, wrong on the strided one (every second element it reads is the gap's zero), and the report
+    names that case."""
+    def packed_tanh(x):
+        flat = np.lib.stride_tricks.as_strided(x, shape=(x.size,), strides=(x.itemsize,))
+        out, cache = ops.tanh_forward(x)
+        return np.tanh(flat).reshape(x.shape), cache
+    rep = T.check_op("tanh", packed_tanh, examples=0)
+    failed = [c.label for c in rep.cases if not c.ok]
+    assert failed == ["non-contiguous x"], [(c.label, c.ok) for c in rep.cases]
+
+
+def test_noise_takes_the_worst_of_the_samples():
+    """noise_parts' own = the largest float32-against-float64 error over the SAMPLES inputs (as given, then moved by
+    +-1 ulp with the seeds 1001, 1002): recomputed here sample by sample. The case is one where the largest is not
+    the last sample's, so a noise read off one sample only would differ."""
+    spec = T.SPECS["gelu"]
+    case = T.Case("drawn", dict(shape=(5, 7), approximate="none"), seed=3)
+    xd, kw = T.build(spec, case, np.float32)
+    per_sample = []
+    for s in range(T.SAMPLES):
+        x = xd
+        if s:
+            r = np.random.default_rng(1000 + s)
+            x = {k: np.where(r.random(v.shape) < 0.5, np.nextafter(v, np.float32(np.inf)),
+                             np.nextafter(v, np.float32(-np.inf))).astype(np.float32) for k, v in xd.items()}
+        o32, g32, _ = T.run_oracle("gelu", x, kw, case.seed)
+        o64, g64, _ = T.run_oracle("gelu", {k: v.astype(np.float64) for k, v in x.items()}, kw, case.seed)
+        per_sample.append({"out": T.ulps(o32, o64, np.float32), "dx": T.ulps(g32["dx"], g64["dx"], np.float32,
+                                                                             T.siblings("dx", g64))})
+    T._NOISE.clear()
+    parts = T.noise_parts(spec, case)
+    for name in ("out", "dx"):
+        errs = [p[name] for p in per_sample]
+        assert parts[name][0] == max(errs), (name, errs, parts[name])
+    assert any(max(p[n] for p in per_sample) > per_sample[-1][n] for n in ("out", "dx")), per_sample
+
+
+def test_bench_rows_are_medians_over_rounds_and_bytes_by_hand(monkeypatch):
+    """bench_op's arithmetic with a stubbed timer: each impl's fwd+bwd and fwd times are the median over the rounds
+    (4, 4, 1 -> 4, not the mean 3; 1, 5, 6 -> 5, not 4); bytes by hand for layernorm (lead 64, C 32, float32):
+    x, w, b read, out written, dout read, dx, dw, db written = 4 (2112 + 2048 + 2048 + 2112) = 33280;
+    GB/s = bytes / fwd+bwd / 1e9, % of copy = 100 x bytes / fwd+bwd / bandwidth; x numpy and x pytorch the ratios of
+    the medians."""
+    f, b = oracle_pair("layernorm")
+    # calls per round, in order: numpy oracle (both, fwd), pytorch (both, fwd), yours (both, fwd)
+    times = {"numpy oracle": ([3.0, 1.0, 2.0], [1.0, 5.0, 6.0]), "pytorch": ([4.0, 4.0, 1.0], [2.0, 2.0, 2.0]),
+             "yours": ([0.5, 1.0, 0.25], [0.5, 0.1, 0.2])}
+    seq = iter([times[k][j][r] for r in range(3) for k in times for j in (0, 1)])
+    monkeypatch.setattr(T, "time_call", lambda fn, repeats, min_time: next(seq))
+    monkeypatch.setattr(T, "_torch_calls", lambda spec, xd, kw, backward=True: (lambda: None, lambda: None))
+    rep = T.bench_op("layernorm", f, b, shapes=[dict(lead=(64,), C=32)], rounds=3, bandwidth=1e10)
+    (e,) = rep.entries
+    assert e["nbytes"] == 4 * (2112 + 2048 + 2048 + 2112) == 33280
+    rows = {r["impl"]: r for r in e["rows"]}
+    assert list(rows) == list(times)
+    med = {"numpy oracle": (2.0, 5.0), "pytorch": (4.0, 2.0), "yours": (0.5, 0.2)}
+    for k, (both, fwd) in med.items():
+        r = rows[k]
+        assert (r["fwd_bwd_s"], r["fwd_s"]) == (both, fwd), (k, r)
+        assert r["GBps"] == pytest.approx(33280 / both / 1e9, rel=1e-12)
+        assert r["pct_copy"] == pytest.approx(100 * 33280 / both / 1e10, rel=1e-12)
+        assert r["x_numpy"] == pytest.approx(2.0 / both, rel=1e-12)
+        assert r["x_pytorch"] == pytest.approx(4.0 / both, rel=1e-12)
+
+
+def test_check_model_ops_fails_a_wrong_layernorm_and_judges_by_its_noise(monkeypatch):
+    """--model on a module whose layernorm forward is off by a factor 1 + 2^-12 (about 2^11 float32 ulps; in
+    float64, 2^40): every run fails, its first failure is the embeddings' LayerNorm (the first op it touches), every
+    row passes exactly when its error is within its tolerance, and the tolerance is the documented formula on the
+    noise: with the noise stubbed at 5 ulps for every tensor, max(8 x 5, 16) = 40 ulps of the run's dtype."""
+    real = T._model_noise
+    monkeypatch.setattr(T, "_model_noise", lambda *a: {k: 5.0 for k in real(*a)})
+    mod = types.SimpleNamespace(
+        layernorm_forward=lambda x, w, b, eps=1e-12: (lambda o: (o[0] * (1 + 2.0 ** -12), o[1]))(
+            ops.layernorm_forward(x, w, b, eps)),
+        layernorm_backward=ops.layernorm_backward)
+    _, runs = T.check_model_ops(mod, heads=("BertForSequenceClassification",),
+                                configs={"tiny": T.model_configs()["tiny"]})
+    assert [r["dtype"] for r in runs] == ["float32", "float64"]
+    for run in runs:
+        eps = T.EPS[run["dtype"]]
+        assert not run["ok"] and run["error"] is None
+        assert "embeddings" in run["first_failure"]["where"], run["first_failure"]
+        for row in run["rows"]:
+            assert row["tolerance"] == 40 * eps, row
+            assert row["ok"] == (row["error"] <= row["tolerance"]), row
+        assert sum(not row["ok"] for row in run["rows"]) > len(run["rows"]) // 2

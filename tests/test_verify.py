@@ -723,3 +723,22 @@ def test_locate_forward_failures():
     first = verify.locate(rows_of(set(outs), outs), 2)
     assert first["where"] == "the forward" and first["key"] == "output/logits"
     assert verify.locate(rows_of({"output/logits"}, ["output/logits"]), 2)["where"] == "the forward"
+
+
+def test_compare_error_and_tolerance_columns_by_hand():
+    """compare()'s columns from its docstring, by hand, factor 10: ref (2, -4), got (2, -4.5), noise 0.01: error
+    = 0.5 / 4 = 0.125 and tolerance = 10 x 0.01 / 4 = 0.025 (fails: 0.5 > 0.1); a key 0 in exact arithmetic, ref 0,
+    got 5e-3, noise 1e-3: judged in units of its noise, error 5 and tolerance 10 (passes); a tensor whose largest
+    entry (1e-5) is under its noise (1e-3): the same, got 1e-5 + 2e-3 gives error 2, tolerance 10."""
+    ref = {"a": np.array([2.0, -4.0]), "z": np.zeros(3), "small": np.array([1e-5])}
+    got = {"a": np.array([2.0, -4.5]), "z": np.full(3, 5e-3), "small": np.array([1e-5 + 2e-3])}
+    noise = {"a": 0.01, "z": 1e-3, "small": 1e-3}
+    rows = {r["key"]: r for r in verify.compare(ref, got, {}, noise, 10.0, zeros=("z",))}
+    assert rows["a"]["error"] == pytest.approx(0.125, rel=1e-12) and rows["a"]["tolerance"] == pytest.approx(0.025)
+    assert not rows["a"]["ok"]
+    assert rows["z"]["error"] == pytest.approx(5.0, rel=1e-12) and rows["z"]["tolerance"] == pytest.approx(10.0)
+    assert rows["z"]["ok"] and rows["z"]["note"] == "0 in exact arithmetic"
+    assert rows["small"]["error"] == pytest.approx(2.0, rel=1e-9) and rows["small"]["tolerance"] == pytest.approx(10.0)
+    assert rows["small"]["ok"]
+    table = verify.format_rows(list(rows.values()))
+    assert "1.25e-01" in table and "2.50e-02" in table and "5.00e+00" in table and "1.00e+01" in table
