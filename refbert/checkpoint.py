@@ -133,8 +133,9 @@ def load_pretrained(cls, path, dtype=np.float32, backend="numpy", id2label=None)
 
 def save_pretrained(model, path):
     """Write config.json and model.safetensors so that transformers' from_pretrained loads an equal model.
-    A new folder appears whole (written beside it, then renamed); in an existing folder each file is replaced
-    atomically, so a crash never leaves a truncated file."""
+    A new folder appears whole (written beside it, then renamed); in an existing folder both files are written
+    first and then renamed over the old ones (refbert.fileio.folder), so a failed save leaves the old checkpoint
+    whole: never a truncated file, nor new weights beside an old config."""
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     with folder(path) as target:

@@ -1,8 +1,9 @@
 """Atomic writes: nothing already saved is lost, and no reader ever sees half a file or half a folder.
 
 A file is written to a temporary name beside its target, flushed to disk, then renamed over it (os.replace is
-atomic on POSIX); a new folder is built beside its final place and renamed into it. On any failure the temporary
-file or folder is removed and the old contents stay as they were.
+atomic on POSIX); a new folder is built beside its final place and renamed into it; the files of a save into an
+existing folder are all written first, into a temporary folder inside it, and only then renamed over the old ones.
+On any failure the temporary file or folder is removed and the old contents stay as they were.
 """
 import contextlib
 import os
@@ -46,13 +47,25 @@ def write_text(path, text):
 @contextlib.contextmanager
 def folder(path):
     """`with folder(path) as target:` write the files into `target`. A new folder is built beside `path` and
-    renamed into place at the end, so it appears whole or not at all; an existing folder is written in place (each
-    file by its own atomic replace)."""
+    renamed into place at the end, so it appears whole or not at all. Into an existing folder the files (plain
+    files, not folders) are written first into a temporary folder inside it; once the block has written every one
+    they are renamed over their namesakes in name order (config.json before model.safetensors), files the block
+    did not write staying as they were. A failure while writing (a full disk, Ctrl-C) so leaves every old file as
+    it was: a checkpoint's config and weights are never mixed by a failed save; only a crash between the renames,
+    microseconds apart, could mix them."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_pretrained: argument 'path' expected a folder, got '{path}', which is a file")
     if os.path.isdir(path):
-        yield path
+        stage = tempfile.mkdtemp(prefix=".tmp-", dir=path)
+        try:
+            yield stage
+            for name in sorted(os.listdir(stage)):
+                os.replace(os.path.join(stage, name), os.path.join(path, name))
+            os.rmdir(stage)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
         return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

@@ -830,15 +830,16 @@ class BertTokenizer:
     def save_pretrained(self, path):
         """Write vocab.txt and tokenizer_config.json into the folder `path`, which transformers' BertTokenizer
         (and BertTokenizerFast) from_pretrained load. A new folder appears whole (written beside it, then renamed);
-        in an existing one each file is replaced atomically (a temporary file, then os.replace). Returns the paths."""
+        in an existing one both files are written first, then renamed over the old ones (refbert.fileio.folder).
+        Returns the paths."""
         _write_folder(path, {VOCAB_FILES_NAMES["vocab_file"]: "".join(t + "\n" for t in self._lines),
                              CONFIG_FILE: json.dumps(self._config(), indent=2, ensure_ascii=False) + "\n"})
         return (os.path.join(path, VOCAB_FILES_NAMES["vocab_file"]), os.path.join(path, CONFIG_FILE))
 
 
 def _write_folder(path, files):
-    """Write {name: text} into the folder `path` atomically (refbert.fileio: a new folder appears whole, files in an
-    existing one are replaced one by one)."""
+    """Write {name: text} into the folder `path` atomically (refbert.fileio.folder: a new folder appears whole; in
+    an existing one every file is written before any old one is replaced)."""
     with folder(path) as target:
         for name, text in files.items():
             write_text(os.path.join(target, name), text)

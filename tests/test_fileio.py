@@ -1,6 +1,7 @@
 """refbert.fileio's atomic writes, by failure injection: a write that dies keeps the previous file and leaves no
 temporary file behind, the bytes are fsynced before the rename, permissions follow the umask as open() and
-os.mkdir's do, and a new folder appears whole or not at all."""
+os.mkdir's do, a new folder appears whole or not at all, and a save into an existing folder replaces nothing until
+every file is written."""
 import os
 import stat
 
@@ -161,23 +162,50 @@ def test_folder_onto_a_plain_file_is_refused_by_name(tmp_path):
     assert path.read_bytes() == b"not a folder" and os.listdir(tmp_path) == ["ckpt"]
 
 
-def test_existing_folder_is_written_in_place(tmp_path):
-    """folder() on an existing folder yields that folder itself (the docstring: written in place, each file by its
-    own atomic replace): files the block does not write stay, files it writes are replaced, and a failure inside
-    the block keeps both what was there and what was already replaced, and leaves no temporary file."""
+def test_existing_folder_is_staged_then_replaced_file_by_file(tmp_path):
+    """folder() on an existing folder (the docstring: every file written first, inside it, then renamed over its
+    namesake): inside the block the target is a hidden folder in `path` and nothing in `path` has changed yet; a
+    failure inside the block after one file was written keeps every old file (config and weights never mixed) and
+    leaves no temporary; a block that finishes replaces what it wrote and keeps the files it did not write."""
     path = tmp_path / "ckpt"
     path.mkdir()
     (path / "vocab.txt").write_text("kept")
     (path / "config.json").write_text("old config")
     (path / "model.safetensors").write_text("old weights")
+    old = {p.name: p.read_text() for p in path.iterdir()}
     with pytest.raises(RuntimeError):
         with fileio.folder(path) as target:
-            assert os.path.abspath(target) == str(path)
+            assert os.path.dirname(os.path.abspath(target)) == str(path) and os.path.basename(target)[0] == "."
             fileio.write_text(os.path.join(target, "model.safetensors"), "new weights")
+            assert {p.name: p.read_text() for p in path.iterdir() if p.is_file()} == old
             raise RuntimeError("failed before config.json (simulated)")
     assert os.listdir(tmp_path) == ["ckpt"]
+    assert {p.name: p.read_text() for p in path.iterdir()} == old
+    with fileio.folder(path) as target:
+        fileio.write_text(os.path.join(target, "model.safetensors"), "new weights")
+        fileio.write_text(os.path.join(target, "config.json"), "new config")
     assert {p.name: p.read_text() for p in path.iterdir()} == {
-        "vocab.txt": "kept", "config.json": "old config", "model.safetensors": "new weights"}
+        "vocab.txt": "kept", "config.json": "new config", "model.safetensors": "new weights"}
+
+
+def test_failed_save_pretrained_between_its_two_files_keeps_the_old_pair(tmp_path, monkeypatch):
+    """save_pretrained over a checkpoint, failing after the weights were written and before config.json (its
+    to_json_file raising): the old config.json and model.safetensors both stay, byte for byte, and load as the model
+    first saved; no temporary is left."""
+    path = tmp_path / "ckpt"
+    first = refbert.BertModel(BertConfig(**CFG), seed=0)
+    first.save_pretrained(path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def fail(self, where):
+        raise OSError("disk full (simulated)")
+    monkeypatch.setattr(BertConfig, "to_json_file", fail)
+    with pytest.raises(OSError, match="simulated"):
+        refbert.BertModel(BertConfig(**CFG), seed=1).save_pretrained(path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    loaded = refbert.BertModel.from_pretrained(path)
+    assert all(np.array_equal(loaded.params[k], p) for k, p in first.params.items())   # float32 file: exact
 
 
 def test_failed_save_pretrained_onto_a_checkpoint_keeps_it(tmp_path, monkeypatch):
