@@ -5,8 +5,9 @@
                                   (one array when there is one such input, else a tuple)
 
 Each op's math (the forward, then the backward's formulas and the step that derives them) is in its forward's
-docstring; a backward's own docstring points there. The cache is a flat tuple unpacked on the backward's first line
-(a NamedTuple where its fields are worth naming: SoftmaxCache, DropoutCache, AttentionCache). Backwards return
+docstring; a backward's own docstring points there. The cache is a tuple unpacked on the backward's first line
+(a NamedTuple where its fields are worth naming: SoftmaxCache, DropoutCache, AttentionCache; a composed op's holds
+its parts' caches). Backwards return
 fresh arrays and never write into their arguments (two exceptions: linear_backward's dx_into, an array its caller
 gives up, as the model does with a gradient it got from another backward; and residual_layernorm_backward, whose
 dx and da are one array returned twice, since d(x + a)/dx = d(x + a)/da). float32 and float64 both work and the
@@ -141,7 +142,9 @@ def layernorm_forward(x, w, b, eps=1e-12):
         dw = sum over leading dims of dout * xhat
         dx = (wdy - (xhat * c1 + c2)) * rstd,  c1 = mean(wdy * xhat, -1),  c2 = mean(wdy, -1)
     The step (one row, C entries): d mean / d x_j = 1/C; var = mean((x - mean)^2) gives d var / d x_j =
-    2 (x_j - mean) / C, so d rstd / d x_j = -rstd^3 (x_j - mean) / C = -rstd^2 xhat_j / C; then
+    (2/C) sum_k (x_k - mean) (delta_kj - 1/C) = 2 (x_j - mean) / C (as sum_k (x_k - mean) = 0), so with
+    rstd = (var + eps)^(-1/2), d rstd / d x_j = -rstd^3 (x_j - mean) / C = -rstd^2 xhat_j / C; the product rule
+    on xhat_i = (x_i - mean) rstd gives d xhat_i / d x_j = rstd (delta_ij - 1/C) + (x_i - mean) d rstd / d x_j, so
         d xhat_i / d x_j = rstd (delta_ij - 1/C - xhat_i xhat_j / C)
     and dx_j = sum_i wdy_i d xhat_i / d x_j = rstd (wdy_j - mean(wdy) - xhat_j mean(wdy * xhat)): the line above
     (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance; eps enters through rstd
@@ -187,6 +190,8 @@ def softmax_forward(x, scale=1.0, mask=None):
     Backward (mask is a constant), with z = x * scale + mask:
         dz = p * (dout - sum(dout * p, -1))       (Jacobian of softmax: diag(p) - p p^T)
         dx = scale * dz
+    The step: d p_i / d z_j = p_i (delta_ij - p_j), so dz_j = sum_i dout_i p_i (delta_ij - p_j)
+    = p_j (dout_j - sum_i dout_i p_i), the line above; and d z / d x = scale.
     The max is subtracted before exp (softmax is shift-invariant), so logits of 1e4 do not overflow.
     """
     V.floats("softmax", x=x, mask=mask)
@@ -238,14 +243,15 @@ def gelu_forward(x, approximate="none"):
     exact:  Phi(x) = (1 + erf(x / sqrt 2)) / 2, the normal CDF (refbert.special.ndtr, via erfc for x < 0,
             so the left tail keeps its relative accuracy where 1 + erf would cancel to 0),
             phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
-            dx = dout * (Phi(x) + x * phi(x))
+            dx = dout * (Phi(x) + x * phi(x))     (the product rule on x Phi(x); Phi' = phi)
             The backward reads Phi(x) back as out / x from the cached output instead of a second ndtr (the
-            slowest function here), with Phi(x) = 1/2 + x phi(0) + O(x^3) for |x| < 1e-6 where out / x is 0 / 0.
+            slowest function here), with Phi(x) = 1/2 + x phi(0) + O(x^3) for |x| < 1e-6 (out / x is 0 / 0 at
+            x = 0, and loses digits for subnormal x).
     tanh:   u = sqrt(2/pi) * (x + 0.044715 x^3),  t = tanh(u),  out = x * (1 + t) / 2
             dx = dout * ((1 + t) / 2 + x/2 * (1 - t^2) * sqrt(2/pi) * (1 + 3 * 0.044715 x^2))
             computed through s = (1 + t) / 2 = sigmoid(2u), so 1 - t^2 = 4 s (1 - s): the same numbers, without
             1 + t cancelling to 0 in the left tail. s is taken at x clamped to [-1e4, 1e4] (_TANH_L: the same s,
-            saturated, without x^3 overflowing; dx is 1 or 0 beyond).
+            saturated, without x^3 overflowing; beyond, dx = dout for x > 1e4 and 0 for x < -1e4).
     """
     V.floats("gelu", x=x)
     if approximate == "none":
@@ -297,8 +303,9 @@ def dropout_forward(x, p, rng=None, train=True):
     """Inverted dropout with a counter-based keep-mask (refbert.philox), the same on every backend.
 
     x: (...)   p: drop probability in [0, 1]   rng: refbert.philox.DropoutRNG (needed when train and p > 0)
-    (seed, stream) = rng.next_stream();  keep[i] = philox_word(seed, stream, i) >= round(p * 2^32)  (i: C-order
-    index, an integer comparison, so float32, float64 and every kernel keep the same units);
+    (seed, stream) = rng.next_stream();  keep = refbert.philox.keep_mask(seed, stream, x.shape, p), i.e.
+    keep[i] = random_words(seed, stream, n)[i] >= threshold(p) = round(p * 2^32)  (i: C-order index, an integer
+    comparison, so float32, float64 and every kernel keep the same units);
     out = x * keep / (1 - p)   (p = 1: out = 0, the scale taken as 0 rather than 0 * inf)
     Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p) (p = 1: dx = 0). Eval or p = 0:
     out = x, dx = dout, and no stream is drawn.
@@ -314,7 +321,7 @@ def dropout_forward(x, p, rng=None, train=True):
 
 class DropoutCache(NamedTuple):
     keep: np.ndarray       # bool keep-mask, or None when dropout was the identity (eval, p = 0)
-    scale: float           # 1 / (1 - p)
+    scale: float           # 1 / (1 - p); 0 when p = 1; 1.0 when keep is None
     shape: tuple
     dtype: np.dtype
 
@@ -365,7 +372,8 @@ def gather_rows_forward(x, rows):
     """out = x2[rows] with x2 = x flattened to (N, C): the labelled positions of an MLM batch, before the decoder.
 
     x: (..., C)   rows: (n,) integer indices into N = prod(x.shape[:-1])   ->   out: (n, C)
-    Backward: a scatter, dx2[rows[j]] += dout[j] (rows are distinct in BERT, but repeats would sum), 0 elsewhere.
+    Backward: a scatter-add, dx2 = 0; np.add.at(dx2, rows, dout), i.e. dx2[n] = sum_{j: rows[j] = n} dout[j]
+    (rows repeat under mlm_rows' padding, and repeats sum); rows nobody picked get 0.
     Decoding only these rows gives the same loss and gradients as decoding every position and ignoring the
     unlabelled ones, whose logits never reach the loss (cross_entropy with ignore_index).
     """
@@ -415,8 +423,8 @@ def compose(o):
 
         x, a: (..., C) equal shapes   w, b: (C,)   ->   out: (..., C)
         Forward: s = x + a, out = layernorm(s).   Backward: ds = layernorm_backward(dout); the sum copies ds to both
-        inputs, so dx = da = ds (returned as one array twice: read them before writing into either: the model's
-        dx_into sum writes into dx only after every reader of da has run, refbert.model.layer_backward).
+        inputs, so dx = da = ds (returned as one array twice: a caller that writes into one, e.g. as
+        linear_backward's dx_into, must first finish reading the other).
         """
         V.floats("residual_layernorm", x=x, a=a)
         V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
@@ -424,6 +432,7 @@ def compose(o):
         return out, (ln_cache,)
 
     def residual_layernorm_backward(dout, cache):
+        """(dx, da, dw, db), as residual_layernorm_forward's docstring derives them (dx is da)."""
         (ln_cache,) = _cache("residual_layernorm", cache, 1)
         ds, dw, db = o.layernorm_backward(dout, ln_cache)
         return ds, ds, dw, db
@@ -441,6 +450,7 @@ def compose(o):
         return out, (do_cache, ln_cache)
 
     def dropout_residual_layernorm_backward(dout, cache):
+        """(dx, da, dw, db), as dropout_residual_layernorm_forward's docstring derives them."""
         do_cache, ln_cache = _cache("dropout_residual_layernorm", cache, 2)
         ds, dw, db = o.layernorm_backward(dout, ln_cache)
         return ds, o.dropout_backward(ds, do_cache), dw, db
@@ -458,6 +468,7 @@ def compose(o):
         return out, (g_cache,)
 
     def bias_gelu_backward(dout, cache):
+        """(dx, db), as bias_gelu_forward's docstring derives them."""
         (g_cache,) = _cache("bias_gelu", cache, 1)
         du = o.gelu_backward(dout, g_cache)
         return du, du.reshape(-1, du.shape[-1]).sum(0)
@@ -468,14 +479,15 @@ def compose(o):
         q, k, v: (B, T, C)   n_heads: H with C % H == 0, hs = C // H
         mask: additive, broadcastable to (B, H, T, T) — HF BERT passes (B, 1, 1, T)   ->   out: (B, T, C)
         Forward per head: att = qh @ kh^T (B,H,T,T); p = softmax(att / sqrt(hs) + mask); pd = dropout(p); y = pd @ vh.
-        Backward, reversing each matmul (y = pd @ vh gives dpd = dy @ vh^T and dvh = pd^T @ dy):
+        Backward, with dy = dout split into heads (B, H, T, hs), reversing each matmul (y = pd @ vh gives
+        dpd = dy @ vh^T and dvh = pd^T @ dy):
             dpd = dy @ vh^T          dvh = pd^T @ dy
-            dp  = dropout_backward(dpd)
-            datt = softmax_backward(dp)             (includes the 1/sqrt(hs) scale)
+            dp  = dropout_backward(dpd) = dpd * keep / (1 - dropout_p)
+            datt = softmax_backward(dp) = p * (dp - sum(dp * p, -1)) / sqrt(hs)
             dqh = datt @ kh          dkh = datt^T @ qh
         then merge heads back: (B, H, T, hs) -> (B, T, C).  The cache keeps p (B,H,T,T) and the dropout's cache; the
         backward recomputes pd = dropout(p) as dropout_backward(p): dropout is linear and diagonal, so its backward
-        applied to p is the same product p * keep / (1 - p).
+        applied to p is the same product p * keep / (1 - dropout_p).
         """
         B, T, C, H, hs = attention_shapes(q, k, v, n_heads, mask)
         qh = q.reshape(B, T, H, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
@@ -491,6 +503,7 @@ def compose(o):
         return out, AttentionCache(qh, kh, vh, p, sm_cache, do_cache)
 
     def attention_backward(dout, cache):
+        """(dq, dk, dv), as attention_forward's docstring derives them."""
         qh, kh, vh, p, sm_cache, do_cache = _cache("attention", cache, 6)
         B, H, T, hs = qh.shape
         V.dout("attention", dout, (B, T, H * hs), qh.dtype)
@@ -539,7 +552,10 @@ def cross_entropy_forward(logits, labels, ignore_index=-100):
     With lse = log sum_j exp(z_j) per row and n = number of kept rows:
         loss = (1/n) * sum_{kept rows} (lse - z[label])
         dz = dloss / n * (softmax(z) - onehot(label)) on kept rows, 0 on ignored rows
-    Every label ignored: loss = 0 and dz = 0 (torch would return NaN here).
+    The step, per kept row: d lse / d z_j = exp(z_j) / sum_k exp(z_k) = softmax(z)_j, d z[label] / d z_j =
+    [j = label]. Every label ignored: loss = 0 and dz = 0 (torch would return NaN here).
+    The cache: zs = z[kept] - m (m the row max), the kept labels yk, their flat row indices kept, and
+    s = log sum exp(zs) = lse - m; the backward's softmax is exp(zs - s).
     """
     V.floats("cross_entropy", logits=logits)
     V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
@@ -579,7 +595,8 @@ def bce_with_logits_forward(logits, targets):
     With s = sigmoid(z) and N = logits.size (the mean is over every element):
         loss = mean(-(y log s + (1 - y) log(1 - s))) = mean(max(z, 0) - z y + log(1 + exp(-|z|)))
     (the second form never takes the log of 0 nor the exp of a large positive number).
-    Backward (targets are labels, not differentiated):  dz = dloss * (s - y) / N.
+    Backward (targets are labels, not differentiated):  dz = dloss * (s - y) / N, since
+    d/dz [max(z, 0) - z y + log(1 + exp(-|z|))] = sigmoid(z) - y (either sign of z).
     N = 0 (empty logits): loss = 0 and dz empty (torch would return NaN).
     """
     V.floats("bce_with_logits", logits=logits, targets=targets)
@@ -671,10 +688,10 @@ def _scalar_dout(op, d, dtype):
 #      its output is rounded once on exit; what happens in between is float32 (step 3).
 #   3. Inside an op: float32. linear: x2 @ w^T summed in float32 (products of two 16-bit numbers are exact in
 #      float32), the bias added in float32 (a GEMM epilogue), then one rounding: out = R(x2 @ R(w)^T + R(b)).
-#      The fused ops keep their intermediates in float32 and round only what they write: layernorm's mean, rstd and
-#      x̂; residual_layernorm's x + a; dropout_residual_layernorm's dropout(a) and x + dropout(a) (the dropped-out
-#      sublayer output is never stored); bias_gelu's u = x + b and gelu(u); softmax's max, exp and sum; the
-#      cross-entropy's log-sum-exp. A standalone dropout (embeddings, classifier) writes R(x * keep / (1 - p)).
+#      The fused ops keep every intermediate in float32 (layernorm's mean, rstd and x̂; residual_layernorm's x + a;
+#      dropout_residual_layernorm's dropout(a) and x + dropout(a): the dropped-out sublayer output is never
+#      stored; bias_gelu's u = x + b; softmax's max, exp and sum; the cross-entropy's log-sum-exp) and round only
+#      their outputs, once. A standalone dropout (embeddings, classifier) writes R(x * keep / (1 - p)).
 #   4. Between ops: float32 sums, rounded where they are read. The model's own arithmetic between ops (the
 #      embedding sum word + type + position; a gradient reaching a tensor along several paths: the residual and
 #      the feed-forward, the skip and the three projections, the sequence and the pooled [CLS]) adds the
@@ -807,7 +824,8 @@ def attention_forward_mixed(q, k, v, n_heads, mask=None, dropout_p=0.0, rng=None
     With R the rounding to `compute`, per head, everything float32 but what R writes:
         s   = (q k^T) * scale + mask          scores, never stored (products exact, sums in float32)
         m   = max_j s,  pt = exp(s - m),  l = sum_j pt          l sums the unrounded pt, dropped ones included
-        out = R( (sum_j keep_ij R(pt_ij) v_j) * ((1 / l) * (1 / (1 - p))) )    (the two factors' product first)
+        out = R( (sum_j keep_ij R(pt_ij) v_j) * ((1 / l) * rp) )    (the two factors' product first)
+                                              rp = float32(1 / (1 - p)), rounded once from double (0 at p = 1)
         m, l                                  kept (float32) for the backward
     R(pt) is the operand of the tensor-core product P V, as FA2 converts P to 16 bits before it; dropout zeroes
     elements of that rounded P and its 1 / (1 - p) joins the final normalisation. The keep-mask is the next
@@ -849,14 +867,16 @@ def _scores(qh, kh, scale, mask):
 def attention_backward_mixed(dout, cache):
     """FlashAttention-2's backward (flash_bwd_kernel.h) on the cache of attention_forward_mixed.
 
-    dout: (B, T, C) compute dtype.  With p the dropout probability and everything float32 but what R writes:
+    dout: (B, T, C) compute dtype.  With p the dropout probability, kp = float32(1 - p) and rp = float32(1 / kp)
+    (divided in float32, 0 at p = 1: the forward's rp is rounded once from double, and the two can differ by an
+    ulp, e.g. at p = 0.15), and everything float32 but what R writes:
         P   = exp(s - m) / l                  recomputed from q, k (s as in the forward) and the kept m, l
-        D_i = (1 - p) sum_c dO_ic O_ic        from the compute-dtype dO and the stored compute-dtype O
+        D_i = kp sum_c dO_ic O_ic             from the compute-dtype dO and the stored compute-dtype O
         dP  = dO v^T
         dS' = P * (keep * dP - D)             = (1 - p) dS, dS the gradient of the scores: FA2 rounds this
-        dv  = R( (sum_i keep_ij R(P_ij) dO_i) / (1 - p) )
-        dq  = R( scale / (1 - p) * sum_j R(dS'_ij) k_j )
-        dk  = R( scale / (1 - p) * sum_i R(dS'_ij) q_i )
+        dv  = R( (sum_i keep_ij R(P_ij) dO_i) * rp )
+        dq  = R( (sum_j R(dS'_ij) k_j) * (float32(scale) * rp) )
+        dk  = R( (sum_i R(dS'_ij) q_i) * (float32(scale) * rp) )
     Without dropout (p = 0, keep = 1): dS' = dS = P (dP - rowsum(dO * O)), the softmax's backward, since
     sum_j P_ij dP_ij = dO_i . O_i. FA2 keeps lse = m + log(l) instead of m and l, the same P up to float32
     rounding but on a fully padded row: there m is float32's most negative number (HF's additive mask), which
