@@ -28,7 +28,7 @@ import pytest
 import refbert
 from refbert import ops
 from refbert import testing as T
-from refbert.backends import Backend, convert, get_backend
+from refbert.backends import Backend, ProbeError, convert, get_backend
 
 import cudachild
 
@@ -226,6 +226,121 @@ def test_torch_functions_are_probed_and_share_memory(torch):
     rep = T.check_op("softmax", softmax_forward, softmax_backward, examples=2)
     assert rep.passed, str(rep)
     assert rep.library == "torch"
+
+
+def test_a_read_only_array_reaches_torch_as_a_copy(torch):
+    """torch.from_dlpack takes a read-only NumPy array without complaint and shares its memory, so a function that
+    writes into its argument would change an array NumPy marked unwritable (a broadcast view's one row, or the
+    model's); convert() copies it first. A writable array is still shared."""
+    a = np.arange(4.0)
+    a.flags.writeable = False
+    t = convert(a, "torch")
+    t[0] = 5.0
+    assert a[0] == 0.0
+    w = np.arange(4.0)
+    convert(w, "torch")[0] = 5.0
+    assert w[0] == 5.0
+
+
+def test_caches_keep_their_field_names_in_another_library(torch):
+    """convert_tree keeps a NamedTuple a NamedTuple: a torch softmax_backward reading the oracle forward's cache by
+    its field names (cache.p, cache.scale) gets a SoftmaxCache of tensors, and grades as the oracle's."""
+    def softmax_backward(dout, cache):
+        assert isinstance(cache.p, torch.Tensor), type(cache.p)
+        return cache.p * (dout - (dout * cache.p).sum(dim=-1, keepdim=True)) * cache.scale
+    softmax_backward.array_library = "torch"
+    rep = T.check_op("softmax", backward=softmax_backward, examples=1)
+    assert rep.passed, str(rep)
+
+
+def test_a_probe_restores_the_dropout_generator_between_tries(torch):
+    """A torch dropout that draws its keep-mask (refbert's Philox stream) before its first torch-only call: the
+    NumPy try draws a stream and fails, so the torch try must start from the generator's state before the call, or
+    it would drop other units than the oracle and leave the generator a stream ahead."""
+    def dropout_forward(x, p, rng=None, train=True):
+        keep = ops.dropout_mask(rng, tuple(x.shape), p, "dropout")          # draws the next stream
+        return x.masked_fill(~torch.from_numpy(keep), 0.0) / (1 - p), None  # masked_fill: torch only
+    B = Backend(types.SimpleNamespace(dropout_forward=dropout_forward))
+    x = np.random.default_rng(0).standard_normal((4, 9))
+    rng, ref_rng = refbert.DropoutRNG(5), refbert.DropoutRNG(5)
+    got, _ = B.dropout_forward(x, 0.3, rng)
+    want, _ = ops.dropout_forward(x, 0.3, ref_rng)
+    assert B.dropout_forward.array_library == "torch"
+    np.testing.assert_allclose(got, want, rtol=1e-15)     # the same units kept; x / 0.7 against x * (1 / 0.7)
+    assert rng.state == ref_rng.state
+
+
+def test_a_probe_that_fails_alike_everywhere_raises_the_functions_own_error(torch):
+    """A function that raises the same error whatever the arrays raises that error (its own message, not a
+    ProbeError about array libraries); one that fails differently per library gets a ProbeError naming each try."""
+    def tanh_forward(x):
+        raise ValueError("tanh: my own message")
+    with pytest.raises(ValueError, match="^tanh: my own message$"):
+        Backend(types.SimpleNamespace(tanh_forward=tanh_forward)).tanh_forward(np.ones(3))
+
+    def tanh_backward(dout, cache):
+        raise TypeError(f"not {type(dout).__name__}")
+    with pytest.raises(ProbeError, match="tanh_backward ran with none of numpy: TypeError: not ndarray; "
+                                         "torch: TypeError: not Tensor"):
+        Backend(types.SimpleNamespace(tanh_backward=tanh_backward)).tanh_backward(np.ones(3), (np.ones(3),))
+
+
+def test_library_of_tells_torch_cuda_from_torch_cpu():
+    """library_of reads a tensor's device: a torch tensor on "cuda" is "torch.cuda" (it goes to and from NumPy
+    through the host), on "cpu" "torch". Stand-ins typed as torch's (no GPU here)."""
+    from refbert.backends import library_of
+
+    def tensor(device):
+        return type("Tensor", (), {"__module__": "torch._stand_in", "device": types.SimpleNamespace(type=device),
+                                   "dtype": None})()
+    assert library_of(tensor("cuda")) == "torch.cuda" and library_of(tensor("cpu")) == "torch"
+    assert library_of(np.zeros(1)) == "numpy" and library_of([1.0]) is None
+
+
+def test_a_device_backend_gets_the_oracles_composed_ops_not_its_own(torch):
+    """A module that keeps the model's arrays itself (to_device; here declared torch) and defines layernorm: its
+    residual LayerNorms are the oracle's (on host copies, as the module docstring says), not composed over its
+    layernorm, whose refbert.validate checks read NumPy arrays only."""
+    mod = types.SimpleNamespace(ARRAY_LIBRARY="torch", to_device=lambda a: a,   # (wrapped: the oracle's own
+                                layernorm_forward=lambda *a: ops.layernorm_forward(*a),   # functions are not "own")
+                                layernorm_backward=lambda d, c: ops.layernorm_backward(d, c))
+    B = Backend(mod)
+    assert B.home == "torch" and B.origin["layernorm_forward"] == "own"
+    assert B.origin["residual_layernorm_forward"] == "oracle" and B.ops_of("composed") == []
+
+
+def test_attention_without_probs_is_refused_by_name_under_output_attentions():
+    """A module with its own attention_forward but no attention_probs: the model runs, and output_attentions, which
+    needs the probabilities after dropout, is a ValueError naming attention_probs (not the oracle reading a cache
+    it did not make)."""
+    from refbert.check import model_batch, tiny_config
+    mod = types.SimpleNamespace(attention_forward=lambda *a: ops.attention_forward(*a),
+                                attention_backward=lambda d, c: ops.attention_backward(d, c))
+    cfg = tiny_config("BertModel")
+    x = model_batch(cfg, "BertModel")
+    m = refbert.BertModel(cfg, seed=0, backend=mod)
+    m(**x)
+    with pytest.raises(ValueError, match="defines attention_forward but not attention_probs"):
+        m(**x, output_attentions=True)
+
+
+def test_a_backend_file_edited_is_loaded_again():
+    """load_module runs a .py file once per version: the same path with a new modification time is loaded anew
+    (an edited file is what a user grading their op reruns), the same version is the module already loaded."""
+    import os
+    import tempfile
+    from refbert.backends import load_module
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "mine.py")
+        with open(path, "w") as f:
+            f.write("VALUE = 1\n")
+        first = load_module(path)
+        assert first.VALUE == 1 and load_module(path) is first
+        with open(path, "w") as f:
+            f.write("VALUE = 2\n")
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))     # a later version, whatever the clock
+        assert load_module(path).VALUE == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
