@@ -190,6 +190,22 @@ def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
     assert re.search(r"^bias_gelu .* [0-9.]+e-0[1-4]$", out, re.M)  # bias_gelu composes gelu: its rows fail
 
 
+def test_refbert_trace_checks_every_gradient_of_a_call_not_only_the_first(monkeypatch, capsys):
+    """The spot check covers each differentiable input of a call: a linear backward whose dw alone is 0.1% off
+    (dx and db right) fails the linear rows, and only those (FD in float64 resolves 1e-3 far above TOLERANCE)."""
+    from refbert import trace
+    right = ops.linear_backward
+
+    def wrong_dw(dout, cache, *a, **k):
+        dx, dw, *db = right(dout, cache, *a, **k)                    # (dx, dw) without a bias
+        return (dx, dw * 1.001, *db)
+    monkeypatch.setattr(ops, "linear_backward", wrong_dw)
+    assert trace.main() == 1
+    out = capsys.readouterr().out
+    failing = re.findall(r"^(\w+) .* ([0-9.]+e-0[1-4])$", out, re.M)
+    assert failing and {op for op, _ in failing} == {"linear"}, failing
+
+
 def test_readme_python_examples_run():
     for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S):
         exec(compile(block, "README.md", "exec"), {})
