@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from refbert import check, ops
+from refbert.config import HEADS
+from refbert.gradcheck import TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +77,36 @@ def test_refbert_check_fails_on_a_wrong_backward(monkeypatch, capsys):
     assert check.main() == 1
     out = capsys.readouterr().out
     assert re.search(r"^tanh .*FAIL$", out, re.M) and "1 failed" in out
+
+
+def test_check_tolerance_is_1e7_in_both_directions():
+    """The op table's verdict at its stated tolerance (gradcheck.TOLERANCE = 1e-7): tanh's backward scaled by
+    1 + 6e-7 has relative error 3e-7 (|a - n| / (|a| + |n|) = 6e-7 / 2), 3x the tolerance, and fails; by 1 + 2e-8,
+    1e-8, it passes (float64 centred differences here are good to ~1e-10)."""
+    assert TOLERANCE == 1e-7
+    (case,) = [c for c in check.op_cases() if c.op == "tanh"]
+    for factor, ok in ((1 + 6e-7, False), (1 + 2e-8, True)):
+        case.backward = lambda d, cache, f=factor: ops.tanh_backward(d, cache) * f
+        ((_, _, _, err, passed),) = check.run([case])
+        assert passed == ok and (2e-7 < err < 4e-7 if not ok else err < 2e-8), (factor, err)
+
+
+def test_check_model_rows_fail_on_a_wrong_layernorm_weight_gradient(monkeypatch):
+    """Every head's whole-model row reports its worst parameter: the numpy backend's layernorm dw 0.1% off makes
+    every head fail, at least 10x over the tolerance (one random direction: the share of dw in it varies by head),
+    and the worst parameter named is a LayerNorm weight."""
+    from refbert.backends import get_backend
+    B = get_backend("numpy")
+    right = B.layernorm_backward
+
+    def wrong(dout, cache):
+        dx, dw, db = right(dout, cache)
+        return dx, dw * 1.001, db
+    monkeypatch.setattr(B, "layernorm_backward", wrong)
+    rows = check.model_rows()
+    assert len(rows) == len(HEADS)
+    for op, _, worst, err, ok in rows:
+        assert not ok and err > 10 * TOLERANCE and worst.endswith("LayerNorm.weight"), (op, worst, err)
 
 
 def _bash_blocks():
@@ -183,7 +215,9 @@ def test_trace_key_bias_gradient_is_rounding_noise():
 
 def test_refbert_trace_catches_a_wrong_op(monkeypatch, capsys):
     from refbert import trace
-    right = ops.gelu_backward
+    from refbert.backends import get_backend
+    get_backend("numpy")        # built before the patch, so it never holds the wrong function past this test
+    right = ops.gelu_backward   # (bias_gelu, composed over refbert.ops, looks gelu_backward up at each call)
     monkeypatch.setattr(ops, "gelu_backward", lambda d, c: right(d, c) * 1.001)
     assert trace.main() == 1
     out = capsys.readouterr().out
@@ -194,12 +228,14 @@ def test_refbert_trace_checks_every_gradient_of_a_call_not_only_the_first(monkey
     """The spot check covers each differentiable input of a call: a linear backward whose dw alone is 0.1% off
     (dx and db right) fails the linear rows, and only those (FD in float64 resolves 1e-3 far above TOLERANCE)."""
     from refbert import trace
-    right = ops.linear_backward
+    from refbert.backends import get_backend
+    B = get_backend("numpy")                 # the backend trace wraps: it holds linear_backward since it was built
+    right = B.linear_backward
 
     def wrong_dw(dout, cache, *a, **k):
         dx, dw, *db = right(dout, cache, *a, **k)                    # (dx, dw) without a bias
         return (dx, dw * 1.001, *db)
-    monkeypatch.setattr(ops, "linear_backward", wrong_dw)
+    monkeypatch.setattr(B, "linear_backward", wrong_dw)
     assert trace.main() == 1
     out = capsys.readouterr().out
     failing = re.findall(r"^(\w+) .* ([0-9.]+e-0[1-4])$", out, re.M)
