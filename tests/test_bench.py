@@ -149,6 +149,12 @@ def test_gemm_floor_covers_every_matmul_of_the_step():
     assert bench.gemm_flops(P) > bench.gemm_flops(bench.gemm_products(cfg, B, T, n, decode="labelled"))
 
 
+def test_gemm_flops_by_hand():
+    """2 b m k n per product (a multiply and an add per term of each of the b m n outputs), summed: (3, 4, 5, 6)
+    is 720, (1, 2, 2, 2) 16."""
+    assert bench.gemm_flops([("a", (3, 4, 5, 6), False, False), ("b", (1, 2, 2, 2), True, False)]) == 720 + 16
+
+
 def test_step_checks_read_as_one_clause_each():
     """Every check line of step.md names the run, what it was compared with and the number that decided it."""
     losses = {"refbert numpy (all)": 11.0769, "refbert numba (all)": 11.0769 * (1 + 8.5e-8),

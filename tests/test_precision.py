@@ -333,6 +333,35 @@ def test_summarize_mean_and_nan_by_hand():
     assert P.ulp_error(np.nan, np.nan, f16) == 0.0 and P.ulp_error(1.0, np.nan, f16) == np.inf
 
 
+def test_summarize_matched_infinities_and_a_nan_on_one_side():
+    """A tensor that is all -inf on both sides (a fully masked row of scores) summarizes to four zeros, not a NaN
+    from inf - inf; a NaN on one side makes every measure that sees it inf (cond too: not NaN, which max() would
+    spread and a reader could not tell from "no data")."""
+    f16 = np.float16
+    with np.errstate(all="raise"):
+        assert P.summarize(np.array([-np.inf, -np.inf]), np.array([-np.inf, -np.inf]), f16) == (0.0, 0.0, 0.0, 0.0)
+    mx, mean, _, cond = P.summarize(np.array([np.nan, 1.0]), np.array([1.0, 1.0]), f16)
+    assert mx == mean == cond == np.inf
+
+
+def test_softmax_out_terms_count_the_normaliser_by_hand():
+    """terms() for softmax's output, as the docstring of its probs() writes it: p (1 + r (|arg_i| + sum_j p_j
+    |arg_j|)), arg = the magnitudes of s - m's terms (|x scale| + |mask| + |max z|) and r = u32 / u (2^-23 / 2^-10 in
+    float16): the normaliser's rounding moves every p of a row by the same factor, so the row's sum enters each
+    element."""
+    c = {c.op: c for c in P.cases("tiny", seed=1)}["softmax"]
+    f16 = np.float16
+    rounded = {k: P.round_to(v, f16) for k, v in c.inputs.items()}
+    _, _, dout = P._reference(c, rounded, f16, 1)
+    out = P.terms(c, rounded, dout, f16)[0]
+    x, mask, scale = rounded["x"], rounded["mask"], c.kwargs["scale"]
+    p = ops.softmax_forward(x, scale, mask)[0]
+    z = x * scale + mask
+    arg = np.where(p > 0, np.abs(x * scale) + np.abs(mask) + np.abs(z.max(-1, keepdims=True)), 0.0)
+    r = 2.0 ** -23 / 2.0 ** -10
+    np.testing.assert_allclose(out, p * (1 + r * (arg + (p * arg).sum(-1, keepdims=True))), rtol=1e-12)
+
+
 def test_dtype_of_refuses_an_unknown_name():
     """A dtype that is not one of the study's: a ValueError naming the argument, the choices and what came."""
     with pytest.raises(ValueError, match=r"dtype expected one of float32, float16.*got 'float8'"):
