@@ -67,6 +67,7 @@ MEMORY_LIMIT = 8 * 2 ** 30           # skip a memory point whose estimated peak 
 
 def add_arguments(p):
     """The options of `refbert bench` (refbert/cli.py) and of the two scripts in benchmarks/."""
+    from .cli import positive                              # (here: cli imports this module)
     p.add_argument("--quick", action="store_true",
                    help="tooling check: few repeats, small bench shapes, step: mini at B2 T64, memory: T 128 256 "
                         "(the numbers are noise)")
@@ -75,17 +76,17 @@ def add_arguments(p):
                         "mixed, profile: --device cuda only, the mixed-precision step and the torch.profiler table)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}, or {DEFAULT_OUT}/quick with --quick)")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), help="step sizes (default mini base; --quick: mini)")
-    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 10 kernels, 7 step)")
+    p.add_argument("--repeats", type=positive, help="timed repeats per measurement (default 10 kernels, 7 step)")
     p.add_argument("--kernels", nargs="+", metavar="NAME", help="only the KernelSpecs with these names")
-    p.add_argument("--memory-T", nargs="+", type=int, help=f"sequence lengths of the memory section "
+    p.add_argument("--memory-T", nargs="+", type=positive, help=f"sequence lengths of the memory section "
                                                            f"(default {' '.join(map(str, MEMORY_T))})")
     p.add_argument("--no-compile", action="store_true", help="skip the kernels' compile-time measurement")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: the CUDA kernels and the step on a GPU against PyTorch there (refbert/bench_cuda.py, "
                         "dispatched by refbert/cli.py)")
-    p.add_argument("--attention-T", nargs="+", type=int, help="--device cuda: attention sequence lengths")
-    p.add_argument("--step-T", nargs="+", type=int, help="--device cuda: pretraining-step sequence lengths at B=4")
+    p.add_argument("--attention-T", nargs="+", type=positive, help="--device cuda: attention sequence lengths")
+    p.add_argument("--step-T", nargs="+", type=positive, help="--device cuda: pretraining-step sequence lengths at B=4")
     p.add_argument("--no-torch", action="store_true", help="--device cuda: skip the PyTorch peers")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                    help="the step section in mixed precision: refbert's models with precision bf16-mixed / "
@@ -350,6 +351,16 @@ def shrink_shape(shape, t_max, elems):
     return s
 
 
+def unknown_kernels(asked, known, errors=()):
+    """--kernels NAME...: a name that no kernel file defines is a ValueError naming it and the choices (a typo
+    would otherwise time nothing and write an empty table), unless a file failed to import (the name may be
+    its: the run reports that file's error instead)."""
+    bad = sorted(set(asked) - set(known))
+    if bad and not errors:
+        raise ValueError(f"bench: argument --kernels expected names among {', '.join(sorted(set(known)))}, got "
+                         f"{', '.join(map(repr, bad))}")
+
+
 def bench_shape(spec, quick):
     return shrink_shape(spec.bench_shape, 128, 2 ** 18) if quick else spec.bench_shape
 
@@ -476,6 +487,7 @@ def run_kernels(args, info, command):
     rounds, min_time, settle = (1, 0.0, 0.0) if quick else (3, 0.2, SETTLE_S)
     specs, errors = discover_specs()
     if args.kernels:
+        unknown_kernels(args.kernels, [x[2].name for x in specs], errors)
         specs = [x for x in specs if x[2].name in args.kernels]
     names = [s.name for _, _, s in specs]
     from refbert_kernels._harness import copy_bandwidth

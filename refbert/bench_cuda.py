@@ -415,7 +415,8 @@ def launch_overhead(n=2000):
 def kernel_specs(names=None):
     """[(module, spec)] of every refbert_kernels.cuda module, and [(module, error)] of those that fail to import."""
     import importlib
-    found, errors = [], []
+    from .bench import unknown_kernels
+    found, errors, known = [], [], []
     for m in MODULES:
         try:
             mod = importlib.import_module(f"refbert_kernels.cuda.{m}")
@@ -423,8 +424,11 @@ def kernel_specs(names=None):
             errors.append((m, f"{type(e).__name__}: {e}"))
             continue
         for spec in getattr(mod, "SPECS", []):
+            known.append(spec.name)
             if names is None or spec.name in names:
                 found.append((m, spec))
+    if names is not None:
+        unknown_kernels(names, known, errors)
     return found, errors
 
 

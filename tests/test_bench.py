@@ -89,6 +89,32 @@ def test_bench_kernels_quick_writes_results_and_never_times_a_failing_version(fa
     assert "fake_softmax" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args, named", [(["--repeats", "0"], "--repeats"), (["--repeats", "-2"], "--repeats"),
+                                         (["--memory-T", "128", "0"], "--memory-T"),
+                                         (["--attention-T", "-1"], "--attention-T"), (["--step-T", "0"], "--step-T")])
+def test_bench_refuses_counts_below_one_by_name(args, named, capsys):
+    """Repeats and sequence lengths are integers >= 1: 0 or a negative is argparse's one-line error naming the
+    option (it ran before: --repeats 0 fell back to the default unseen, -2 ended in "no median for empty data",
+    --memory-T 0 wrote a table of errors)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {named}: expected an integer >= 1, got {args[-1]}" in err, err
+
+
+def test_bench_refuses_an_unknown_kernel_name(tmp_path, capsys):
+    """--kernels with a name no kernel file defines: one line naming it and the choices, exit 2, nothing timed or
+    written (it wrote an empty table before); with a file that failed to import the name may be its, so the run
+    goes on and reports that file."""
+    code = cli.main(["bench", "--only", "kernels", "--kernels", "layernorm", "layrenorm", "--quick",
+                     "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "argument --kernels expected names among" in err and "'layrenorm'" in err, err
+    assert "'layernorm'" not in err.split("got")[-1] and not (tmp_path / "out").exists()
+    bench.unknown_kernels(["x"], ["layernorm"], errors=[("gelu", "ImportError: ...")])     # no raise
+
+
 def test_shrink_shape_keeps_kind_and_cuts_size():
     assert bench.shrink_shape(dict(B=4, H=12, T=512, mask="pad"), 128, 2 ** 18) == dict(B=1, H=12, T=128,
                                                                                         mask="pad")

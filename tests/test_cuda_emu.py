@@ -646,7 +646,7 @@ def test_emu_bench_backward_ab_rows():
     its default, 6, validated here in float32 against the oracle, also where C4's dq partials do not fit (version
     3's dk, dv kernel then runs for version 4, as at T=2048 on the H200 at b87c638, where the row failed by naming
     only the fused kernels; version 8 runs the default's kernels there, so its row fails rather than time them
-    under its name). The variables are put back after the rows."""
+    under its name). The variables are put back after the rows. A kernel name no file defines is refused."""
     code = """
         import numpy as np
         from refbert import bench_cuda as BC
@@ -654,6 +654,12 @@ def test_emu_bench_backward_ab_rows():
         from refbert_kernels.cuda import cuda_c as K
         get_backend("cuda")
         spec = BC.with_cuda_c(BC.kernel_specs(["attention"])[0][0][1])
+        try:                                               # --kernels with a typo: refused, naming it
+            BC.kernel_specs(["attentoin"])
+        except ValueError as e:
+            assert "argument --kernels expected names among" in str(e) and "'attentoin'" in str(e), e
+        else:
+            raise AssertionError("bench_cuda.kernel_specs took a kernel name no file defines")
         inputs_h, kwargs_h = spec.make_inputs(dict(spec.bench_shape, B=1, H=1, hs=64, T=70), np.float32, 0)
         for version, dt, parts in (("C5", np.float16, None), ("C6", np.float32, None), ("C6", np.float32, 0)):
             K.C4_PARTS_MAX = parts                        # (0: C4's dq partials never fit, as at T=2048 B=8)
