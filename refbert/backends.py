@@ -204,7 +204,10 @@ def load_module(spec, what="backend", names=False):
     if text.endswith(".py") or os.path.sep in text or os.path.isfile(text):
         path = os.path.abspath(text)
         if not os.path.isfile(path):
-            raise ValueError(f"{what}: '{text}' expected a .py file, got {'a folder' if os.path.isdir(path) else 'nothing'}")
+            raise ValueError(f"{what}: '{text}' expected a .py file, got "
+                             f"{'a folder' if os.path.isdir(path) else 'nothing'}")
+        if not path.endswith(".py"):             # (importlib finds no loader for another suffix)
+            raise ValueError(f"{what}: '{text}' expected a .py file, got a file whose name does not end in .py")
         key = (path, os.stat(path).st_mtime_ns)
         if key in _LOADED:
             return _LOADED[key]

@@ -437,6 +437,10 @@ def test_backend_from_a_path_and_its_errors(tmp_path, capsys):
     assert "own ops: layernorm" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expected a .py file, got nothing"):
         get_backend(str(tmp_path / "missing.py"))
+    txt = tmp_path / "mine.txt"                        # a Python file under another name: refused by name
+    txt.write_text(good.read_text())
+    with pytest.raises(ValueError, match="mine.txt' expected a .py file, got a file whose name does not end in .py"):
+        get_backend(str(txt))
     bad = tmp_path / "broken.py"
     bad.write_text("def layernorm_forward(:\n")
     with pytest.raises(ValueError, match="broken.py' could not be loaded: SyntaxError"):
