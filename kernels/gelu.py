@@ -156,9 +156,13 @@ def _gelu3_ov(u, tanh):
         def impl(u, tanh):
             ud = np.float64(u)
             if tanh:
-                return np.float32(ud * _sigmoid_wide(2 * _C * (ud + _K * ud * ud * ud)))
+                z = 2 * _C * (ud + _K * ud * ud * ud)
+                # below z = -700 u s rounds to 0 in float32; s is 0 there so that -inf * s(-inf) is NaN, as the
+                # oracle's (_exp_wide clamps at -708: s(-inf) was e^-708, and gelu(-inf) -inf)
+                return np.float32(ud * (_sigmoid_wide(z) if z > -700.0 else 0.0))
             a = min(abs(ud) * _SQRT_HALF, 11.0)
             r = 0.5 * _exp_wide(-a * a) * _erfcx_wide(a)       # Phi(-|u|)
+            r = r if a < 11.0 else 0.0                         # (see the backward): -inf * Phi(-inf) is NaN
             return np.float32(ud * (r if ud < 0 else 1.0 - r))
         return impl
     return lambda u, tanh: _gelu2(u, tanh)
@@ -175,7 +179,9 @@ def _dgelu3_ov(u, tanh):
                     return np.float32(s)
                 return np.float32(s + 2 * ud * s * (1 - s) * _C * (1 + 3 * _K * ud * ud))
             a = min(abs(ud) * _SQRT_HALF, 11.0)
-            e = _exp_wide(-a * a)                              # exp(-u^2 / 2): shared by Phi and phi
+            # exp(-u^2 / 2), shared by Phi and phi; 0 from a = 11 on (|u| > 15.5, where Phi(-|u|) and u phi(u) are 0
+            # in float32 anyway), so that +-inf * phi(+-inf) is NaN, as the oracle's (the clamp gave e^-121: +-inf)
+            e = _exp_wide(-a * a) if a < 11.0 else 0.0
             r = 0.5 * e * _erfcx_wide(a)                       # Phi(-|u|) = erfc(|u| / sqrt 2) / 2
             return np.float32((r if ud < 0 else 1.0 - r) + ud * e * _INV_SQRT_2PI)
         return impl

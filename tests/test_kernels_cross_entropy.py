@@ -98,3 +98,43 @@ def test_v4_reuses_dlogits_only_once_nobody_holds_it(monkeypatch):
     third = CE.cross_entropy_backward_v4(np.float32(1), cache)   # nobody holds the pooled one: written again
     assert third.__array_interface__["data"][0] == address
     close(third, ref, np.float32, "reused dlogits")             # ignored rows written as zeros, not left over
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vocabularies_over_several_blocks(dtype):
+    """Rows longer than v3's online-max block (CE._BLOCK columns) and v4's float32 sum block (CE._SUM_BLOCK): the
+    running sum rescaled when a later block holds a larger maximum, every column of every block summed. One row
+    rises to its maximum in the last block, one peaks in the first, two at a block's last column, the rest random
+    (the hypothesis test's V stays within one block)."""
+    V = 2 * CE._SUM_BLOCK + 37
+    assert V > 2 * CE._BLOCK
+    rng = np.random.default_rng(3)
+    logits = (4 * rng.standard_normal((5, V))).astype(dtype)
+    logits[0] = np.linspace(-5.0, 20.0, V)                      # the max in the last block
+    logits[1] = np.linspace(20.0, -5.0, V)                      # ... in the first
+    logits[2, CE._SUM_BLOCK - 1] = logits[3, 2 * CE._SUM_BLOCK - 1] = 30.0   # ... at the end of a block
+    labels = np.array([V - 1, 0, CE._SUM_BLOCK - 1, CE._BLOCK, -100])
+    loss, rc = ops.cross_entropy_forward(logits, labels)
+    dz = ops.cross_entropy_backward(dtype(1.0), rc)
+    for v in VERSIONS:
+        fwd, bwd = CE.SPEC.versions[v]
+        got, cache = fwd(logits, labels)
+        close(got, loss, dtype, f"v{v} loss")                  # TOL: the module's reasons (see close)
+        close(bwd(dtype(1.0), cache), dz, dtype, f"v{v} dlogits")
+
+
+@pytest.mark.parametrize("v", VERSIONS)
+def test_an_ignore_index_inside_the_vocabulary(v):
+    """ignore_index is any integer, a valid class too (torch's F.cross_entropy): rows labelled 2 are skipped when
+    ignore_index=2, and counted when it is the default -100 (the hypothesis test draws only negative ones)."""
+    rng = np.random.default_rng(5)
+    logits = (2 * rng.standard_normal((6, 9))).astype(np.float64)
+    labels = np.array([2, 0, 2, 8, 5, 2])
+    fwd, bwd = CE.SPEC.versions[v]
+    for ignore_index in (2, -100):
+        loss, rc = ops.cross_entropy_forward(logits, labels, ignore_index)
+        got, cache = fwd(logits, labels, ignore_index)
+        close(got, loss, np.float64, f"v{v} loss, ignore_index {ignore_index}")   # TOL's float64 reasons
+        g = bwd(np.float64(1.0), cache)
+        close(g, ops.cross_entropy_backward(np.float64(1.0), rc), np.float64, f"v{v} dlogits")
+        assert (g[labels == 2] == 0).all() == (ignore_index == 2)

@@ -189,3 +189,28 @@ def test_tanh_form_at_huge_x_takes_its_limits(v, dtype):
         np.testing.assert_array_equal(grads[0], (x > 0).astype(dtype))
         if len(grads) > 1:                                 # bias_gelu's db: the column sums of du, 1 or 0 each
             np.testing.assert_array_equal(grads[1], (x > 0).sum(0).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_non_finite_and_far_tail_inputs_follow_the_oracle(dtype, approximate):
+    """NaN, +-inf and |x| past 15.5 (where float32's Phi(-|x|) and x phi(x) are 0): the same NaN / infinities as
+    the oracle in out, dx and db (-inf * Phi(-inf) and +-inf * phi(+-inf) are NaN), finite entries within TOL.
+    (v3's float32 exact form once clamped the tail at e^-121, not 0: gelu(-inf) = -inf, gelu'(+-inf) = +-inf.)"""
+    x = np.array([[np.nan, np.inf, -np.inf, 16.0, -16.0, -40.0, 1.5, -0.5]], dtype)
+    b = np.zeros(x.shape[-1], dtype)
+    dout = np.ones_like(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref, rc = ops.gelu_forward(x, approximate)
+        rdx = ops.gelu_backward(dout, rc)
+        bref, brc = ops.bias_gelu_forward(x, b, approximate)
+        brdx, brdb = ops.bias_gelu_backward(dout, brc)
+    for v in VERSIONS:
+        out, cache = G.SPEC_GELU.versions[v][0](x, approximate)
+        bout, bcache = G.SPEC_BIAS_GELU.versions[v][0](x, b, approximate)
+        dx, (bdx, bdb) = G.SPEC_GELU.versions[v][1](dout, cache), G.SPEC_BIAS_GELU.versions[v][1](dout, bcache)
+        for what, got, want in (("out", out, ref), ("dx", dx, rdx), ("bias out", bout, bref), ("bias dx", bdx, brdx),
+                                ("db", bdb, brdb)):
+            finite = np.isfinite(want)
+            np.testing.assert_array_equal(got[~finite], want[~finite], err_msg=f"v{v} {what}")
+            close(got[finite], want[finite], dtype, f"v{v} {what}")

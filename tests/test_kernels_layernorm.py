@@ -202,3 +202,17 @@ def test_small_inputs_on_one_thread_match_the_oracle_and_repeat(kind, dtype, mon
             numba.set_num_threads(n0)
         for g, h in zip(*runs):
             np.testing.assert_array_equal(g, h)
+
+
+@pytest.mark.parametrize("v", VERSIONS)
+def test_dropout_residual_without_dropout_gives_da_its_own_array(v):
+    """In eval or at p = 0 da equals dx, and is a copy, as the oracle's (dropout_backward returns dout.copy()):
+    a caller writing into one gradient must not change the other."""
+    inputs, _ = K.make_inputs(dict(lead=(3,), C=7, kind="drop"), np.float32, 0)
+    dout = np.random.default_rng(2).standard_normal(inputs["x"].shape).astype(np.float32)
+    for p, train in ((0.3, False), (0.0, True)):
+        for fwd, bwd in ((ops.dropout_residual_layernorm_forward, ops.dropout_residual_layernorm_backward),
+                         K.SPEC_DROPOUT.versions[v]):
+            _, c = fwd(**inputs, p=p, rng=DropoutRNG(0), train=train)
+            dx, da, _, _ = bwd(dout, c)
+            assert np.array_equal(dx, da) and not np.shares_memory(dx, da), (p, train)

@@ -148,3 +148,12 @@ def test_phi_parts_f32_limits():
     np.testing.assert_array_equal(gauss, [0.0, 0.0, 1.0, 0.0, 0.0])
 
 
+
+
+def test_exp_float32_below_the_range_is_exactly_zero():
+    # documented: below -87.34 (and at -inf) exp is exactly 0, as a softmax over a padding mask needs (the clamp
+    # alone would give exp(-87.33654), the smallest normal float32, instead); NaN stays NaN
+    x = np.array([-87.34, -87.5, -90.0, -1e4, np.finfo(np.float32).min, -np.inf, np.nan], np.float32)
+    got = _RUN["exp"](x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, [0, 0, 0, 0, 0, 0, np.nan])

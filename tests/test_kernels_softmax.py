@@ -150,3 +150,21 @@ def test_one_compiled_kernel_per_dtype_whatever_the_mask():
     for f in kernels:
         f64 = [s for s in f.signatures if "float64" in str(s[0])]
         assert len(f64) == 1, (f.py_func.__name__, [str(s) for s in f64])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_masked_scores_get_exactly_zero_probability(dtype):
+    """A key masked by -inf or by HF's finfo.min has p exactly 0 in every version, as in the oracle (exp of
+    -inf or of ~finfo.min is 0): not the smallest normal number that a clamped exp would give."""
+    r = np.random.default_rng(7)
+    x = (3 * r.standard_normal((2, 3, 5, 70))).astype(dtype)
+    for big in (-np.inf, np.finfo(dtype).min):
+        mask = np.zeros((2, 1, 1, 70), dtype)
+        mask[0, ..., 40:] = big
+        mask[1, ..., 1:] = big
+        ref, _ = ops.softmax_forward(x, 0.125, mask)
+        masked = np.broadcast_to(mask == big, x.shape)
+        assert (ref[masked] == 0).all()
+        for v in VERSIONS:
+            p, _ = K.SPEC.versions[v][0](x, 0.125, mask)
+            assert (p[masked] == 0).all(), (v, big, p[masked].max())
