@@ -130,19 +130,21 @@ def shape_str(shape):
 
 
 def add_arguments(p):
+    from .cli import positive                              # (here: cli imports this module)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
     p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, B=4 T=128 only")
     p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "mixed", "optim", "profile"],
                    help="run only these sections (probes always)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}/cuda-<device>)")
-    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 20; --quick 5)")
+    p.add_argument("--repeats", type=positive, help="timed repeats per measurement (default 20; --quick 5)")
     p.add_argument("--kernels", nargs="+", metavar="NAME", help="only the KernelSpecs with these names")
     p.add_argument("--validate-dtypes", nargs="+", default=["float32", "float16"],
                    choices=["float64", "float32", "float16", "bfloat16"],
                    help="dtypes each version is validated in, beside every dtype it is timed in (always validated)")
-    p.add_argument("--attention-T", nargs="+", type=int, help="attention sequence lengths (default 512 1024 2048)")
+    p.add_argument("--attention-T", nargs="+", type=positive, help="attention sequence lengths (default 512 1024 2048)")
     p.add_argument("--step", nargs="+", metavar="BxT", help="training-step batches (default 32x128 8x512)")
-    p.add_argument("--step-T", nargs="+", type=int, help="training-step sequence lengths at 4096 tokens (B = 4096/T)")
+    p.add_argument("--step-T", nargs="+", type=positive,
+                   help="training-step sequence lengths at 4096 tokens (B = 4096/T)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers and HF's step")
     p.add_argument("--config", choices=["base", "tiny"], default="base",
                    help=argparse.SUPPRESS)          # tiny: the emulator's tooling check (tests/test_cuda_emu.py)
@@ -164,6 +166,8 @@ def step_shapes(args):
                 B, T = (int(v) for v in item.lower().split("x"))
             except ValueError:
                 raise ValueError(f"bench: --step expected BxT (e.g. 32x128), got {item!r}") from None
+            if B < 1 or T < 1:
+                raise ValueError(f"bench: --step expected BxT with B and T >= 1, got {item!r}")
             out.append((B, T))
         return out
     if getattr(args, "step_T", None):

@@ -103,6 +103,22 @@ def test_bench_refuses_counts_below_one_by_name(args, named, capsys):
     assert f"argument {named}: expected an integer >= 1, got {args[-1]}" in err, err
 
 
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--attention-T", "512", "-1"], ["--step-T", "0"]])
+def test_the_gpu_bench_refuses_counts_below_one_by_name(args, capsys):
+    """The GPU bench's own parser (`python -m refbert.bench_cuda`, what benchmarks/gpu_all.sh runs) refuses the
+    same counts as `refbert bench`, by argparse's one line naming the option; --step's B and T too, before any GPU
+    is looked for."""
+    from refbert import bench_cuda
+    with pytest.raises(SystemExit) as e:
+        bench_cuda.parse(args)
+    assert e.value.code == 2 and f"argument {args[0]}: expected an integer >= 1, got {args[-1]}" in \
+        capsys.readouterr().err
+    for bad in ("0x128", "32x0"):
+        with pytest.raises(ValueError, match=f"--step expected BxT with B and T >= 1, got '{bad}'"):
+            bench_cuda.step_shapes(bench_cuda.parse(["--step", "32x128", bad]))
+    assert bench_cuda.step_shapes(bench_cuda.parse(["--step", "32x128", "8X512"])) == [(32, 128), (8, 512)]
+
+
 def test_bench_refuses_an_unknown_kernel_name(tmp_path, capsys):
     """--kernels with a name no kernel file defines: one line naming it and the choices, exit 2, nothing timed or
     written (it wrote an empty table before); with a file that failed to import the name may be its, so the run
