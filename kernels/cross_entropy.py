@@ -254,6 +254,7 @@ def _backward_v4(z2, y, kept, ignored, m, ls, g):
 def _wrap(version, fwd_kernel, bwd_kernel):
     def cross_entropy_forward(logits, labels, ignore_index=-100):
         # the oracle's checks, in its order
+        V.required("cross_entropy", logits=logits)
         V.floats("cross_entropy", logits=logits)
         V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
         if not isinstance(labels, np.ndarray) or labels.shape != logits.shape[:-1]:

@@ -143,6 +143,7 @@ def _apply_v3(x, out, seed, stream, thr, scale):
 # launchers
 
 def _forward(x, p, rng, train, kernel, keep_mask):
+    V.required("dropout", x=x)
     V.floats("dropout", x=x)
     d = draw(rng, p, train)
     if d is None:

@@ -371,6 +371,7 @@ def _wrap(version, kernels, flat=None):
     """The four public-signature functions of one version around its kernels (`flat`: {tanh: (forward, backward)}
     of plain gelu on a flat array; without it plain gelu runs the bias kernels with b = 0 on one long row)."""
     def gelu_forward(x, approximate="none"):
+        V.required("gelu", x=x)
         V.floats("gelu", x=x)
         _check_approximate(approximate)
         if flat is not None:
@@ -393,6 +394,7 @@ def _wrap(version, kernels, flat=None):
         return dx.reshape(x.shape)
 
     def bias_gelu_forward(x, b, approximate="none"):
+        V.required("bias_gelu", x=x, b=b)
         V.floats("bias_gelu", x=x, b=b)
         V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
         V.shape("bias_gelu", "b", b, (x.shape[-1],), "(I,)")

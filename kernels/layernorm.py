@@ -430,7 +430,7 @@ _backward_v3_serial = serial_twin(_backward_v3, cache=True, fastmath=FASTMATH)
 # launchers: the oracle's checks in the oracle's order, then rows
 
 def _check_ln(x, w, b, eps):
-    V.required("layernorm", w=w, b=b)
+    V.required("layernorm", x=x, w=w, b=b)
     V.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
     V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
@@ -504,6 +504,7 @@ def _layernorm_backward(dout, cache):
 
 
 def _residual_forward(version, x, a, w, b, eps):
+    V.required("residual_layernorm", x=x, a=a)
     V.floats("residual_layernorm", x=x, a=a)
     V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
     _check_ln(x, w, b, eps)
@@ -520,6 +521,7 @@ def _residual_backward(dout, cache):
 
 
 def _dropout_residual_forward(version, x, a, w, b, eps, p, rng, train):
+    V.required("dropout_residual_layernorm", x=x, a=a)
     V.floats("dropout_residual_layernorm", x=x, a=a)
     V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
     if x.size == 0:

@@ -42,6 +42,7 @@ def _add_bias(out, b):
 
 
 def linear_forward_v1(x, w, b=None):
+    V.required("linear", x=x, w=w)
     V.floats("linear", x=x, w=w, b=b)
     V.min_ndim("linear", "x", x, 1, "(..., C_in)")
     V.shape("linear", "w", w, (None, x.shape[-1]), "(C_out, C_in)")
@@ -68,6 +69,7 @@ POOL_MIN = 32 << 20
 
 
 def linear_forward_v2(x, w, b=None):
+    V.required("linear", x=x, w=w)
     V.floats("linear", x=x, w=w, b=b)
     V.min_ndim("linear", "x", x, 1, "(..., C_in)")
     V.shape("linear", "w", w, (None, x.shape[-1]), "(C_out, C_in)")

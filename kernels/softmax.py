@@ -187,6 +187,7 @@ def _forward_v3(x, scale, mask, mrow, out):
 
 def _check_forward(x, scale, mask):
     """The oracle's checks; the scale as the oracle takes it (a Python float)."""
+    V.required("softmax", x=x)
     V.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
     scale = V.number("softmax", "scale", scale)

@@ -594,11 +594,16 @@ def _check_inputs(who, cfg, dtype, input_ids, attention_mask, token_type_ids, po
     V.ids(who, "input_ids", input_ids, cfg.vocab_size)
     if token_type_ids is None:
         token_type_ids = np.zeros((B, T), np.int64)
-    V.shape(who, "token_type_ids", np.asarray(token_type_ids), (B, T), "(B, T) as input_ids")
+    if isinstance(token_type_ids, np.ndarray):        # (anything else: V.ids refuses it by name, a ragged list too)
+        V.shape(who, "token_type_ids", token_type_ids, (B, T), "(B, T) as input_ids")
     V.ids(who, "token_type_ids", token_type_ids, cfg.type_vocab_size)
     if position_ids is None:
         position_ids = np.arange(T)
-    position_ids = np.asarray(position_ids)
+    try:
+        position_ids = np.asarray(position_ids)
+    except ValueError:                                 # (a ragged list: NumPy's own error would name nothing)
+        raise ValueError(f"{who}: argument 'position_ids' expected an integer array that broadcasts to {(B, T)}, "
+                         f"got a ragged {type(position_ids).__name__}") from None
     try:
         position_ids = np.broadcast_to(position_ids, (B, T))
     except ValueError:
@@ -652,9 +657,11 @@ class BertModel(BertPreTrainedModel):
         if dpooler_output is not None and not self.add_pooling_layer:
             raise ValueError("BertModel.backward: argument 'dpooler_output' given, but the model has no pooler")
         if dlast_hidden_state is not None:
-            V.dout("BertModel.backward", _shape_of(dlast_hidden_state), shape, self.dtype)
+            V.dout("BertModel.backward", _shape_of(dlast_hidden_state), shape, self.dtype, name="dlast_hidden_state",
+                   what="last_hidden_state's")
         if dpooler_output is not None:
-            V.dout("BertModel.backward", _shape_of(dpooler_output), (shape[0], shape[2]), self.dtype)
+            V.dout("BertModel.backward", _shape_of(dpooler_output), (shape[0], shape[2]), self.dtype,
+                   name="dpooler_output", what="pooler_output's")
         self._cache = None
         grads = {}
         self._encode_backward(ctx, dlast_hidden_state, dpooler_output, cache, grads)
@@ -906,7 +913,7 @@ class BertForMultipleChoice(_Head):
         for name, a in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                         ("position_ids", position_ids)):
             ok = isinstance(a, np.ndarray) and (a.shape == input_ids.shape or name == "position_ids" and a.ndim
-                                                 and a.shape[-1] == T and a.size in (T, B * N * T))
+                                                 and a.shape[-1] == T and a.size == T)
             if a is not None and not ok:               # (position_ids (T,) or (1, T) as well, BertModel's broadcast)
                 raise ValueError(f"BertForMultipleChoice: argument '{name}' expected an array of shape "
                                  f"(B, num_choices, T) = {input_ids.shape} as input_ids, got {V._desc(a)}")

@@ -49,6 +49,7 @@ def linear_forward(x, w, b=None):
         dw = dout2.T @ x2             (sum over every leading position n)
         db = dout2.sum(0)
     """
+    V.required("linear", x=x, w=w)
     V.floats("linear", x=x, w=w, b=b)
     V.min_ndim("linear", "x", x, 1, "(..., C_in)")
     V.shape("linear", "w", w, (None, x.shape[-1]), "(C_out, C_in)")
@@ -111,6 +112,7 @@ def embedding_forward(ids, w, padding_idx=None):
         dw[v] = sum_{n : ids[n] = v} dout[n]
         dw[padding_idx] = 0           (torch never updates the padding row; HF BERT uses pad_token_id here)
     """
+    V.required("embedding", w=w)
     V.floats("embedding", w=w)
     V.shape("embedding", "w", w, (None, None), "(V, C)")
     V.ids("embedding", "ids", ids, w.shape[0])
@@ -150,7 +152,7 @@ def layernorm_forward(x, w, b, eps=1e-12):
     (c2 removes the part of wdy that moves the mean, c1 the part that moves the variance; eps enters through rstd
     alone, so the formula is exact with it).
     """
-    V.required("layernorm", w=w, b=b)
+    V.required("layernorm", x=x, w=w, b=b)
     V.floats("layernorm", x=x, w=w, b=b)
     V.min_ndim("layernorm", "x", x, 1, "(..., C)")
     V.shape("layernorm", "w", w, (x.shape[-1],), "(C,)")
@@ -194,6 +196,7 @@ def softmax_forward(x, scale=1.0, mask=None):
     = p_j (dout_j - sum_i dout_i p_i), the line above; and d z / d x = scale.
     The max is subtracted before exp (softmax is shift-invariant), so logits of 1e4 do not overflow.
     """
+    V.required("softmax", x=x)
     V.floats("softmax", x=x, mask=mask)
     V.min_ndim("softmax", "x", x, 1, "(..., T)")
     if x.shape[-1] == 0:
@@ -253,6 +256,7 @@ def gelu_forward(x, approximate="none"):
             1 + t cancelling to 0 in the left tail. s is taken at x clamped to [-1e4, 1e4] (_TANH_L: the same s,
             saturated, without x^3 overflowing; beyond, dx = dout for x > 1e4 and 0 for x < -1e4).
     """
+    V.required("gelu", x=x)
     V.floats("gelu", x=x)
     if approximate == "none":
         out = x * ndtr(x)
@@ -284,6 +288,7 @@ def gelu_backward(dout, cache):
 
 def tanh_forward(x):
     """out = tanh(x).   x: (...)   Backward: d tanh/dx = 1 - tanh^2, so dx = dout * (1 - out^2)."""
+    V.required("tanh", x=x)
     V.floats("tanh", x=x)
     out = np.tanh(x)
     return out, (out,)
@@ -310,6 +315,7 @@ def dropout_forward(x, p, rng=None, train=True):
     Backward: the op is linear and diagonal, so dx = dout * keep / (1 - p) (p = 1: dx = 0). Eval or p = 0:
     out = x, dx = dout, and no stream is drawn.
     """
+    V.required("dropout", x=x)
     V.floats("dropout", x=x)
     p = V.probability("dropout", "p", p)
     if not train or p == 0.0:
@@ -353,6 +359,7 @@ def _keep_scale(a, keep, scale):
 
 def add_forward(a, b):
     """out = a + b with equal shapes (no broadcasting).   Backward: da = dout, db = dout."""
+    V.required("add", a=a, b=b)
     V.floats("add", a=a, b=b)
     V.shape("add", "b", b, a.shape, "(same as a)")
     return a + b, (a.shape, a.dtype)
@@ -377,6 +384,7 @@ def gather_rows_forward(x, rows):
     Decoding only these rows gives the same loss and gradients as decoding every position and ignoring the
     unlabelled ones, whose logits never reach the loss (cross_entropy with ignore_index).
     """
+    V.required("gather_rows", x=x)
     V.floats("gather_rows", x=x)
     V.min_ndim("gather_rows", "x", x, 1, "(..., C)")
     N = int(np.prod(x.shape[:-1]))
@@ -426,6 +434,7 @@ def compose(o):
         inputs, so dx = da = ds (returned as one array twice: a caller that writes into one, e.g. as
         linear_backward's dx_into, must first finish reading the other).
         """
+        V.required("residual_layernorm", x=x, a=a)
         V.floats("residual_layernorm", x=x, a=a)
         V.shape("residual_layernorm", "a", a, x.shape, "(same as x)")
         out, ln_cache = o.layernorm_forward(x + a, w, b, eps)
@@ -443,6 +452,7 @@ def compose(o):
         x, a: (..., C)   w, b: (C,)   p, rng, train: as dropout_forward   ->   out: (..., C)
         Backward: ds = layernorm_backward(dout);  dx = ds;  da = dropout_backward(ds) = ds * keep / (1 - p).
         """
+        V.required("dropout_residual_layernorm", x=x, a=a)
         V.floats("dropout_residual_layernorm", x=x, a=a)
         V.shape("dropout_residual_layernorm", "a", a, x.shape, "(same as x)")
         ad, do_cache = o.dropout_forward(a, p, rng, train)
@@ -461,6 +471,7 @@ def compose(o):
         x: (..., I)   b: (I,)   ->   out: (..., I)
         Backward: du = gelu_backward(dout) at u = x + b;  dx = du;  db = du summed over every leading dim.
         """
+        V.required("bias_gelu", x=x, b=b)
         V.floats("bias_gelu", x=x, b=b)
         V.min_ndim("bias_gelu", "x", x, 1, "(..., I)")
         V.shape("bias_gelu", "b", b, (x.shape[-1],), "(I,)")
@@ -557,6 +568,7 @@ def cross_entropy_forward(logits, labels, ignore_index=-100):
     The cache: zs = z[kept] - m (m the row max), the kept labels yk, their flat row indices kept, and
     s = log sum exp(zs) = lse - m; the backward's softmax is exp(zs - s).
     """
+    V.required("cross_entropy", logits=logits)
     V.floats("cross_entropy", logits=logits)
     V.min_ndim("cross_entropy", "logits", logits, 1, "(..., V)")
     if not isinstance(labels, np.ndarray) or labels.shape != logits.shape[:-1]:
@@ -599,6 +611,7 @@ def bce_with_logits_forward(logits, targets):
     d/dz [max(z, 0) - z y + log(1 + exp(-|z|))] = sigmoid(z) - y (either sign of z).
     N = 0 (empty logits): loss = 0 and dz empty (torch would return NaN).
     """
+    V.required("bce_with_logits", logits=logits, targets=targets)
     V.floats("bce_with_logits", logits=logits, targets=targets)
     V.shape("bce_with_logits", "targets", targets, logits.shape, "(same as logits)")
     if targets.size and not ((targets >= 0) & (targets <= 1)).all():
@@ -627,6 +640,7 @@ def mse_forward(pred, target):
         dpred = dloss * 2 (pred - target) / N,   dtarget = -dpred
     N = 0 (empty pred): loss = 0 and empty gradients (torch would return NaN), as cross_entropy and bce.
     """
+    V.required("mse", pred=pred, target=target)
     V.floats("mse", pred=pred, target=target)
     V.shape("mse", "target", target, pred.shape, "(same as pred)")
     diff = pred - target
@@ -644,6 +658,7 @@ def mse_backward(dloss, cache):
 def attention_shapes(q, k, v, n_heads, mask=None):
     """attention's argument checks (every backend's, in this order: float arrays, q (B, T, C), k and v as q, n_heads a
     positive divisor of C), the mask's broadcast left to the caller. -> (B, T, C, H, hs)"""
+    V.required("attention", q=q, k=k, v=v)
     V.floats("attention", q=q, k=k, v=v, mask=mask)
     V.shape("attention", "q", q, (None, None, None), "(B, T, C)")
     V.shape("attention", "k", k, q.shape, "(B, T, C) as q")
@@ -652,7 +667,10 @@ def attention_shapes(q, k, v, n_heads, mask=None):
     if T == 0:
         raise ValueError(f"attention: argument 'q' expected at least one position (T >= 1) to attend to, got shape "
                          f"{q.shape}")
-    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1 or C % n_heads:
+    if C == 0:                                        # (hs = 0: the scale 1 / sqrt(hs) would divide by zero)
+        raise ValueError(f"attention: argument 'q' expected at least one channel (C >= 1), got shape {q.shape}")
+    if isinstance(n_heads, (bool, np.bool_)) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1 \
+            or C % n_heads:
         raise ValueError(f"attention: argument 'n_heads' expected a positive divisor of C = {C}, got {n_heads}")
     return B, T, C, int(n_heads), C // int(n_heads)
 

@@ -12,6 +12,8 @@ entry, |a - b|max <= rtol * |b|max (gradients: check_grads' scale), in both dtyp
                        (the kernels may round as far, on the other side) — never the sum of the two, and the float32
                        numpy backend must itself be within 2e-5, so no allowance exceeds 4e-5.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -117,3 +119,23 @@ def test_backend_has_every_op_of_the_oracle():
     assert names <= set(dir(backend)), names - set(dir(backend))
     for op, module in backend.KERNELS.items():   # a kernel really replaced each fused op
         assert getattr(backend, f"{op}_forward").__module__ == f"refbert_kernels.{module}", op
+
+
+def test_a_missing_array_is_refused_as_the_oracle_refuses_it():
+    """None for a required array of a fused kernel's forward: the oracle's ValueError naming the op and the argument,
+    word for word, on the numba backend (it met it as an AttributeError or a Numba typing error deep inside)."""
+    from refbert import ops
+    backend = refbert.get_backend("numba")
+    one, row = np.ones(3), np.ones((2, 3))
+    calls = {"linear_forward": (None, np.zeros((4, 3))), "embedding_forward": (np.array([0]), None),
+             "layernorm_forward": (None, one, one), "residual_layernorm_forward": (None, row, one, one),
+             "dropout_residual_layernorm_forward": (row, None, one, one), "softmax_forward": (None,),
+             "gelu_forward": (None,), "bias_gelu_forward": (row, None), "dropout_forward": (None, 0.1),
+             "attention_forward": (None, None, None, 1), "cross_entropy_forward": (None, np.array([0]))}
+    assert {f"{op}_forward" for op in backend.KERNELS} <= set(calls)
+    for name, args in calls.items():
+        with pytest.raises(ValueError) as want:
+            getattr(ops, name)(*args)
+        assert "expected a float32 or float64 array, got None" in str(want.value), name
+        with pytest.raises(ValueError, match=f"^{re.escape(str(want.value))}$"):
+            getattr(backend, name)(*args)

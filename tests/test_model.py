@@ -164,7 +164,7 @@ def test_backward_misuse_and_bad_labels():
         m.backward()  # the caches were released
     e = refbert.BertModel(cfg)
     e(input_ids=np.array([[1, 2]]))
-    with pytest.raises(ValueError, match=r"'dout' expected an array of shape \(1, 2, 12\)"):
+    with pytest.raises(ValueError, match=r"'dlast_hidden_state' expected an array of shape \(1, 2, 12\)"):
         e.backward(np.ones((1, 2, 11), np.float32))
     with pytest.raises(ValueError, match="backend: expected one of 'numpy', 'numba', 'cuda', got 'tpu'"):
         refbert.BertModel(cfg, backend="tpu")
