@@ -67,7 +67,7 @@ MEMORY_LIMIT = 8 * 2 ** 30           # skip a memory point whose estimated peak 
 
 def add_arguments(p):
     """The options of `refbert bench` (refbert/cli.py) and of the two scripts in benchmarks/."""
-    from .cli import positive                              # (here: cli imports this module)
+    from .argtypes import positive
     p.add_argument("--quick", action="store_true",
                    help="tooling check: few repeats, small bench shapes, step: mini at B2 T64, memory: T 128 256 "
                         "(the numbers are noise)")

@@ -130,7 +130,7 @@ def shape_str(shape):
 
 
 def add_arguments(p):
-    from .cli import positive                              # (here: cli imports this module)
+    from .argtypes import positive
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)      # set by `refbert bench --device cuda`
     p.add_argument("--quick", action="store_true", help="a tooling check: few repeats, small shapes, B=4 T=128 only")
     p.add_argument("--only", nargs="+", choices=["kernels", "precision", "step", "mixed", "optim", "profile"],

@@ -18,31 +18,8 @@ import os
 import sys
 import warnings
 
+from .argtypes import non_negative, positive, positive_float
 from .defaults import PRETRAIN
-
-
-def positive(text):
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def positive_float(text):
-    """argparse type: a finite number > 0 (a learning rate)."""
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
-
-
-def non_negative(text):
-    """argparse type: an integer >= 0 (a seed)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _backend_type(names):
