@@ -391,6 +391,12 @@ def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version
     m = xp.empty((B, H, T), np.float32)
     linv = xp.empty((B, H, T), np.float32)
     tc = dt == "f16" and hs == 64
+    if not tc and tc_version in (3, 5):                           # C2's or C5's forward (a pin): C1's kernel runs
+        op = f"C{2 if tc_version == 3 else 5} forward"
+        FELL_BACK[("attention", op)] = f"dtype {q.dtype}, head size {hs} (tensor cores: float16, hs 64): C1's ran"
+        FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
+        warnings.warn(f"refbert cuda: attention {op} took C1's kernel ({FELL_BACK[('attention', op)]})",
+                      RuntimeWarning, stacklevel=3)
     if tc and not _aligned(q, k, v):                              # cp.async moves 16-byte rows
         tc = False
         FELL_BACK[("attention", "C1 tensor cores")] = "q, k or v not 16-byte aligned: the scalar kernel ran"

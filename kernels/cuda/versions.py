@@ -116,6 +116,7 @@ def reset():
     DEMOTED.clear()
     RAN.clear()
     PINS.clear()
+    _ORDER_CACHE.clear()                               # (a measured order is read again: the bench rewrites it)
     PINS.update(_env_pins())
 
 
@@ -135,7 +136,8 @@ def _env_pins():
         left, key = (s.strip() for s in item.split("=", 1))
         op, _, dt = left.partition(":")
         _check_op(op, "REFBERT_CUDA_VERSIONS")
-        out[(op, np.dtype(dt).name if dt else None)] = key.lstrip("v")
+        out[(op, _check_dtype(dt, "REFBERT_CUDA_VERSIONS") if dt else None)] = \
+            _check_version(op, key, "REFBERT_CUDA_VERSIONS")
     return out
 
 
@@ -144,19 +146,35 @@ def _check_op(op, what):
         raise ValueError(f"{what}: expected an op among {', '.join(OPS)}, got {op!r}")
 
 
+def _check_dtype(dtype, what):
+    """The name of a storage dtype (a pin for another dtype would never apply: a pin that silently does nothing)."""
+    names = [np.dtype(t).name for t in C.STORAGE]
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:                                  # ("bfloat16" where NumPy alone does not know the name)
+        name = dtype if isinstance(dtype, str) else repr(dtype)
+    if name not in names:
+        raise ValueError(f"{what}: expected a dtype among {', '.join(names)}, got {dtype!r}")
+    return name
+
+
+def _check_version(op, version, what):
+    v = str(version).strip().lstrip("v")
+    if v not in {x.key for x in versions()[op]}:
+        raise ValueError(f"{what}: {op} has no version {version!r} here "
+                         f"(has {', '.join(x.key for x in versions()[op])})")
+    return v
+
+
 def pin(op, version, dtype=None):
     """Run `version` ("C2", "3", 2, ...) of `op` (for `dtype` only, or every dtype) from the next call on, without
     validating it at first use; version=None removes the pin."""
     _check_op(op, "pin")
-    key = (op, None if dtype is None else np.dtype(dtype).name)
+    key = (op, None if dtype is None else _check_dtype(dtype, "pin"))
     if version is None:
         PINS.pop(key, None)
     else:
-        v = str(version).lstrip("v")
-        if v not in {x.key for x in versions()[op]}:
-            raise ValueError(f"pin: {op} has no version {version!r} here "
-                             f"(has {', '.join(x.key for x in versions()[op])})")
-        PINS[key] = v
+        PINS[key] = _check_version(op, version, "pin")
     for k in [k for k in CHOSEN if k[0] == op]:
         del CHOSEN[k]
 
@@ -285,8 +303,8 @@ def _build():
              ("embedding", "C1", mods["embedding"].embedding_forward_v2 if mods.get("embedding") else None,
               K.embedding_backward_c1, f32, "sorted segment sum, runs of 32 (embedding.cu): deterministic")]
         for op, key, fwd, bwd, dts, note in c:
-            if fwd is None:
-                continue
+            if fwd is None or (op in MODULE and mods.get(MODULE[op]) is None):
+                continue                               # (its launchers hand calls to that module's kernels)
             var = {"C1": ("hs32", "hs64", "hs128"), "C2": ("hs64",), "C3": ("hs64",), "C4": ("hs64",),
                    "C5": ("hs64",), "C6": ("hs64",)}.get(key) \
                 if op == "attention" else None
@@ -381,6 +399,7 @@ def write_order(path, device, timings, by=ORDER_BY):
         orders.setdefault(op, {})[dt] = [k for k, _ in ranked]
         ms.setdefault(op, {})[dt] = {k: round(sec * 1e3, 6) for k, sec in ranked}
     tmp = f"{path}.tmp"
+    _ORDER_CACHE.pop(path, None)                       # (read again at the next choice)
     with open(tmp, "w") as f:
         json.dump({"device": device, "by": by, "orders": orders, "ms": ms}, f, indent=1)
         f.write("\n")
