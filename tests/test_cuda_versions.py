@@ -330,7 +330,8 @@ from refbert_kernels.cuda import backend as B, versions as VV
 q = B.to_device(np.random.default_rng(0).standard_normal((1, 5, 128)).astype(np.float32))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    B.attention_forward(q, q, q, 2)                            # float32, head size 64: no C2 kernel for it
+    out, cache = B.attention_forward(q, q, q, 2)               # float32, head size 64: no C2 kernel for it
+    B.attention_backward(out, cache)
 print("RAN", sorted(VV.RAN))
 print("WARN", [str(w.message) for w in caught])
 print("PROBLEMS", VV.problems())
@@ -344,5 +345,6 @@ def test_emu_a_pinned_version_without_kernels_for_the_call_says_so_in_the_forwar
     out = cudachild.check(_run(_PINNED_C2))
     assert "RAN [('attention', 'float32', 'C2')]" in out, out
     assert "attention C2 forward took C1's kernel" in out, out
+    assert "attention C2 backward took the scalar backward" in out, out
     problems = next(x for x in out.splitlines() if x.startswith("PROBLEMS "))
     assert "'attention'" in problems and "C2 forward took" in problems and "head size 64" in problems, problems

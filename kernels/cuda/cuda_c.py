@@ -324,6 +324,15 @@ def _fallback(op, version, why, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _tc_fell_back(op, why, ran):
+    """A pinned tensor-core attention version (C2, C5) called with what its kernels cannot take (float16, hs 64,
+    16-byte rows): `ran`, a scalar kernel, runs instead, recorded, counted and warned (a slow path is never silent).
+    op: "C2 forward", "C5 backward", ..."""
+    FELL_BACK[("attention", op)] = why
+    FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
+    warnings.warn(f"refbert cuda: attention {op} took {ran} ({why})", RuntimeWarning, stacklevel=4)
+
+
 def _why(*arrays):
     a = next((a for a in arrays if a is not None), None)
     if a is None:
@@ -392,11 +401,8 @@ def _attention_forward(q, k, v, n_heads, mask, dropout_p, rng, train, tc_version
     linv = xp.empty((B, H, T), np.float32)
     tc = dt == "f16" and hs == 64
     if not tc and tc_version in (3, 5):                           # C2's or C5's forward (a pin): C1's kernel runs
-        op = f"C{2 if tc_version == 3 else 5} forward"
-        FELL_BACK[("attention", op)] = f"dtype {q.dtype}, head size {hs} (tensor cores: float16, hs 64): C1's ran"
-        FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
-        warnings.warn(f"refbert cuda: attention {op} took C1's kernel ({FELL_BACK[('attention', op)]})",
-                      RuntimeWarning, stacklevel=3)
+        _tc_fell_back(f"C{2 if tc_version == 3 else 5} forward",
+                      f"dtype {q.dtype}, head size {hs} (tensor cores: float16, hs 64): C1's ran", "C1's kernel")
     if tc and not _aligned(q, k, v):                              # cp.async moves 16-byte rows
         tc = False
         FELL_BACK[("attention", "C1 tensor cores")] = "q, k or v not 16-byte aligned: the scalar kernel ran"
@@ -460,12 +466,9 @@ def _attention_backward(dout, cache, version):
     grid = ((T + 63) // 64, B * H)
     assert version in (1, 3, 5), version                      # (version 4: timed by the .cu's main alone)
     if version in (3, 5) and not (dt == "f16" and hs == 64 and _aligned(q, k, v, dout, dq, dk, dv)):
-        op = "C2 backward" if version == 3 else "C5 backward"
-        FELL_BACK[("attention", op)] = (f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned "
-                                        f"(tensor cores: float16, hs 64): the scalar backward ran")
-        FELL_BACK_CALLS[("attention", op)] = FELL_BACK_CALLS.get(("attention", op), 0) + 1
-        warnings.warn(f"refbert cuda: attention {op.split()[0]} took the scalar backward "
-                      f"({FELL_BACK[('attention', op)]})", RuntimeWarning, stacklevel=3)
+        _tc_fell_back("C2 backward" if version == 3 else "C5 backward",
+                      f"dtype {q.dtype}, head size {hs} or rows not 16-byte aligned (tensor cores: float16, hs 64): "
+                      f"the scalar backward ran", "the scalar backward")
         version = 1
     if version == 5:
         version = int(C.variant("attention C5", "REFBERT_ATTN_BWD16", ATTN_BWD16, ATTN_BWD16S))
